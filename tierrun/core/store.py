@@ -1,0 +1,296 @@
+"""The store's state and semantics: what torch's libuv TCPStore server does, without I/O.
+
+Every topology (flat, tiered, stacked front-ends) executes its operations here, so
+this is the one place where store semantics live. Single-threaded and deterministic.
+
+Answers are the wire-format reply bytes; deferred answers (WAIT, BARRIER) are handed
+to the requester's :class:`Waiter` when they become ready.
+"""
+
+from __future__ import annotations
+
+import re
+from collections import deque
+from collections.abc import Callable
+from typing import Protocol
+
+from ..protocol import Op, Request
+from ..protocol.opcodes import (
+    CHECK_NOT_READY,
+    CHECK_READY,
+    STOP_WAITING,
+    WAIT_CANCELED,
+)
+from ..protocol.replies import (
+    encode_bytes,
+    encode_i64,
+    encode_key_list,
+    encode_many,
+    encode_queue_pop,
+    encode_u32,
+)
+
+
+class Waiter(Protocol):
+    """Whoever issued a request: receives deferred answers. Must be hashable."""
+
+    def wake(self, reply: bytes) -> None:
+        """Deliver a deferred reply (STOP_WAITING). Must not call back into the core."""
+
+
+class StoreError(Exception):
+    """A request the store cannot execute (e.g. ADD on a non-number).
+
+    As in torch's server, the requester's connection is closed; the store is unchanged.
+    """
+
+
+# std::stoll: optional leading whitespace, a sign, then at least one digit; the rest
+# is ignored.
+_LEADING_INT = re.compile(rb"[ \t\n\v\f\r]*([+-]?[0-9]+)")
+_I64_MIN, _I64_MAX = -(1 << 63), (1 << 63) - 1
+
+
+def parse_counter(value: bytes, key: bytes) -> int:
+    """Read a counter the way torch's server does (``std::stoll``)."""
+    m = _LEADING_INT.match(value)
+    if m is None:
+        raise StoreError(f"key {key!r} holds {value[:32]!r}, which is not a number")
+    n = int(m.group(1))
+    if not _I64_MIN <= n <= _I64_MAX:
+        raise StoreError(f"key {key!r} holds a number outside int64")
+    return n
+
+
+def _wrap_i64(n: int) -> int:
+    """Two's-complement wrap, as an int64 addition does on every platform we run on."""
+    return (n + (1 << 63)) % (1 << 64) - (1 << 63)
+
+
+class StoreCore:
+    """Keys, counters, queues and waiters.
+
+    ``execute(request, waiter)`` runs one request and returns its reply bytes, or
+    ``None`` when there is no reply (SET, APPEND, …) or the reply is deferred (a WAIT
+    on missing keys, a BARRIER not yet full); a deferred reply arrives through
+    ``waiter.wake``. Raises :class:`StoreError` for a request that must fail.
+    Never blocks. Cost: O(size of the request) plus O(waiters woken).
+    """
+
+    def __init__(self) -> None:
+        self._data: dict[bytes, bytes] = {}
+        self._queues: dict[bytes, deque[bytes]] = {}
+        # key -> waiters blocked on it, in arrival order (a dict as an ordered set)
+        self._waiting: dict[bytes, dict[Waiter, None]] = {}
+        # waiter -> [number of keys still missing, the keys it registered on]
+        self._pending: dict[Waiter, list] = {}
+        self.operations = 0
+        self._handlers: dict[int, Callable[[Request, Waiter], bytes | None]] = {
+            Op.SET: self._set,
+            Op.COMPARE_SET: self._compare_set,
+            Op.GET: self._get,
+            Op.ADD: self._add,
+            Op.CHECK: self._check,
+            Op.WAIT: self._wait,
+            Op.GETNUMKEYS: self._num_keys,
+            Op.DELETE_KEY: self._delete_key,
+            Op.APPEND: self._append,
+            Op.MULTI_GET: self._multi_get,
+            Op.MULTI_SET: self._multi_set,
+            Op.CANCEL_WAIT: self._cancel_wait,
+            Op.PING: self._ping,
+            Op.QUEUE_PUSH: self._queue_push,
+            Op.QUEUE_POP: self._queue_pop,
+            Op.QUEUE_LEN: self._queue_len,
+            Op.LIST_KEYS: self._list_keys,
+            Op.BARRIER: self._barrier,
+        }
+
+    # -- public interface -------------------------------------------------------------
+
+    def execute(self, req: Request, waiter: Waiter) -> bytes | None:
+        self.operations += 1
+        return self._handlers[req[0]](req, waiter)
+
+    def forget(self, waiter: Waiter) -> None:
+        """Drop the waiter's pending waits (its connection closed). Its keys stay."""
+        entry = self._pending.pop(waiter, None)
+        if entry is None:
+            return
+        for key in entry[1]:
+            waiters = self._waiting.get(key)
+            if waiters is not None:
+                waiters.pop(waiter, None)
+                if not waiters:
+                    del self._waiting[key]
+
+    @property
+    def num_keys(self) -> int:
+        return len(self._data)
+
+    @property
+    def num_waiters(self) -> int:
+        return len(self._pending)
+
+    def snapshot(self) -> dict[bytes, bytes]:
+        """A copy of the key/value map (for tests and diagnostics)."""
+        return dict(self._data)
+
+    # -- waiters ----------------------------------------------------------------------
+
+    def _present(self, key: bytes) -> bool:
+        if key in self._data:
+            return True
+        queue = self._queues.get(key)
+        return bool(queue)
+
+    def _block(self, waiter: Waiter, keys: list[bytes]) -> None:
+        for key in keys:
+            self._waiting.setdefault(key, {})[waiter] = None
+        self._pending[waiter] = [len(keys), keys]
+
+    def _wake_all(self, key: bytes) -> None:
+        waiters = self._waiting.pop(key, None)
+        if waiters is None:
+            return
+        pending = self._pending
+        for waiter in waiters:
+            entry = pending[waiter]
+            entry[0] -= 1
+            if entry[0] == 0:
+                del pending[waiter]
+                waiter.wake(STOP_WAITING)
+
+    def _wake_one(self, key: bytes) -> None:
+        """A queue push: release waiters in order until one has nothing left to wait for."""
+        waiters = self._waiting.get(key)
+        while waiters:
+            waiter = next(iter(waiters))
+            del waiters[waiter]
+            entry = self._pending[waiter]
+            entry[0] -= 1
+            if entry[0] == 0:
+                del self._pending[waiter]
+                waiter.wake(STOP_WAITING)
+                break
+        if waiters is not None and not waiters:
+            del self._waiting[key]
+
+    # -- operations -------------------------------------------------------------------
+
+    def _set(self, req: Request, waiter: Waiter) -> None:
+        key = req[1]
+        self._data[key] = req[2]
+        if key in self._waiting:
+            self._wake_all(key)
+        return None
+
+    def _compare_set(self, req: Request, waiter: Waiter) -> bytes:
+        _, key, expected, desired = req
+        current = self._data.get(key)
+        if current is None:
+            if expected:
+                result = expected
+            else:
+                self._data[key] = desired
+                result = desired
+        else:
+            if current == expected:
+                self._data[key] = current = desired
+            result = current
+        # torch wakes waiters even when nothing changed.
+        self._wake_all(key)
+        return encode_bytes(result)
+
+    def _get(self, req: Request, waiter: Waiter) -> bytes:
+        return encode_bytes(self._data.get(req[1], b""))
+
+    def _add(self, req: Request, waiter: Waiter) -> bytes:
+        _, key, delta = req
+        current = self._data.get(key)
+        value = delta if current is None else _wrap_i64(parse_counter(current, key) + delta)
+        self._data[key] = str(value).encode()
+        if key in self._waiting:
+            self._wake_all(key)
+        return encode_i64(value)
+
+    def _check(self, req: Request, waiter: Waiter) -> bytes:
+        present = self._present
+        return CHECK_READY if all(present(k) for k in req[1]) else CHECK_NOT_READY
+
+    def _wait(self, req: Request, waiter: Waiter) -> bytes | None:
+        present = self._present
+        missing = [k for k in dict.fromkeys(req[1]) if not present(k)]
+        if not missing:
+            return STOP_WAITING
+        self.forget(waiter)  # a connection has at most one wait outstanding
+        self._block(waiter, missing)
+        return None
+
+    def _num_keys(self, req: Request, waiter: Waiter) -> bytes:
+        return encode_i64(len(self._data))
+
+    def _delete_key(self, req: Request, waiter: Waiter) -> bytes:
+        # Deleting wakes nobody, as in torch.
+        return encode_i64(0 if self._data.pop(req[1], None) is None else 1)
+
+    def _append(self, req: Request, waiter: Waiter) -> None:
+        key = req[1]
+        current = self._data.get(key)
+        self._data[key] = req[2] if current is None else current + req[2]
+        if key in self._waiting:
+            self._wake_all(key)
+        return None
+
+    def _multi_get(self, req: Request, waiter: Waiter) -> bytes:
+        get = self._data.get
+        return encode_many([get(k, b"") for k in req[1]])
+
+    def _multi_set(self, req: Request, waiter: Waiter) -> None:
+        data = self._data
+        waiting = self._waiting
+        for key, value in zip(req[1], req[2]):
+            data[key] = value
+            if key in waiting:
+                self._wake_all(key)
+        return None
+
+    def _cancel_wait(self, req: Request, waiter: Waiter) -> bytes:
+        self.forget(waiter)
+        return WAIT_CANCELED
+
+    def _ping(self, req: Request, waiter: Waiter) -> bytes:
+        return encode_u32(req[1])
+
+    def _queue_push(self, req: Request, waiter: Waiter) -> None:
+        key = req[1]
+        self._queues.setdefault(key, deque()).append(req[2])
+        if key in self._waiting:
+            self._wake_one(key)
+        return None
+
+    def _queue_pop(self, req: Request, waiter: Waiter) -> bytes:
+        queue = self._queues.get(req[1])
+        if not queue:
+            return encode_queue_pop(0, None)
+        length = len(queue)
+        return encode_queue_pop(length, queue.popleft())
+
+    def _queue_len(self, req: Request, waiter: Waiter) -> bytes:
+        queue = self._queues.get(req[1])
+        return encode_i64(len(queue) if queue else 0)
+
+    def _list_keys(self, req: Request, waiter: Waiter) -> bytes:
+        return encode_key_list(self._data)
+
+    def _barrier(self, req: Request, waiter: Waiter) -> bytes | None:
+        _, key, world_size = req
+        current = self._data.get(key)
+        count = 1 if current is None else parse_counter(current, key) + 1
+        self._data[key] = str(count).encode()
+        if count >= world_size:
+            self._wake_all(key)
+            return STOP_WAITING
+        self.forget(waiter)
+        self._block(waiter, [key])
+        return None

@@ -1,0 +1,121 @@
+"""One torch client connection on a front-end: bytes in, requests to the upstream.
+
+This is the store's request path, the hottest code in tierrun: one ``feed`` of the
+parser per read, one upstream call per request, one ``write`` per read.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import socket
+import struct
+from typing import TYPE_CHECKING
+
+from ..core import StoreError
+from ..protocol import Op, ProtocolError, RequestParser
+from ..protocol.replies import encode_u32
+
+if TYPE_CHECKING:
+    from .frontend import FrontEnd
+
+log = logging.getLogger("tierrun.store")
+
+_PING = Op.PING
+
+
+class ClientConnection(asyncio.Protocol):
+    """Speaks the torch protocol with one client; answers PING itself.
+
+    Closing rules: invalid input or a failed request closes this connection with one
+    log line naming the peer and the reason; nothing else is affected. When the
+    client stops reading its replies, we stop reading its requests (flow control), so
+    a slow client holds no more than its own buffers.
+    """
+
+    __slots__ = ("_frontend", "_upstream", "_parser", "_transport", "peer", "closed")
+
+    def __init__(self, frontend: FrontEnd) -> None:
+        self._frontend = frontend
+        self._upstream = frontend.upstream
+        self._parser = RequestParser(frontend.limits)
+        self._transport: asyncio.Transport | None = None
+        self.peer = "?"
+        self.closed = False
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        self._transport = transport  # type: ignore[assignment]
+        sock = transport.get_extra_info("socket")
+        peer = transport.get_extra_info("peername")
+        if sock is not None and sock.family in (socket.AF_INET, socket.AF_INET6):
+            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            self.peer = f"{peer[0]}:{peer[1]}"
+        elif sock is not None and sock.family == socket.AF_UNIX:
+            pid = struct.unpack("3i", sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, 12))[0]
+            self.peer = f"unix pid {pid}"
+        if not self._frontend.admit(self):
+            self.closed = True
+            transport.abort()
+
+    def data_received(self, data: bytes) -> None:
+        try:
+            requests = self._parser.feed(data)
+        except ProtocolError as e:
+            self.drop(f"invalid request: {e}")
+            return
+        if not requests:
+            return
+        execute = self._upstream.execute
+        out = []
+        try:
+            for req in requests:
+                if req[0] == _PING:
+                    out.append(encode_u32(req[1]))
+                    continue
+                reply = execute(req, self)
+                if reply is not None:
+                    out.append(reply)
+        except StoreError as e:
+            self._write(out)
+            self.drop(f"{Op(req[0]).name} failed: {e}")
+            return
+        if out:
+            self._write(out)
+
+    def _write(self, out: list[bytes]) -> None:
+        if out and not self.closed:
+            assert self._transport is not None
+            self._transport.write(out[0] if len(out) == 1 else b"".join(out))
+
+    def wake(self, reply: bytes) -> None:
+        if not self.closed:
+            assert self._transport is not None
+            self._transport.write(reply)
+
+    def drop(self, reason: str) -> None:
+        """Close this connection because of something the client did; log one line."""
+        if self.closed:
+            return
+        log.warning("closing connection from %s: %s", self.peer, reason)
+        self.closed = True
+        assert self._transport is not None
+        self._transport.close()
+
+    def pause_writing(self) -> None:
+        assert self._transport is not None
+        self._transport.pause_reading()
+
+    def resume_writing(self) -> None:
+        assert self._transport is not None
+        if not self.closed:
+            self._transport.resume_reading()
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self.closed = True
+        self._upstream.forget(self)
+        self._frontend.release(self)
+
+    def close(self) -> None:
+        self.closed = True
+        if self._transport is not None:
+            self._transport.close()

@@ -1,0 +1,83 @@
+"""A front-end: the listeners and client connections in front of one upstream."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import socket
+from dataclasses import dataclass, field
+from typing import Protocol
+
+from ..core import Waiter
+from ..protocol import Limits, Request
+from .connection import ClientConnection
+
+log = logging.getLogger("tierrun.store")
+
+
+class Upstream(Protocol):
+    """Where a front-end sends requests: the core itself (flat) or a link (tiered)."""
+
+    def execute(self, req: Request, waiter: Waiter) -> bytes | None:
+        """Reply now, or return None and deliver a reply later through ``waiter.wake``.
+
+        Raises ``StoreError`` for a request that must fail.
+        """
+
+    def forget(self, waiter: Waiter) -> None:
+        """The waiter's connection closed: drop whatever it was waiting for."""
+
+
+@dataclass
+class FrontEndConfig:
+    limits: Limits = field(default_factory=Limits)
+    #: Connections beyond this are closed as soon as they are accepted.
+    max_connections: int = 65536
+
+
+class FrontEnd:
+    """Accepts torch clients on any number of listening sockets."""
+
+    def __init__(self, upstream: Upstream, config: FrontEndConfig | None = None) -> None:
+        self.upstream = upstream
+        self.config = config or FrontEndConfig()
+        self.limits = self.config.limits
+        self.connections: set[ClientConnection] = set()
+        self.accepted = 0
+        self.refused = 0
+        self._servers: list[asyncio.AbstractServer] = []
+
+    def admit(self, conn: ClientConnection) -> bool:
+        if len(self.connections) >= self.config.max_connections:
+            self.refused += 1
+            log.warning(
+                "refusing connection from %s: %d connections open (the limit)",
+                conn.peer,
+                len(self.connections),
+            )
+            return False
+        self.accepted += 1
+        self.connections.add(conn)
+        return True
+
+    def release(self, conn: ClientConnection) -> None:
+        self.connections.discard(conn)
+
+    async def listen(self, sock: socket.socket) -> None:
+        """Serve clients on an already bound and listening socket."""
+        loop = asyncio.get_running_loop()
+        factory = lambda: ClientConnection(self)  # noqa: E731
+        if sock.family == socket.AF_UNIX:
+            server = await loop.create_unix_server(factory, sock=sock)
+        else:
+            server = await loop.create_server(factory, sock=sock)
+        self._servers.append(server)
+
+    async def close(self) -> None:
+        for server in self._servers:
+            server.close()
+        for conn in list(self.connections):
+            conn.close()
+        for server in self._servers:
+            await server.wait_closed()
+        self._servers.clear()

@@ -1,0 +1,266 @@
+"""Sans-I/O parser of the torch TCPStore request stream: bytes in, requests out.
+
+A request is a tuple ``(op, *args)`` with ``op`` in the torch 2.2+ numbering
+(:class:`~tierrun.protocol.opcodes.Op`); keys and values are ``bytes``::
+
+    (Op.SET, key, value)            (Op.COMPARE_SET, key, expected, desired)
+    (Op.GET, key)                   (Op.ADD, key, delta)
+    (Op.CHECK, keys)                (Op.WAIT, keys)            keys: tuple[bytes, ...]
+    (Op.GETNUMKEYS,)                (Op.DELETE_KEY, key)
+    (Op.APPEND, key, value)         (Op.MULTI_GET, keys)
+    (Op.MULTI_SET, keys, values)    (Op.CANCEL_WAIT,)
+    (Op.PING, nonce)                (Op.QUEUE_PUSH, key, value)
+    (Op.QUEUE_POP, key)             (Op.QUEUE_LEN, key)
+    (Op.LIST_KEYS,)                 (Op.BARRIER, key, world_size)
+
+VALIDATE is checked here and produces no request. The numbering (2.1 or 2.2+) is
+decided from the first bytes of the connection: a 2.2+ client always opens with
+``00 ce f7 85 3c``.
+
+Cost: every byte is examined once (a request split across reads resumes where it
+stopped), so parsing is O(bytes read). Nothing is allocated from a length the client
+claims before that many bytes have arrived, and every length is checked against
+:class:`Limits` as soon as it is read, to avoid memory exhaustion by a hostile peer.
+"""
+
+from __future__ import annotations
+
+import struct
+
+from .limits import Limits
+from .opcodes import TORCH21_MAX_OPCODE, VALIDATION_MAGIC, Op
+
+Request = tuple
+
+
+class ProtocolError(Exception):
+    """The peer sent something no torch client sends; the connection must be closed."""
+
+
+# Field kinds of a request's plan.
+_KEY, _VALUE, _U32, _I64, _KEYS, _PAIRS = range(6)
+
+_PLANS: dict[int, tuple[int, ...]] = {
+    Op.VALIDATE: (_U32,),
+    Op.SET: (_KEY, _VALUE),
+    Op.COMPARE_SET: (_KEY, _VALUE, _VALUE),
+    Op.GET: (_KEY,),
+    Op.ADD: (_KEY, _I64),
+    Op.CHECK: (_KEYS,),
+    Op.WAIT: (_KEYS,),
+    Op.GETNUMKEYS: (),
+    Op.DELETE_KEY: (_KEY,),
+    Op.APPEND: (_KEY, _VALUE),
+    Op.MULTI_GET: (_KEYS,),
+    Op.MULTI_SET: (_PAIRS,),
+    Op.CANCEL_WAIT: (),
+    Op.PING: (_U32,),
+    Op.QUEUE_PUSH: (_KEY, _VALUE),
+    Op.QUEUE_POP: (_KEY,),
+    Op.QUEUE_LEN: (_KEY,),
+    Op.LIST_KEYS: (),
+    Op.BARRIER: (_KEY, _I64),
+}
+
+_u32 = struct.Struct("<I").unpack_from
+_u64 = struct.Struct("<Q").unpack_from
+_i64 = struct.Struct("<q").unpack_from
+_MAGIC_BYTES = b"\x00" + struct.pack("<I", VALIDATION_MAGIC)
+
+# Numbering of a connection, decided by its first bytes.
+_UNDECIDED, _TORCH22, _TORCH21 = range(3)
+
+
+class RequestParser:
+    """Turns the byte stream of one client connection into requests.
+
+    ``feed(data)`` returns every request completed by ``data`` and keeps the rest for
+    later. It raises :class:`ProtocolError` on anything invalid; the parser is then
+    unusable and the caller should close the connection.
+    """
+
+    __slots__ = (
+        "_limits", "_buf", "_numbering", "_op", "_plan", "_step", "_args",
+        "_items", "_remaining", "_request_bytes", "_pair_key",
+    )
+
+    def __init__(self, limits: Limits | None = None) -> None:
+        self._limits = limits or Limits()
+        self._buf = bytearray()
+        self._numbering = _UNDECIDED
+        self._op = -1  # opcode of the request being parsed, -1 between requests
+        self._plan: tuple[int, ...] = ()
+        self._step = 0  # index into _plan
+        self._args: list = []
+        self._items: list = []  # keys (or values) of a _KEYS/_PAIRS field so far
+        self._remaining = -1  # items still to read in a _KEYS/_PAIRS field; -1: count unread
+        self._request_bytes = 0  # bytes of the current request consumed so far
+        self._pair_key: bytes | None = None
+
+    @property
+    def is_legacy(self) -> bool:
+        """True once the connection is known to use torch 2.1's numbering."""
+        return self._numbering == _TORCH21
+
+    @property
+    def buffered(self) -> int:
+        """Bytes received but not yet consumed by a complete field."""
+        return len(self._buf)
+
+    def feed(self, data: bytes) -> list[Request]:
+        buf = self._buf
+        buf += data
+        if self._numbering == _UNDECIDED and not self._decide_numbering():
+            return []
+        out: list[Request] = []
+        pos = 0
+        end = len(buf)
+        limits = self._limits
+        while True:
+            start = pos
+            if self._op < 0:
+                if pos >= end:
+                    break
+                op = buf[pos]
+                if self._numbering == _TORCH21:
+                    if op > TORCH21_MAX_OPCODE:
+                        raise ProtocolError(f"unknown opcode {op} (torch 2.1 numbering)")
+                    op += 1
+                elif op > Op.BARRIER:
+                    raise ProtocolError(f"unknown opcode {op}")
+                pos += 1
+                self._op = op
+                self._plan = _PLANS[op]
+                self._step = 0
+                self._args = [Op(op)]
+                self._request_bytes = 1
+            plan = self._plan
+            args = self._args
+            complete = True
+            while self._step < len(plan):
+                kind = plan[self._step]
+                if kind == _KEY or kind == _VALUE:
+                    if end - pos < 8:
+                        complete = False
+                        break
+                    (n,) = _u64(buf, pos)
+                    limit = limits.max_key_bytes if kind == _KEY else limits.max_value_bytes
+                    if n > limit:
+                        what = "key" if kind == _KEY else "value"
+                        raise ProtocolError(f"{what} of {n} bytes exceeds the limit of {limit}")
+                    if end - pos - 8 < n:
+                        complete = False
+                        break
+                    args.append(bytes(buf[pos + 8 : pos + 8 + n]))
+                    pos += 8 + n
+                elif kind == _U32:
+                    if end - pos < 4:
+                        complete = False
+                        break
+                    args.append(_u32(buf, pos)[0])
+                    pos += 4
+                elif kind == _I64:
+                    if end - pos < 8:
+                        complete = False
+                        break
+                    args.append(_i64(buf, pos)[0])
+                    pos += 8
+                else:
+                    pos, complete = self._parse_items(kind, pos, end)
+                    if not complete:
+                        break
+                self._step += 1
+            self._request_bytes += pos - start
+            if self._request_bytes > limits.max_request_bytes:
+                raise ProtocolError(
+                    f"request exceeds {limits.max_request_bytes} bytes"
+                )
+            if not complete:
+                break
+            self._op = -1
+            if args[0] == Op.VALIDATE:
+                if args[1] != VALIDATION_MAGIC:
+                    raise ProtocolError(f"wrong VALIDATE magic {args[1]:#x}")
+                continue
+            out.append(tuple(args))
+        if pos:
+            del buf[:pos]
+        return out
+
+    def _parse_items(self, kind: int, pos: int, end: int) -> tuple[int, bool]:
+        """Parse a counted list of keys (_KEYS) or key/value pairs (_PAIRS).
+
+        Resumable: the items parsed so far are kept in ``self._items``.
+        """
+        buf = self._buf
+        limits = self._limits
+        if self._remaining < 0:
+            if end - pos < 8:
+                return pos, False
+            (count,) = _u64(buf, pos)
+            if count > limits.max_keys_per_request:
+                raise ProtocolError(
+                    f"{count} keys in one request exceed the limit of "
+                    f"{limits.max_keys_per_request}"
+                )
+            pos += 8
+            self._remaining = count
+            self._items = []
+            self._pair_key = None
+        items = self._items
+        max_key = limits.max_key_bytes
+        max_value = limits.max_value_bytes
+        while self._remaining:
+            expect_value = kind == _PAIRS and self._pair_key is not None
+            if end - pos < 8:
+                return pos, False
+            (n,) = _u64(buf, pos)
+            limit = max_value if expect_value else max_key
+            if n > limit:
+                what = "value" if expect_value else "key"
+                raise ProtocolError(f"{what} of {n} bytes exceeds the limit of {limit}")
+            if end - pos - 8 < n:
+                return pos, False
+            item = bytes(buf[pos + 8 : pos + 8 + n])
+            pos += 8 + n
+            if kind == _KEYS:
+                items.append(item)
+                self._remaining -= 1
+            elif expect_value:
+                items.append((self._pair_key, item))
+                self._pair_key = None
+                self._remaining -= 1
+            else:
+                self._pair_key = item
+        if kind == _KEYS:
+            self._args.append(tuple(items))
+        else:
+            self._args.append(tuple(k for k, _ in items))
+            self._args.append(tuple(v for _, v in items))
+        self._items = []
+        self._remaining = -1
+        return pos, True
+
+    def _decide_numbering(self) -> bool:
+        """Tell torch >= 2.2 (opens with VALIDATE) from torch 2.1 (no VALIDATE)."""
+        buf = self._buf
+        if not buf:
+            return False
+        if buf[0] != 0:
+            self._numbering = _TORCH21
+            return True
+        if len(buf) < len(_MAGIC_BYTES):
+            return False
+        if buf[: len(_MAGIC_BYTES)] == _MAGIC_BYTES:
+            self._numbering = _TORCH22
+            return True
+        # Opcode 0 without the magic: a 2.1 SET, unless the key length is absurd, in
+        # which case it is most likely a VALIDATE with a wrong magic.
+        if len(buf) >= 9 and _u64(buf, 1)[0] > self._limits.max_key_bytes:
+            raise ProtocolError(
+                f"wrong VALIDATE magic {_u32(buf, 1)[0]:#x} in the first request"
+            )
+        if len(buf) < 9:
+            return False
+        self._numbering = _TORCH21
+        return True

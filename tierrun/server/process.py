@@ -1,0 +1,114 @@
+"""Start a tierrun store in a child process, from Python.
+
+    with StoreProcess(port=0) as store:
+        client = torch.distributed.TCPStore("127.0.0.1", store.port, is_master=False)
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+import sys
+import threading
+from collections.abc import Sequence
+
+_LISTENING = re.compile(r"listening on tcp \[?([^\]]*?)\]?:(\d+)$")
+
+
+class StoreStartError(RuntimeError):
+    pass
+
+
+class StoreProcess:
+    """A ``tierrun store`` child process.
+
+    ``start()`` blocks until the store accepts connections (or raises
+    :class:`StoreStartError` with the child's output); ``port`` is then the bound port,
+    also when 0 was asked for. ``stop()`` sends SIGTERM and waits.
+    """
+
+    def __init__(
+        self,
+        host: str | None = None,
+        port: int = 0,
+        unix: str | None = None,
+        extra_args: Sequence[str] = (),
+        start_timeout: float = 30.0,
+        env: dict[str, str] | None = None,
+    ) -> None:
+        self.host = host
+        self.requested_port = port
+        self.unix = unix
+        self.extra_args = list(extra_args)
+        self.start_timeout = start_timeout
+        self.env = env
+        self.port: int | None = None
+        self.proc: subprocess.Popen[str] | None = None
+        self._output: list[str] = []
+
+    @property
+    def pid(self) -> int:
+        assert self.proc is not None
+        return self.proc.pid
+
+    def command(self) -> list[str]:
+        cmd = [sys.executable, "-m", "tierrun", "store", "--port", str(self.requested_port)]
+        if self.host:
+            cmd += ["--host", self.host]
+        if self.unix:
+            cmd += ["--unix", self.unix]
+        return cmd + self.extra_args
+
+    def start(self) -> int:
+        env = dict(os.environ if self.env is None else self.env)
+        env["PYTHONUNBUFFERED"] = "1"
+        self.proc = subprocess.Popen(
+            self.command(),
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+            env=env,
+        )
+        ready = threading.Event()
+        threading.Thread(target=self._pump, args=(ready,), daemon=True).start()
+        if not ready.wait(self.start_timeout) or self.port is None:
+            self.stop()
+            raise StoreStartError(
+                "tierrun store did not start:\n" + "".join(self._output[-20:])
+            )
+        return self.port
+
+    def _pump(self, ready: threading.Event) -> None:
+        assert self.proc is not None and self.proc.stdout is not None
+        for line in self.proc.stdout:
+            self._output.append(line)
+            del self._output[:-200]
+            m = _LISTENING.search(line.rstrip())
+            if m and self.port is None:
+                self.port = int(m.group(2))
+                ready.set()
+        ready.set()
+
+    @property
+    def output(self) -> str:
+        return "".join(self._output)
+
+    def stop(self, timeout: float = 10.0) -> int | None:
+        if self.proc is None:
+            return None
+        if self.proc.poll() is None:
+            self.proc.terminate()
+            try:
+                self.proc.wait(timeout)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+        return self.proc.returncode
+
+    def __enter__(self) -> StoreProcess:
+        self.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
