@@ -1,0 +1,103 @@
+"""Bad input closes one connection with a logged reason; the server carries on."""
+
+import socket
+import struct
+import time
+
+import pytest
+
+from tierrun.client import StoreClient
+from tierrun.protocol import Op
+from tierrun.protocol.requests import encode_handshake, encode_request
+from tierrun.server import StoreProcess
+
+
+def closed_by_server(sock, timeout=5.0):
+    sock.settimeout(timeout)
+    try:
+        while True:
+            if not sock.recv(4096):
+                return True
+    except ConnectionResetError:
+        return True
+    except socket.timeout:
+        return False
+
+
+def wait_for_log(store, text, timeout=5.0):
+    deadline = time.monotonic() + timeout
+    while text not in store.output and time.monotonic() < deadline:
+        time.sleep(0.05)
+    return text in store.output
+
+
+@pytest.mark.parametrize(
+    "payload, reason",
+    [
+        (b"\x00" + struct.pack("<I", 0xBADBAD) + b"\x00" * 8, "VALIDATE magic"),
+        (encode_handshake(1) + b"\x63", "unknown opcode 99"),
+        (encode_handshake(1) + b"\x01" + struct.pack("<Q", 1 << 40), "key of"),
+        (encode_handshake(1) + encode_request((Op.GET, b"k"))[:1] + struct.pack("<Q", 9000), "key of 9000"),
+        (encode_handshake(1) + b"\x06" + struct.pack("<Q", 10**9), "keys in one request"),
+        (b"GET / HTTP/1.1\r\nHost: x\r\n\r\n", "invalid request"),
+    ],
+)
+def test_bad_input_closes_only_that_connection(store, payload, reason):
+    good = StoreClient(("127.0.0.1", store.port))
+    good.set(b"before", b"1")
+    bad = socket.create_connection(("127.0.0.1", store.port))
+    bad.sendall(payload)
+    assert closed_by_server(bad)
+    assert wait_for_log(store, reason)
+    line = [l for l in store.output.splitlines() if reason in l][0]
+    assert "127.0.0.1:" in line  # names the peer
+    assert good.get(b"before") == b"1"
+    assert good.add(b"after", 1) == 1
+
+
+def test_silent_scanner_and_idle_connections_do_not_block_others(store):
+    idle = [socket.create_connection(("127.0.0.1", store.port)) for _ in range(200)]
+    try:
+        with StoreClient(("127.0.0.1", store.port)) as c:
+            assert c.add(b"k", 1) == 1
+    finally:
+        for s in idle:
+            s.close()
+
+
+def test_connection_cap():
+    with StoreProcess(host="127.0.0.1", port=0, extra_args=["--max-connections", "3"]) as sp:
+        keep = [StoreClient(("127.0.0.1", sp.port)) for _ in range(3)]
+        extra = socket.create_connection(("127.0.0.1", sp.port))
+        assert closed_by_server(extra)
+        assert wait_for_log(sp, "connections open (the limit)")
+        keep[0].close()
+        time.sleep(0.2)
+        with StoreClient(("127.0.0.1", sp.port)) as c:
+            assert c.add(b"k", 1) == 1
+
+
+def test_client_that_never_reads_replies_is_throttled_not_buffered(store):
+    hog = socket.create_connection(("127.0.0.1", store.port))
+    hog.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+    with StoreClient(("127.0.0.1", store.port)) as c:
+        c.set(b"big", b"x" * 1_000_000)
+    request = encode_request((Op.GET, b"big"))
+    hog.sendall(encode_handshake(1))
+    hog.setblocking(False)
+    sent = 0
+    for _ in range(2000):  # asks for 2 GB of replies and never reads them
+        try:
+            sent += hog.send(request)
+        except BlockingIOError:
+            break
+    time.sleep(0.5)
+    with StoreClient(("127.0.0.1", store.port)) as c:
+        assert c.add(b"alive", 1) == 1
+    rss_kb = int(open(f"/proc/{store.pid}/status").read().split("VmRSS:")[1].split()[0])
+    assert rss_kb < 400_000, f"store holds {rss_kb} kB for one slow client"
+    hog.close()
+
+
+def test_sigterm_stops_cleanly(store):
+    assert store.stop() == 0

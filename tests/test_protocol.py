@@ -1,0 +1,142 @@
+"""The sans-I/O parser, byte by byte, without a network."""
+
+import struct
+
+import pytest
+
+from tierrun.protocol import Limits, Op, ProtocolError, RequestParser
+from tierrun.protocol.opcodes import VALIDATION_MAGIC
+from tierrun.protocol.requests import encode_handshake, encode_request
+
+EVERY_REQUEST = [
+    (Op.SET, b"/k", b"value"),
+    (Op.COMPARE_SET, b"/k", b"", b"new"),
+    (Op.GET, b"/k"),
+    (Op.ADD, b"/n", -3),
+    (Op.CHECK, (b"/a", b"/b")),
+    (Op.WAIT, (b"/a",)),
+    (Op.GETNUMKEYS,),
+    (Op.DELETE_KEY, b"/k"),
+    (Op.APPEND, b"/k", b"more"),
+    (Op.MULTI_GET, (b"/a", b"/b", b"/c")),
+    (Op.MULTI_SET, (b"/a", b"/b"), (b"1", b"2")),
+    (Op.CANCEL_WAIT,),
+    (Op.PING, 0xDEADBEEF),
+    (Op.QUEUE_PUSH, b"/q", b"item"),
+    (Op.QUEUE_POP, b"/q"),
+    (Op.QUEUE_LEN, b"/q"),
+    (Op.LIST_KEYS,),
+    (Op.BARRIER, b"/bar", 8),
+    (Op.CHECK, ()),
+    (Op.SET, b"", b""),
+]
+STREAM = encode_handshake(7) + b"".join(encode_request(r) for r in EVERY_REQUEST)
+EXPECTED = [(Op.PING, 7)] + EVERY_REQUEST
+
+
+def test_every_opcode_in_one_read():
+    assert RequestParser().feed(STREAM) == EXPECTED
+
+
+def test_byte_by_byte_gives_the_same_requests():
+    p = RequestParser()
+    out = []
+    for i in range(len(STREAM)):
+        out += p.feed(STREAM[i : i + 1])
+    assert out == EXPECTED
+    assert p.buffered == 0
+
+
+@pytest.mark.parametrize("cut", [1, 3, 5, 9, 17, 40, 100])
+def test_any_split_point(cut):
+    p = RequestParser()
+    assert p.feed(STREAM[:cut]) + p.feed(STREAM[cut:]) == EXPECTED
+
+
+def test_validate_produces_no_request_and_opcode_names_are_normalised():
+    reqs = RequestParser().feed(encode_handshake(1))
+    assert reqs == [(Op.PING, 1)]
+    assert isinstance(reqs[0][0], Op)
+
+
+def test_torch21_numbering_is_detected_and_translated():
+    legacy = [r for r in EVERY_REQUEST if r[0] <= Op.CANCEL_WAIT]
+    data = b"".join(encode_request(r, legacy=True) for r in legacy)
+    # byte level: torch 2.1's SET is opcode 0, GET is 2
+    assert encode_request((Op.SET, b"k", b"v"), legacy=True)[0] == 0
+    assert encode_request((Op.GET, b"k"), legacy=True)[0] == 2
+    p = RequestParser()
+    out = []
+    for i in range(len(data)):
+        out += p.feed(data[i : i + 1])
+    assert out == legacy
+    assert p.is_legacy
+
+
+def test_torch21_connection_rejects_opcodes_that_did_not_exist():
+    p = RequestParser()
+    p.feed(encode_request((Op.GET, b"k"), legacy=True))
+    with pytest.raises(ProtocolError, match="unknown opcode 12"):
+        p.feed(bytes([12]))
+
+
+def test_wrong_validate_magic():
+    with pytest.raises(ProtocolError, match="VALIDATE magic"):
+        RequestParser().feed(b"\x00" + struct.pack("<I", 0x12345678) + b"\xff" * 8)
+
+
+def test_wrong_magic_on_a_later_validate():
+    p = RequestParser()
+    p.feed(encode_handshake(1))
+    with pytest.raises(ProtocolError, match="VALIDATE magic"):
+        p.feed(b"\x00" + struct.pack("<I", VALIDATION_MAGIC + 1))
+
+
+def test_unknown_opcode():
+    p = RequestParser()
+    p.feed(encode_handshake(1))
+    with pytest.raises(ProtocolError, match="unknown opcode 19"):
+        p.feed(b"\x13")
+
+
+@pytest.mark.parametrize(
+    "req, limits, match",
+    [
+        ((Op.SET, b"k" * 11, b"v"), Limits(max_key_bytes=10), "key of 11 bytes"),
+        ((Op.SET, b"k", b"v" * 101), Limits(max_value_bytes=100), "value of 101 bytes"),
+        ((Op.WAIT, (b"a",) * 5), Limits(max_keys_per_request=4), "5 keys"),
+        ((Op.MULTI_SET, (b"a",) * 5, (b"v",) * 5), Limits(max_keys_per_request=4), "5 keys"),
+        ((Op.MULTI_GET, (b"a" * 11,)), Limits(max_key_bytes=10), "key of 11"),
+        ((Op.MULTI_SET, (b"a",), (b"v" * 101,)), Limits(max_value_bytes=100), "value of 101"),
+        ((Op.MULTI_GET, (b"a" * 50,) * 4), Limits(max_request_bytes=100), "request exceeds"),
+    ],
+)
+def test_limits_are_enforced_from_the_length_alone(req, limits, match):
+    data = encode_handshake(1) + encode_request(req)
+    p = RequestParser(limits)
+    with pytest.raises(ProtocolError, match=match):
+        # the bytes after the offending length never need to arrive
+        for i in range(len(data)):
+            p.feed(data[i : i + 1])
+
+
+def test_a_huge_claimed_length_allocates_nothing():
+    p = RequestParser()
+    p.feed(encode_handshake(1))
+    with pytest.raises(ProtocolError):
+        p.feed(b"\x01" + struct.pack("<Q", 2**63))
+    p = RequestParser(Limits(max_value_bytes=2**40))
+    p.feed(encode_handshake(1))
+    p.feed(b"\x01" + struct.pack("<Q", 1) + b"k" + struct.pack("<Q", 2**39))
+    assert p.buffered < 64  # only what arrived is held
+
+
+def test_partial_multi_key_request_is_resumed_not_reparsed():
+    keys = tuple(f"/key/{i}".encode() for i in range(1000))
+    data = encode_handshake(1) + encode_request((Op.MULTI_GET, keys))
+    p = RequestParser()
+    out = []
+    for i in range(0, len(data), 7):
+        out += p.feed(data[i : i + 7])
+        assert p.buffered < 7 + 8 + 16  # consumed keys are not kept in the buffer
+    assert out == [(Op.PING, 1), (Op.MULTI_GET, keys)]
