@@ -156,6 +156,13 @@ class StoreClient:
     def close(self) -> None:
         self._sock.close()
 
+    def abort(self) -> None:
+        """End a blocking call in another thread (it raises ``StoreClientError``)."""
+        try:
+            self._sock.shutdown(socket.SHUT_RDWR)
+        except OSError:
+            pass
+
     def __enter__(self) -> StoreClient:
         return self
 

@@ -132,6 +132,9 @@ class StoreCore:
     def num_waiters(self) -> int:
         return len(self._pending)
 
+    def keys(self) -> list[bytes]:
+        return list(self._data)
+
     def snapshot(self) -> dict[bytes, bytes]:
         """A copy of the key/value map (for tests and diagnostics)."""
         return dict(self._data)

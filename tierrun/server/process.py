@@ -13,7 +13,8 @@ import sys
 import threading
 from collections.abc import Sequence
 
-_LISTENING = re.compile(r"listening on tcp \[?([^\]]*?)\]?:(\d+)$")
+_LISTENING = re.compile(r"store listening on tcp \[?([^\]]*?)\]?:(\d+)$")
+_NAMESPACE = re.compile(r"store namespace (\S+) listening on tcp port (\d+)$")
 
 
 class StoreStartError(RuntimeError):
@@ -36,6 +37,7 @@ class StoreProcess:
         extra_args: Sequence[str] = (),
         start_timeout: float = 30.0,
         env: dict[str, str] | None = None,
+        controlled: bool = False,
     ) -> None:
         self.host = host
         self.requested_port = port
@@ -43,6 +45,9 @@ class StoreProcess:
         self.extra_args = list(extra_args)
         self.start_timeout = start_timeout
         self.env = env
+        self.controlled = controlled
+        self._namespaces: dict[str, int] = {}
+        self._changed = threading.Condition()
         self.port: int | None = None
         self.proc: subprocess.Popen[str] | None = None
         self._output: list[str] = []
@@ -58,6 +63,8 @@ class StoreProcess:
             cmd += ["--host", self.host]
         if self.unix:
             cmd += ["--unix", self.unix]
+        if self.controlled:
+            cmd.append("--control-stdin")
         return cmd + self.extra_args
 
     def start(self) -> int:
@@ -65,6 +72,7 @@ class StoreProcess:
         env["PYTHONUNBUFFERED"] = "1"
         self.proc = subprocess.Popen(
             self.command(),
+            stdin=subprocess.PIPE if self.controlled else subprocess.DEVNULL,
             stdout=subprocess.PIPE,
             stderr=subprocess.STDOUT,
             text=True,
@@ -88,7 +96,32 @@ class StoreProcess:
             if m and self.port is None:
                 self.port = int(m.group(2))
                 ready.set()
+            m = _NAMESPACE.search(line.rstrip())
+            if m:
+                with self._changed:
+                    self._namespaces[m.group(1)] = int(m.group(2))
+                    self._changed.notify_all()
         ready.set()
+        with self._changed:
+            self._changed.notify_all()
+
+    def open_namespace(self, name: str, timeout: float = 30.0) -> int:
+        """Open a listener whose clients see only keys under ``name/``; return its port.
+
+        Idempotent. Needs ``controlled=True``. Raises :class:`StoreStartError` if the
+        store does not answer (it died).
+        """
+        assert self.controlled and self.proc is not None and self.proc.stdin is not None
+        with self._changed:
+            if name not in self._namespaces:
+                self.proc.stdin.write(f"namespace {name}\n")
+                self.proc.stdin.flush()
+                self._changed.wait_for(
+                    lambda: name in self._namespaces or self.proc.poll() is not None, timeout
+                )
+            if name not in self._namespaces:
+                raise StoreStartError(f"the store did not open namespace {name}:\n{self.output}")
+            return self._namespaces[name]
 
     @property
     def output(self) -> str:

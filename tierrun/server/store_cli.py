@@ -26,6 +26,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-keys-per-request", type=int, default=d.max_keys_per_request)
     p.add_argument("--max-request-bytes", type=int, default=d.max_request_bytes)
     p.add_argument("--max-connections", type=int, default=FrontEndConfig().max_connections)
+    p.add_argument(
+        "--control-stdin",
+        action="store_true",
+        help="take commands on stdin (used by the launcher) and stop when stdin closes",
+    )
     p.add_argument("--log-level", default="WARNING", help="DEBUG, INFO, WARNING or ERROR")
     return p
 
@@ -46,11 +51,11 @@ def main(argv: list[str]) -> int:
         port=args.port,
         unix=args.unix,
         frontend=FrontEndConfig(limits=limits, max_connections=args.max_connections),
+        control_stdin=args.control_stdin,
     )
 
-    def announce(addresses: list[str]) -> None:
-        for address in addresses:
-            print(f"tierrun store listening on {address}", flush=True)
+    def announce(line: str) -> None:
+        print(f"tierrun store {line}", flush=True)
 
     try:
         run(serve_root(config, on_listening=announce))

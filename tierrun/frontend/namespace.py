@@ -1,0 +1,47 @@
+"""A key namespace: an upstream that prefixes every key of its clients.
+
+The launcher gives each rendezvous round its own namespace, so that workers of a
+later round can never read what workers of an earlier round wrote (a stale Gloo
+address, a stale NCCL unique id), although one store serves the whole job.
+"""
+
+from __future__ import annotations
+
+from ..core import StoreCore, Waiter
+from ..protocol import Op, Request
+from ..protocol.replies import encode_i64, encode_key_list
+
+_ONE_KEY = frozenset(
+    {Op.SET, Op.COMPARE_SET, Op.GET, Op.ADD, Op.DELETE_KEY, Op.APPEND,
+     Op.QUEUE_PUSH, Op.QUEUE_POP, Op.QUEUE_LEN, Op.BARRIER}
+)
+_KEY_TUPLE = frozenset({Op.CHECK, Op.WAIT, Op.MULTI_GET, Op.MULTI_SET})
+
+
+class NamespacedUpstream:
+    """Wraps the core: clients see only the keys under ``prefix``, without the prefix.
+
+    Cost per request: one concatenation per key. GETNUMKEYS and LIST_KEYS scan the
+    whole key space (O(keys)); torch uses neither on its start-up path.
+    """
+
+    def __init__(self, core: StoreCore, prefix: bytes) -> None:
+        self._core = core
+        self._prefix = prefix
+
+    def execute(self, req: Request, waiter: Waiter) -> bytes | None:
+        op = req[0]
+        p = self._prefix
+        if op in _ONE_KEY:
+            req = (op, p + req[1], *req[2:])
+        elif op in _KEY_TUPLE:
+            req = (op, tuple(p + k for k in req[1]), *req[2:])
+        elif op == Op.LIST_KEYS:
+            n = len(p)
+            return encode_key_list([k[n:] for k in self._core.keys() if k.startswith(p)])
+        elif op == Op.GETNUMKEYS:
+            return encode_i64(sum(1 for k in self._core.keys() if k.startswith(p)))
+        return self._core.execute(req, waiter)
+
+    def forget(self, waiter: Waiter) -> None:
+        self._core.forget(waiter)

@@ -1,0 +1,98 @@
+"""Command-line flags: torchrun's own parser, extended with torch_npu_run's flags.
+
+Every torchrun flag keeps its spelling (dash and underscore) and its ``PET_*``
+environment fallback, because the parser *is* torchrun's.
+"""
+
+from __future__ import annotations
+
+import argparse
+
+from torch.distributed.argparse_util import env
+from torch.distributed.run import get_args_parser
+
+#: rendezvous backends whose name maps to tierrun's own, unless ``torch-`` is prefixed
+BACKEND_ALIASES = {"c10d": "tierrun", "static": "parallel"}
+TIERRUN_BACKENDS = ("tierrun", "parallel")
+TORCH_BACKENDS = ("torch-c10d", "torch-static", "etcd", "etcd-v2")
+
+
+class UsageError(ValueError):
+    """A wrong or contradictory flag; the message says what to write instead."""
+
+
+def parse_bool(value: str) -> bool:
+    v = value.strip().lower()
+    if v in ("1", "true", "yes", "on"):
+        return True
+    if v in ("0", "false", "no", "off"):
+        return False
+    raise argparse.ArgumentTypeError(f"expected true or false, got '{value}'")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = get_args_parser()
+    parser.prog = "tierrun"
+    parser.description = (
+        "Launch distributed PyTorch training: torchrun's and torch_npu_run's flags, "
+        "on tierrun's store. `tierrun store --help` runs a store on its own."
+    )
+    parser.set_defaults(rdzv_backend="tierrun")
+    for action in parser._actions:
+        if action.dest == "rdzv_backend":
+            action.default = "tierrun"
+            action.help = (
+                "Rendezvous backend: tierrun (elastic, default; c10d means this too), "
+                "parallel (fixed nodes, node rank given; static means this too), "
+                "torch-c10d or torch-static (torch's own), etcd, etcd-v2."
+            )
+    parser.add_argument(
+        "--enable-tiered-parallel-tcpstore",
+        "--enable_tiered_parallel_tcpstore",
+        action=env,
+        type=parse_bool,
+        default=False,
+        help="torch_npu_run's flag: tiered store wire-up (a store front-end per node).",
+    )
+    return parser
+
+
+def normalise(args: argparse.Namespace) -> argparse.Namespace:
+    """Map backend aliases and check flags that contradict each other. Raises UsageError."""
+    backend = args.rdzv_backend
+    if backend.startswith("torch-"):
+        args.rdzv_backend = backend[len("torch-"):]
+    else:
+        args.rdzv_backend = BACKEND_ALIASES.get(backend, backend)
+    known = TIERRUN_BACKENDS + TORCH_BACKENDS + tuple(BACKEND_ALIASES)
+    if backend not in known:
+        raise UsageError(
+            f"unknown --rdzv_backend '{backend}': write one of {', '.join(known)}"
+        )
+    parts = args.nnodes.split(":")
+    try:
+        nmin, nmax = (int(parts[0]), int(parts[-1])) if len(parts) <= 2 else (0, -1)
+    except ValueError:
+        raise UsageError(f"--nnodes '{args.nnodes}' is not a number: write --nnodes N or --nnodes MIN:MAX") from None
+    if len(parts) > 2 or not 0 < nmin <= nmax:
+        raise UsageError(
+            f"--nnodes '{args.nnodes}' is not valid: write --nnodes N or --nnodes MIN:MAX with 0 < MIN <= MAX"
+        )
+    if args.standalone and nmax > 1:
+        raise UsageError(
+            f"--standalone runs one node but --nnodes is {args.nnodes}: drop --standalone "
+            "and give --rdzv_endpoint, or write --nnodes 1"
+        )
+    if args.rdzv_backend == "parallel":
+        if nmin != nmax:
+            raise UsageError(
+                f"--rdzv_backend {backend} needs a fixed node count, not --nnodes {args.nnodes}: "
+                f"write --nnodes {nmax}, or use --rdzv_backend tierrun for an elastic job"
+            )
+        if not 0 <= args.node_rank < nmax:
+            raise UsageError(
+                f"--node_rank {args.node_rank} is outside 0..{nmax - 1} for --nnodes {nmax}"
+            )
+    if args.max_restarts < 0:
+        raise UsageError(f"--max_restarts {args.max_restarts} is negative: write 0 or more")
+    return args

@@ -1,0 +1,256 @@
+"""``tierrun``: elastic rendezvous (min:max nodes) in O(1) store operations per node.
+
+torch's c10d backend keeps the whole rendezvous state in one pickled blob that every
+agent updates with compare-and-swap loops and polls every second: O(N) bytes per
+operation, O(N²) traffic. Here each round ``r`` lives in a few keys and every agent
+does a fixed number of operations:
+
+    ADD    r/joined 1          -> my arrival index i (atomic, no retry loop)
+    SET    r/node/<i>          -> my descriptor
+    (i == max)                 -> close now;  (i == min) -> close after the last call
+    WAIT   r/closed            -> pushed by the store, no polling
+    GET    r/closed            -> n members: arrivals 1..n; i > n waits for round r+1
+    WAIT + MULTI_GET r/node/1..n, r/worker_port  -> every member computes the same ranks
+
+Closing is one COMPARE_SET of ``r/closed`` from empty to the member count: whoever
+wins decides, the others' attempts change nothing. Nodes that arrive after the close
+join round r+1 at once; running agents hold one standing WAIT on ``r+1/node/1``, so
+``num_nodes_waiting()`` turns positive without polling and they restart to admit them.
+Ranks are stable: members sort by their rank in their previous round, then by arrival.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import socket
+import threading
+import time
+from datetime import timedelta
+
+from torch.distributed import PrefixStore
+from torch.distributed.elastic.rendezvous import (
+    RendezvousClosedError,
+    RendezvousHandler,
+    RendezvousInfo,
+    RendezvousParameters,
+    RendezvousStoreInfo,
+    RendezvousTimeoutError,
+)
+from torch.distributed.elastic.rendezvous.utils import _matches_machine_hostname, parse_rendezvous_endpoint
+
+from ..client import StoreClient, StoreClientError
+from .job_store import JobStore
+
+log = logging.getLogger("tierrun.rendezvous")
+
+DEFAULT_PORT = 29400
+DEFAULT_JOIN_TIMEOUT = 600.0
+DEFAULT_LAST_CALL_TIMEOUT = 30.0
+_JOB_CLOSED = "job-closed"
+
+
+class ElasticRendezvousHandler(RendezvousHandler):
+    """Elastic rendezvous on tierrun's store.
+
+    ``next_rendezvous`` blocks until a round closes with this node as a member; raises
+    ``RendezvousTimeoutError`` if fewer than ``min_nodes`` arrive within
+    ``join_timeout`` (the message lists who arrived), ``RendezvousClosedError`` once the
+    job has been closed (finished, or failed for good).
+    """
+
+    def __init__(self, job: JobStore, run_id: str, min_nodes: int, max_nodes: int,
+                 join_timeout: float, last_call_timeout: float, local_addr: str | None) -> None:
+        self._job = job
+        self._run_id = run_id
+        self._min = min_nodes
+        self._max = max_nodes
+        self._join_timeout = join_timeout
+        self._last_call = last_call_timeout
+        self._addr = local_addr or socket.gethostname()
+        self._base = f"tierrun/{run_id}"
+        self._round = -1  # last round this node was a member of
+        self._rank = -1
+        self._waiting_seen: set[int] = set()  # rounds r such that r+1 has a waiting node
+        self._lock = threading.Lock()
+        self._watcher: StoreClient | None = None
+
+    # -- keys -------------------------------------------------------------------------
+
+    def _k(self, r: int, name: str) -> str:
+        return f"{self._base}/{r}/{name}"
+
+    # -- RendezvousHandler ------------------------------------------------------------
+
+    def get_backend(self) -> str:
+        return "tierrun"
+
+    @property
+    def use_agent_store(self) -> bool:
+        return True
+
+    def next_rendezvous(self) -> RendezvousInfo:
+        self._job.start_if_hosting()
+        store = self._job.client()
+        if self.is_closed():
+            raise RendezvousClosedError(f"rendezvous '{self._run_id}' is closed: the job has ended")
+        r = max(self._round + 1, int(store.add(f"{self._base}/round", 0)))
+        deadline = time.monotonic() + self._join_timeout
+        while True:
+            joined = self._join(store, r, deadline)
+            if joined is not None:
+                break
+            r += 1  # arrived after the close: wait in the next round
+        index, members, worker_port = joined
+        order = sorted(
+            range(len(members)),
+            key=lambda j: (members[j]["prev_rank"] if members[j]["prev_rank"] >= 0 else 1 << 30, j),
+        )
+        rank = order.index(index - 1)
+        with self._lock:
+            self._round = r
+            self._rank = rank
+        self._watch_for_waiting_nodes(r)
+        log.info("rendezvous '%s' round %d: node %s is rank %d of %d",
+                 self._run_id, r, self._addr, rank, len(members))
+        return RendezvousInfo(
+            PrefixStore(self._k(r, "agents"), store),
+            rank,
+            len(members),
+            RendezvousStoreInfo(self._job.host, worker_port),
+        )
+
+    def _join(self, store, r: int, deadline: float):
+        """Join round r. None if it closed without us; else (index, members, worker_port)."""
+        index = int(store.add(self._k(r, "joined"), 1))
+        me = {"addr": self._addr, "prev_rank": self._rank, "pid": os.getpid()}
+        store.set(self._k(r, f"node/{index}"), json.dumps(me))
+        if self._job.hosting:
+            port = self._job.open_worker_namespace(f"{self._run_id}/workers/{r}")
+            store.set(self._k(r, "worker_port"), str(port))
+        if index == self._max:
+            self._close(store, r, self._max)
+        elif index == self._min:
+            threading.Thread(target=self._last_call_then_close, args=(store.clone(), r), daemon=True).start()
+        remaining = deadline - time.monotonic()
+        try:
+            store.wait([self._k(r, "closed")], timedelta(seconds=max(remaining, 0.001)))
+        except Exception as e:
+            raise RendezvousTimeoutError(self._timeout_message(store, r)) from e
+        closed = store.get(self._k(r, "closed")).decode()
+        if closed == _JOB_CLOSED:
+            raise RendezvousClosedError(f"rendezvous '{self._run_id}' was closed while node {self._addr} waited")
+        n = int(closed)
+        if index > n:
+            log.info("round %d of '%s' closed with %d nodes before node %s arrived; waiting for the next",
+                     r, self._run_id, n, self._addr)
+            return None
+        keys = [self._k(r, f"node/{j}") for j in range(1, n + 1)] + [self._k(r, "worker_port")]
+        store.wait(keys, self._job.timeout)
+        values = store.multi_get(keys)
+        return index, [json.loads(v) for v in values[:-1]], int(values[-1])
+
+    def _close(self, store, r: int, n: int) -> None:
+        if store.compare_set(self._k(r, "closed"), "", str(n)) == str(n).encode():
+            # advance the open round (only the closer of r does this, once)
+            store.compare_set(f"{self._base}/round", str(r) if r else "", str(r + 1))
+
+    def _last_call_then_close(self, store, r: int) -> None:
+        try:
+            time.sleep(self._last_call)
+            n = min(int(store.add(self._k(r, "joined"), 0)), self._max)
+            self._close(store, r, n)
+        except Exception:  # the store went away: the job is ending
+            log.debug("last call of round %d not completed", r, exc_info=True)
+
+    def _timeout_message(self, store, r: int) -> str:
+        try:
+            n = int(store.add(self._k(r, "joined"), 0))
+            keys = [self._k(r, f"node/{j}") for j in range(1, n + 1)]
+            arrived = [json.loads(v)["addr"] for v in store.multi_get(keys)] if n else []
+        except Exception:
+            arrived = ["(unknown: the store did not answer)"]
+        return (
+            f"rendezvous '{self._run_id}' timed out after {self._join_timeout:.0f} s on node "
+            f"{self._addr}: {len(arrived)} node(s) arrived ({', '.join(arrived)}), "
+            f"at least {self._min} needed (--nnodes {self._min}:{self._max}); "
+            f"{max(self._min - len(arrived), 0)} more missing. Start tierrun on the missing "
+            "nodes with the same --rdzv_endpoint and --rdzv_id, lower --nnodes, or raise "
+            "--rdzv_conf join_timeout=SECONDS."
+        )
+
+    def _watch_for_waiting_nodes(self, r: int) -> None:
+        """One standing WAIT on the first arrival of round r+1, on its own connection.
+
+        Uses tierrun's small client so that :meth:`shutdown` can end the wait by closing
+        the socket, quietly.
+        """
+        self._stop_watcher()
+        client = StoreClient((self._job.host, self._job.port), timeout=365 * 24 * 3600)
+        self._watcher = client
+
+        def watch() -> None:
+            try:
+                client.wait([("/" + self._k(r + 1, "node/1")).encode()])
+            except (OSError, StoreClientError):
+                return  # stopped, or the store is gone
+            with self._lock:
+                self._waiting_seen.add(r)
+
+        threading.Thread(target=watch, daemon=True).start()
+
+    def _stop_watcher(self) -> None:
+        if self._watcher is not None:
+            self._watcher.abort()
+            self._watcher = None
+
+    def num_nodes_waiting(self) -> int:
+        with self._lock:
+            if self._round not in self._waiting_seen:
+                return 0
+        try:
+            return max(int(self._job.client().add(self._k(self._round + 1, "joined"), 0)), 1)
+        except Exception:
+            return 1
+
+    def is_closed(self) -> bool:
+        return bool(self._job.client().check([f"{self._base}/closed"]))
+
+    def set_closed(self) -> None:
+        store = self._job.client()
+        store.set(f"{self._base}/closed", "1")
+        # release nodes waiting for the next round
+        r = int(store.add(f"{self._base}/round", 0))
+        for rr in {r, self._round + 1}:
+            store.compare_set(self._k(rr, "closed"), "", _JOB_CLOSED)
+
+    def get_run_id(self) -> str:
+        return self._run_id
+
+    def shutdown(self) -> bool:
+        self._stop_watcher()
+        try:
+            self.set_closed()
+        except Exception:
+            log.debug("closing rendezvous '%s' failed (store gone)", self._run_id, exc_info=True)
+        if self._job.hosting:
+            time.sleep(0.5)  # let the other agents read the closed flag
+        self._job.stop()
+        return True
+
+
+def _hosts_store(host: str, local_addr: str | None) -> bool:
+    if local_addr:
+        return host == local_addr or (host in ("localhost", "127.0.0.1", "::1") and local_addr in ("localhost", "127.0.0.1", "::1"))
+    return _matches_machine_hostname(host)
+
+
+def create_handler(params: RendezvousParameters) -> RendezvousHandler:
+    host, port = parse_rendezvous_endpoint(params.endpoint, DEFAULT_PORT)
+    join_timeout = float(params.config.get("join_timeout", DEFAULT_JOIN_TIMEOUT))
+    last_call = float(params.config.get("last_call_timeout", DEFAULT_LAST_CALL_TIMEOUT))
+    timeout = timedelta(seconds=max(join_timeout, 60))
+    job = JobStore(host, port, hosting=_hosts_store(host, params.local_addr), timeout=timeout)
+    return ElasticRendezvousHandler(job, params.run_id, params.min_nodes, params.max_nodes,
+                                    join_timeout, last_call, params.local_addr)

@@ -1,0 +1,123 @@
+"""``parallel`` (and ``static``): a fixed number of nodes, each given its node rank.
+
+torch_npu_run's behaviour on tierrun's store: node rank 0 hosts the store, every agent
+announces itself with one SET and waits once for all the others (O(1) operations per
+node), and the workers of each round get their own key namespace.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import socket
+from datetime import timedelta
+
+from torch.distributed import PrefixStore
+from torch.distributed.elastic.rendezvous import (
+    RendezvousHandler,
+    RendezvousInfo,
+    RendezvousParameters,
+    RendezvousStoreInfo,
+    RendezvousTimeoutError,
+)
+from torch.distributed.elastic.rendezvous.utils import parse_rendezvous_endpoint
+
+from .job_store import JobStore
+
+log = logging.getLogger("tierrun.rendezvous")
+
+DEFAULT_TIMEOUT = 600
+
+
+class ParallelRendezvousHandler(RendezvousHandler):
+    """Static rendezvous: ``world_size`` nodes, this one is ``rank``.
+
+    ``next_rendezvous`` blocks until every node has arrived, and raises
+    ``RendezvousTimeoutError`` naming the missing node ranks after ``timeout``.
+    """
+
+    def __init__(self, store: JobStore, rank: int, world_size: int, run_id: str,
+                 timeout: timedelta, local_addr: str | None) -> None:
+        self._job = store
+        self._rank = rank
+        self._world_size = world_size
+        self._run_id = run_id
+        self._timeout = timeout
+        self._local_addr = local_addr or socket.gethostname()
+        self._round = -1
+
+    def get_backend(self) -> str:
+        return "parallel"
+
+    @property
+    def use_agent_store(self) -> bool:
+        return True
+
+    def next_rendezvous(self) -> RendezvousInfo:
+        self._round += 1
+        self._job.start_if_hosting()
+        store = self._job.client()
+        base = f"tierrun/{self._run_id}/static/{self._round}"
+        store.set(f"{base}/node/{self._rank}", json.dumps({"addr": self._local_addr}))
+        if self._rank == 0:
+            port = self._job.open_worker_namespace(f"{self._run_id}/workers/{self._round}")
+            store.set(f"{base}/worker_port", str(port))
+        keys = [f"{base}/node/{r}" for r in range(self._world_size)] + [f"{base}/worker_port"]
+        try:
+            store.wait(keys, self._timeout)
+        except Exception as e:
+            raise RendezvousTimeoutError(self._missing_message(store, base)) from e
+        worker_port = int(store.get(f"{base}/worker_port"))
+        return RendezvousInfo(
+            PrefixStore(f"{base}/agents", store),
+            self._rank,
+            self._world_size,
+            RendezvousStoreInfo(self._job.host, worker_port),
+        )
+
+    def _missing_message(self, store, base: str) -> str:
+        missing = [r for r in range(self._world_size) if not store.check([f"{base}/node/{r}"])]
+        arrived = self._world_size - len(missing)
+        return (
+            f"rendezvous '{self._run_id}' timed out after {self._timeout.total_seconds():.0f} s "
+            f"on node rank {self._rank} ({self._local_addr}): {arrived} of {self._world_size} "
+            f"nodes arrived; missing node ranks: {', '.join(map(str, missing)) or 'none'}. "
+            "Start tierrun on the missing nodes with the same --master_addr/--master_port, "
+            "or raise the timeout with --rdzv_conf timeout=SECONDS."
+        )
+
+    def is_closed(self) -> bool:
+        return False
+
+    def set_closed(self) -> None:
+        pass
+
+    def num_nodes_waiting(self) -> int:
+        return 0
+
+    def get_run_id(self) -> str:
+        return self._run_id
+
+    def shutdown(self) -> bool:
+        self._job.stop()
+        return True
+
+
+def create_handler(params: RendezvousParameters) -> RendezvousHandler:
+    if params.min_nodes != params.max_nodes:
+        raise ValueError(
+            f"the parallel rendezvous needs a fixed number of nodes, got "
+            f"--nnodes {params.min_nodes}:{params.max_nodes}: write --nnodes "
+            f"{params.max_nodes}, or use --rdzv_backend tierrun for an elastic job"
+        )
+    rank = int(params.config.get("rank", 0))
+    if not 0 <= rank < params.max_nodes:
+        raise ValueError(
+            f"--node_rank {rank} is outside 0..{params.max_nodes - 1} for --nnodes {params.max_nodes}"
+        )
+    host, port = parse_rendezvous_endpoint(params.endpoint, -1)
+    if port < 0:
+        raise ValueError(f"no port in '{params.endpoint}': add --master_port PORT")
+    timeout = timedelta(seconds=int(params.config.get("timeout", DEFAULT_TIMEOUT)))
+    store = JobStore(host, port, hosting=rank == 0, timeout=timeout)
+    return ParallelRendezvousHandler(store, rank, params.max_nodes, params.run_id, timeout, params.local_addr)
