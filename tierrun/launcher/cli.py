@@ -36,6 +36,7 @@ def prepare(argv: list[str]):
     if args.rdzv_backend == "parallel":
         conf = f"rank={args.node_rank}"
         args.rdzv_conf = f"{args.rdzv_conf},{conf}" if args.rdzv_conf else conf
+        args.node_rank = 0  # now in rdzv_conf; keeps torch from warning it is ignored
     if args.enable_tiered_parallel_tcpstore:
         log.warning(
             "--enable_tiered_parallel_tcpstore: node front-ends are not available in this "

@@ -1,0 +1,72 @@
+"""Helpers to run tierrun as a user would: real processes, simulated nodes on loopback."""
+
+from __future__ import annotations
+
+import os
+import re
+import signal
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+SCRIPTS = Path(__file__).parent / "scripts"
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def tierrun(*args: str, log: Path, env: dict | None = None) -> subprocess.Popen:
+    e = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1", **(env or {}))
+    out = open(log, "w")
+    return subprocess.Popen(
+        [sys.executable, "-m", "tierrun", *map(str, args)],
+        stdout=out, stderr=subprocess.STDOUT, env=e, start_new_session=True,
+    )
+
+
+def finish(procs: list[subprocess.Popen], timeout: float = 180) -> list[int]:
+    codes = []
+    for p in procs:
+        try:
+            codes.append(p.wait(timeout))
+        except subprocess.TimeoutExpired:
+            kill_tree(p.pid)
+            codes.append(p.wait())
+    return codes
+
+
+def children(pid: int) -> list[int]:
+    out = []
+    for task in Path(f"/proc/{pid}/task").glob("*"):
+        try:
+            out += [int(c) for c in (task / "children").read_text().split()]
+        except OSError:
+            pass
+    return out
+
+
+def kill_tree(pid: int, sig: int = signal.SIGKILL) -> None:
+    """Kill a process and all its descendants (torch puts workers in their own sessions)."""
+    tree = [pid]
+    i = 0
+    while i < len(tree):
+        tree += children(tree[i])
+        i += 1
+    for p in tree:
+        try:
+            os.kill(p, sig)
+        except ProcessLookupError:
+            pass
+
+
+def results(*logs: Path, tag: str = "RESULT") -> list[dict[str, str]]:
+    rows = []
+    for log in logs:
+        for line in log.read_text().splitlines():
+            if line.startswith(tag + " "):
+                rows.append(dict(re.findall(r"(\w+)=(\S+)", line)))
+    return rows

@@ -1,0 +1,80 @@
+"""Flag parsing: torchrun's and torch_npu_run's spellings, and one-line errors."""
+
+import subprocess
+import sys
+
+import pytest
+
+from tierrun.launcher.args import UsageError, build_parser, normalise
+
+
+def parse(*argv):
+    return normalise(build_parser().parse_args([*argv, "train.py", "--lr", "1"]))
+
+
+def test_defaults_and_script_args():
+    a = parse()
+    assert a.rdzv_backend == "tierrun" and a.nnodes == "1:1"
+    assert a.training_script == "train.py" and a.training_script_args == ["--lr", "1"]
+
+
+@pytest.mark.parametrize("flag", ["--nproc_per_node", "--nproc-per-node"])
+def test_dash_and_underscore(flag):
+    assert parse(flag, "3").nproc_per_node == "3"
+
+
+def test_pet_environment_fallback(monkeypatch):
+    monkeypatch.setenv("PET_NNODES", "2:4")
+    monkeypatch.setenv("PET_RDZV_BACKEND", "c10d")
+    a = parse()
+    assert a.nnodes == "2:4" and a.rdzv_backend == "tierrun"
+
+
+@pytest.mark.parametrize("given, resolved", [("c10d", "tierrun"), ("static", "parallel"),
+                                             ("parallel", "parallel"), ("torch-c10d", "c10d"),
+                                             ("torch-static", "static"), ("etcd-v2", "etcd-v2")])
+def test_backend_mapping(given, resolved):
+    assert parse("--rdzv_backend", given, "--nnodes", "2").rdzv_backend == resolved
+
+
+def test_tiered_flag_spellings(monkeypatch):
+    assert parse("--enable_tiered_parallel_tcpstore", "true").enable_tiered_parallel_tcpstore is True
+    assert parse("--enable-tiered-parallel-tcpstore=false").enable_tiered_parallel_tcpstore is False
+    monkeypatch.setenv("PET_ENABLE_TIERED_PARALLEL_TCPSTORE", "true")
+    assert parse().enable_tiered_parallel_tcpstore is True
+
+
+@pytest.mark.parametrize(
+    "argv, message",
+    [
+        (["--rdzv_backend", "parallel", "--nnodes", "2:3"], "write --nnodes 3"),
+        (["--nnodes", "3:2"], "0 < MIN <= MAX"),
+        (["--nnodes", "x"], "is not a number"),
+        (["--rdzv_backend", "zookeeper"], "write one of"),
+        (["--standalone", "--nnodes", "2"], "drop --standalone"),
+        (["--rdzv_backend", "parallel", "--nnodes", "2", "--node_rank", "2"], "outside 0..1"),
+    ],
+)
+def test_contradictions_say_what_to_write(argv, message):
+    with pytest.raises(UsageError, match=message):
+        parse(*argv)
+
+
+def test_cli_error_is_one_line_and_exit_code_2():
+    r = subprocess.run([sys.executable, "-m", "tierrun", "--nnodes", "3:2", "x.py"],
+                       capture_output=True, text=True, timeout=60)
+    assert r.returncode == 2
+    lines = [l for l in r.stderr.splitlines() if l.strip()]
+    assert len(lines) == 1 and lines[0].startswith("tierrun: error:")
+
+
+def test_nproc_per_node_values():
+    from tierrun.launcher.devices import resolve_nproc_per_node
+
+    assert resolve_nproc_per_node("4") == "4"
+    assert resolve_nproc_per_node("cpu") == "cpu"
+    assert resolve_nproc_per_node("auto") == "auto"  # no accelerator here: torch counts CPUs
+    with pytest.raises(UsageError, match="no CUDA GPU or Ascend NPU"):
+        resolve_nproc_per_node("gpu")
+    with pytest.raises(UsageError, match="write a number"):
+        resolve_nproc_per_node("lots")

@@ -1,0 +1,137 @@
+"""The tierrun command end to end: real agents, real workers, Gloo on CPU."""
+
+import time
+
+import pytest
+
+from launch import SCRIPTS, finish, free_port, kill_tree, results, tierrun
+
+
+def check_world(rows, world, expected_sum=None):
+    assert sorted(int(r["rank"]) for r in rows) == list(range(world)), rows
+    assert all(int(r["world"]) == world for r in rows)
+    if expected_sum is not None:
+        assert all(int(r["sum"]) == expected_sum for r in rows)
+
+
+def test_standalone_ddp_toy_model(tmp_path):
+    log = tmp_path / "out.log"
+    p = tierrun("--standalone", "--nproc_per_node", "4", SCRIPTS / "ddp_toy.py", log=log)
+    assert finish([p]) == [0], log.read_text()[-3000:]
+    rows = results(log)
+    assert sorted(int(r["rank"]) for r in rows) == [0, 1, 2, 3]
+    assert len({r["loss"] for r in rows}) >= 1
+
+
+@pytest.mark.parametrize("nodes", [2, 3])
+def test_static_parallel_nodes(tmp_path, nodes):
+    port = free_port()
+    logs = [tmp_path / f"node{k}.log" for k in range(nodes)]
+    procs = [
+        tierrun("--nnodes", nodes, "--nproc_per_node", 2, "--rdzv_backend", "parallel",
+                "--master_addr", "127.0.1.1", "--master_port", port, "--node_rank", k,
+                "--local_addr", f"127.0.1.{k + 1}", SCRIPTS / "collectives.py", log=logs[k])
+        for k in range(nodes)
+    ]
+    assert finish(procs) == [0] * nodes, logs[-1].read_text()[-3000:]
+    world = 2 * nodes
+    rows = results(*logs)
+    check_world(rows, world, world * (world + 1) // 2)
+    for k, log in enumerate(logs):  # node k holds global ranks 2k, 2k+1
+        assert sorted(int(r["rank"]) for r in results(log)) == [2 * k, 2 * k + 1]
+
+
+@pytest.mark.parametrize("nodes", [2, 3])
+def test_elastic_nodes(tmp_path, nodes):
+    port = free_port()
+    logs = [tmp_path / f"node{k}.log" for k in range(nodes)]
+    procs = []
+    for k in range(nodes):
+        procs.append(tierrun("--nnodes", f"2:{nodes}", "--nproc_per_node", 2,
+                             "--rdzv_endpoint", f"127.0.1.1:{port}", "--rdzv_id", "el",
+                             "--rdzv_conf", "last_call_timeout=3", "--local_addr", f"127.0.1.{k + 1}",
+                             SCRIPTS / "collectives.py", log=logs[k]))
+    assert finish(procs) == [0] * nodes, logs[-1].read_text()[-3000:]
+    world = 2 * nodes
+    check_world(results(*logs), world, world * (world + 1) // 2)
+
+
+def test_torch_npu_run_flags_verbatim(tmp_path):
+    port = free_port()
+    logs = [tmp_path / f"node{k}.log" for k in range(2)]
+    procs = [
+        tierrun("--rdzv_backend=parallel", "--master_addr=127.0.1.1", f"--master_port={port}",
+                "--nnodes=2", f"--node_rank={k}", "--nproc_per_node=2",
+                "--enable_tiered_parallel_tcpstore=true", f"--local_addr=127.0.1.{k + 1}",
+                SCRIPTS / "collectives.py", log=logs[k])
+        for k in range(2)
+    ]
+    assert finish(procs) == [0, 0], logs[0].read_text()[-3000:]
+    check_world(results(*logs), 4, 10)
+
+
+def test_failing_worker_restarts_then_fails_clearly(tmp_path):
+    log = tmp_path / "out.log"
+    p = tierrun("--standalone", "--nproc_per_node", 2, "--max_restarts", 2, SCRIPTS / "fail.py", log=log)
+    code = finish([p])[0]
+    text = log.read_text()
+    assert code != 0
+    restarts = sorted({r["restart"] for r in results(log, tag="ATTEMPT")})
+    assert restarts == ["0", "1", "2"]
+    assert "fail.py FAILED" in text or "FAILED" in text
+    assert "exitcode  : 3" in text and "rank      : 1" in text
+
+
+def test_elastic_scale_up_admits_a_late_node(tmp_path):
+    port = free_port()
+    common = ("--nnodes", "2:3", "--nproc_per_node", 1, "--rdzv_endpoint", f"127.0.1.1:{port}",
+              "--rdzv_id", "up", "--rdzv_conf", "last_call_timeout=1", "--max_restarts", 0,
+              "--monitor_interval", "0.5")
+    logs = [tmp_path / f"node{k}.log" for k in range(3)]
+    procs = [tierrun(*common, "--local_addr", f"127.0.1.{k + 1}", SCRIPTS / "elastic_worker.py",
+                     "--want", 3, log=logs[k]) for k in range(2)]
+    deadline = time.time() + 60
+    while len(results(*logs[:2], tag="ROUND")) < 2 and time.time() < deadline:
+        time.sleep(0.2)
+    assert {r["world"] for r in results(*logs[:2], tag="ROUND")} == {"2"}
+    procs.append(tierrun(*common, "--local_addr", "127.0.1.3", SCRIPTS / "elastic_worker.py",
+                         "--want", 3, log=logs[2]))
+    assert finish(procs) == [0, 0, 0], logs[0].read_text()[-3000:]
+    check_world(results(*logs), 3, 6)
+
+
+def test_elastic_scale_down_after_an_agent_is_killed(tmp_path):
+    port = free_port()
+    common = ("--nnodes", "2:3", "--nproc_per_node", 1, "--rdzv_endpoint", f"127.0.1.1:{port}",
+              "--rdzv_id", "down", "--rdzv_conf", "last_call_timeout=1", "--max_restarts", 3,
+              "--monitor_interval", "0.5")
+    logs = [tmp_path / f"node{k}.log" for k in range(3)]
+    procs = [tierrun(*common, "--local_addr", f"127.0.1.{k + 1}", SCRIPTS / "elastic_worker.py",
+                     "--want", 2, log=logs[k]) for k in range(3)]
+    deadline = time.time() + 60
+    while len(results(*logs, tag="ROUND")) < 3 and time.time() < deadline:
+        time.sleep(0.2)
+    assert {r["world"] for r in results(*logs, tag="ROUND")} == {"3"}
+    kill_tree(procs[2].pid)
+    assert finish(procs[:2]) == [0, 0], logs[0].read_text()[-3000:]
+    check_world(results(*logs[:2]), 2, 3)
+
+
+def test_static_timeout_names_the_missing_nodes(tmp_path):
+    log = tmp_path / "node0.log"
+    p = tierrun("--nnodes", 3, "--nproc_per_node", 1, "--rdzv_backend", "parallel",
+                "--master_addr", "127.0.1.1", "--master_port", free_port(), "--node_rank", 0,
+                "--rdzv_conf", "timeout=3", SCRIPTS / "collectives.py", log=log)
+    assert finish([p], timeout=90)[0] != 0
+    text = log.read_text()
+    assert "1 of 3 nodes arrived; missing node ranks: 1, 2" in text
+
+
+def test_elastic_timeout_says_how_many_arrived(tmp_path):
+    log = tmp_path / "node0.log"
+    p = tierrun("--nnodes", "2:3", "--nproc_per_node", 1, "--rdzv_endpoint", f"127.0.1.1:{free_port()}",
+                "--local_addr", "127.0.1.1", "--rdzv_conf", "join_timeout=3",
+                SCRIPTS / "collectives.py", log=log)
+    assert finish([p], timeout=90)[0] != 0
+    text = log.read_text()
+    assert "1 node(s) arrived (127.0.1.1), at least 2 needed" in text
