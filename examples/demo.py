@@ -1,20 +1,40 @@
-"""Demo: a Gloo job of 4 workers wired up through a tierrun store (env://)."""
+"""Demo: a 2-node x 2-worker DDP job simulated on this machine with tierrun.
+
+Node 0 (127.0.1.1) hosts the job's store; node 1 (127.0.1.2) joins it. Both run the
+toy model (Linear 784->128->10) with Gloo. What each node prints is prefixed with its name.
+"""
 
 import os
 import subprocess
 import sys
+import threading
 from pathlib import Path
 
-from tierrun.server import StoreProcess
+ROOT = Path(__file__).resolve().parents[1]
+SCRIPT = ROOT / "tests" / "scripts" / "ddp_toy.py"
+PORT = os.environ.get("TIERRUN_DEMO_PORT", "29531")
 
-SCRIPT = Path(__file__).resolve().parents[1] / "tests" / "scripts" / "collectives.py"
 
-with StoreProcess(host="127.0.0.1", port=0) as store:
-    print(f"tierrun store on 127.0.0.1:{store.port}")
-    procs = []
-    for rank in range(4):
-        env = dict(os.environ, MASTER_ADDR="127.0.0.1", MASTER_PORT=str(store.port), RANK=str(rank),
-                   WORLD_SIZE="4", LOCAL_RANK=str(rank), TORCHELASTIC_USE_AGENT_STORE="True")
-        procs.append(subprocess.Popen([sys.executable, str(SCRIPT)], env=env))
-    codes = [p.wait() for p in procs]
+def node(rank: int) -> subprocess.Popen:
+    cmd = [sys.executable, "-m", "tierrun", "--nnodes", "2", "--nproc_per_node", "2",
+           "--rdzv_backend", "parallel", "--master_addr", "127.0.1.1", "--master_port", PORT,
+           "--node_rank", str(rank), "--local_addr", f"127.0.1.{rank + 1}", str(SCRIPT)]
+    print(f"node {rank}$ tierrun {' '.join(cmd[3:])}", flush=True)
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
+    return subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
+
+
+def relay(rank: int, proc: subprocess.Popen) -> None:
+    for line in proc.stdout:
+        print(f"[node {rank}] {line}", end="", flush=True)
+
+
+procs = [node(0), node(1)]
+threads = [threading.Thread(target=relay, args=(k, p)) for k, p in enumerate(procs)]
+for t in threads:
+    t.start()
+codes = [p.wait() for p in procs]
+for t in threads:
+    t.join()
+print("demo:", "OK, every worker finished" if codes == [0, 0] else f"FAILED, exit codes {codes}")
 sys.exit(max(codes))

@@ -53,6 +53,8 @@ _I64_MIN, _I64_MAX = -(1 << 63), (1 << 63) - 1
 
 def parse_counter(value: bytes, key: bytes) -> int:
     """Read a counter the way torch's server does (``std::stoll``)."""
+    if value.isdigit() and len(value) < 19:  # what ADD itself stores: the fast path
+        return int(value)
     m = _LEADING_INT.match(value)
     if m is None:
         raise StoreError(f"key {key!r} holds {value[:32]!r}, which is not a number")

@@ -62,6 +62,7 @@ _PLANS: dict[int, tuple[int, ...]] = {
     Op.BARRIER: (_KEY, _I64),
 }
 
+_OP_MEMBERS = tuple(Op)  # Op(n) is slow on the hot path; indexing is not
 _u32 = struct.Struct("<I").unpack_from
 _u64 = struct.Struct("<Q").unpack_from
 _i64 = struct.Struct("<q").unpack_from
@@ -132,7 +133,7 @@ class RequestParser:
                 self._op = op
                 self._plan = _PLANS[op]
                 self._step = 0
-                self._args = [Op(op)]
+                self._args = [_OP_MEMBERS[op]]
                 self._request_bytes = 1
             plan = self._plan
             args = self._args

@@ -1,0 +1,61 @@
+"""Start the servers that benchmarks compare, each in its own process, and read what
+they cost (CPU seconds and peak RSS from /proc)."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from dataclasses import dataclass
+
+from tierrun.server import StoreProcess
+
+_TORCH_SERVER = """
+import sys, time, datetime, torch.distributed as dist
+s = dist.TCPStore("127.0.0.1", 0, is_master=True, use_libuv=True,
+                  timeout=datetime.timedelta(seconds=600), wait_for_workers=False)
+print(s.port, flush=True)
+sys.stdin.read()
+"""
+
+
+@dataclass
+class ServerHandle:
+    name: str
+    port: int
+    pid: int
+    _stop: object
+
+    def cpu_seconds(self) -> float:
+        fields = open(f"/proc/{self.pid}/stat").read().rsplit(")", 1)[1].split()
+        return (int(fields[11]) + int(fields[12])) / 100.0  # utime + stime, in ticks of 10 ms
+
+    def peak_rss_mb(self) -> float:
+        for line in open(f"/proc/{self.pid}/status"):
+            if line.startswith("VmHWM:"):
+                return int(line.split()[1]) / 1024
+        return float("nan")
+
+    def stop(self) -> None:
+        self._stop()  # type: ignore[operator]
+
+
+def start_torch() -> ServerHandle:
+    """torch's own TCPStore server (the libuv backend, torch's default)."""
+    proc = subprocess.Popen([sys.executable, "-c", _TORCH_SERVER], stdin=subprocess.PIPE,
+                            stdout=subprocess.PIPE, text=True)
+    port = int(proc.stdout.readline())
+
+    def stop() -> None:
+        proc.stdin.close()
+        proc.wait(10)
+
+    return ServerHandle("torch", port, proc.pid, stop)
+
+
+def start_tierrun() -> ServerHandle:
+    sp = StoreProcess(host="127.0.0.1", port=0)
+    sp.start()
+    return ServerHandle("tierrun", sp.port, sp.pid, sp.stop)
+
+
+SERVERS = {"torch": start_torch, "tierrun": start_tierrun}
