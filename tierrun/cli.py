@@ -7,10 +7,11 @@ import sys
 
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
-    if argv and argv[0] == "store":
-        from .server.store_cli import main as store_main
+    if argv and argv[0] in ("store", "proxy"):
+        from .server import store_cli
 
-        return store_main(argv[1:])
+        command = store_cli.store_main if argv[0] == "store" else store_cli.proxy_main
+        return command(argv[1:])
     from .launcher.cli import main as launch_main
 
     return launch_main(argv)

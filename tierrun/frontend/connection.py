@@ -14,6 +14,7 @@ from typing import TYPE_CHECKING
 
 from ..core import StoreError
 from ..protocol import Op, ProtocolError, RequestParser
+from ..link.frames import LINK_MAGIC
 from ..protocol.replies import encode_u32
 
 if TYPE_CHECKING:
@@ -33,7 +34,7 @@ class ClientConnection(asyncio.Protocol):
     a slow client holds no more than its own buffers.
     """
 
-    __slots__ = ("_frontend", "_upstream", "_parser", "_transport", "peer", "closed")
+    __slots__ = ("_frontend", "_upstream", "_parser", "_transport", "peer", "closed", "_sniff")
 
     def __init__(self, frontend: FrontEnd) -> None:
         self._frontend = frontend
@@ -42,6 +43,8 @@ class ClientConnection(asyncio.Protocol):
         self._transport: asyncio.Transport | None = None
         self.peer = "?"
         self.closed = False
+        # On a port that also takes links, the first byte tells a link from a torch client.
+        self._sniff = frontend.link_acceptor is not None
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         self._transport = transport  # type: ignore[assignment]
@@ -58,6 +61,11 @@ class ClientConnection(asyncio.Protocol):
             transport.abort()
 
     def data_received(self, data: bytes) -> None:
+        if self._sniff:
+            self._sniff = False
+            if data[0] == LINK_MAGIC:
+                self._become_link(data[1:])
+                return
         try:
             requests = self._parser.feed(data)
         except ProtocolError as e:
@@ -81,6 +89,17 @@ class ClientConnection(asyncio.Protocol):
             return
         if out:
             self._write(out)
+
+    def _become_link(self, rest: bytes) -> None:
+        acceptor = self._frontend.link_acceptor
+        assert acceptor is not None and self._transport is not None
+        self._frontend.release(self)
+        self._frontend.accepted -= 1  # counted as a link, not as a client
+        link = acceptor(self.peer)
+        self._transport.set_protocol(link)
+        link.connection_made(self._transport)
+        if rest:
+            link.data_received(rest)
 
     def _write(self, out: list[bytes]) -> None:
         if out and not self.closed:

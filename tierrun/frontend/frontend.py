@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import socket
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Protocol
 
@@ -38,8 +39,16 @@ class FrontEndConfig:
 class FrontEnd:
     """Accepts torch clients on any number of listening sockets."""
 
-    def __init__(self, upstream: Upstream, config: FrontEndConfig | None = None) -> None:
+    def __init__(
+        self,
+        upstream: Upstream,
+        config: FrontEndConfig | None = None,
+        link_acceptor: Callable[[str], asyncio.Protocol] | None = None,
+    ) -> None:
+        """``link_acceptor(peer)``, if given, makes the protocol for a front-end's link
+        that arrives on this front-end's port (the store host's public port)."""
         self.upstream = upstream
+        self.link_acceptor = link_acceptor
         self.config = config or FrontEndConfig()
         self.limits = self.config.limits
         self.connections: set[ClientConnection] = set()

@@ -85,10 +85,11 @@ class RequestParser:
         "_items", "_remaining", "_request_bytes", "_pair_key",
     )
 
-    def __init__(self, limits: Limits | None = None) -> None:
+    def __init__(self, limits: Limits | None = None, numbering: str | None = None) -> None:
+        """``numbering="2.2"`` skips detection (links carry 2.2+ requests, no VALIDATE)."""
         self._limits = limits or Limits()
         self._buf = bytearray()
-        self._numbering = _UNDECIDED
+        self._numbering = _TORCH22 if numbering == "2.2" else _UNDECIDED
         self._op = -1  # opcode of the request being parsed, -1 between requests
         self._plan: tuple[int, ...] = ()
         self._step = 0  # index into _plan
@@ -187,6 +188,13 @@ class RequestParser:
         if pos:
             del buf[:pos]
         return out
+
+    def parse_one(self, data: bytes) -> Request:
+        """Exactly one complete request. Raises ProtocolError otherwise."""
+        reqs = self.feed(data)
+        if len(reqs) != 1 or self._buf or self._op >= 0:
+            raise ProtocolError("a link entry must hold exactly one request")
+        return reqs[0]
 
     def _parse_items(self, kind: int, pos: int, end: int) -> tuple[int, bool]:
         """Parse a counted list of keys (_KEYS) or key/value pairs (_PAIRS).

@@ -6,6 +6,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import subprocess
@@ -13,8 +14,9 @@ import sys
 import threading
 from collections.abc import Sequence
 
-_LISTENING = re.compile(r"store listening on tcp \[?([^\]]*?)\]?:(\d+)$")
-_NAMESPACE = re.compile(r"store namespace (\S+) listening on tcp port (\d+)$")
+_LISTENING = re.compile(r"^tierrun (?:store|proxy) listening on tcp \[?([^\]]*?)\]?:(\d+)$")
+_NAMESPACE = re.compile(r"^tierrun (?:store|proxy) namespace (\S+) listening on tcp port (\d+)$")
+_STATS = re.compile(r"^tierrun (?:store|proxy) stats (\{.*\})$")
 
 
 class StoreStartError(RuntimeError):
@@ -22,7 +24,7 @@ class StoreStartError(RuntimeError):
 
 
 class StoreProcess:
-    """A ``tierrun store`` child process.
+    """A ``tierrun store`` (or, with ``command="proxy"``, ``tierrun proxy``) child process.
 
     ``start()`` blocks until the store accepts connections (or raises
     :class:`StoreStartError` with the child's output); ``port`` is then the bound port,
@@ -38,7 +40,9 @@ class StoreProcess:
         start_timeout: float = 30.0,
         env: dict[str, str] | None = None,
         controlled: bool = False,
+        command: str = "store",
     ) -> None:
+        self.command_name = command
         self.host = host
         self.requested_port = port
         self.unix = unix
@@ -47,6 +51,7 @@ class StoreProcess:
         self.env = env
         self.controlled = controlled
         self._namespaces: dict[str, int] = {}
+        self._stats: list[dict] = []
         self._changed = threading.Condition()
         self.port: int | None = None
         self.proc: subprocess.Popen[str] | None = None
@@ -58,7 +63,7 @@ class StoreProcess:
         return self.proc.pid
 
     def command(self) -> list[str]:
-        cmd = [sys.executable, "-m", "tierrun", "store", "--port", str(self.requested_port)]
+        cmd = [sys.executable, "-m", "tierrun", self.command_name, "--port", str(self.requested_port)]
         if self.host:
             cmd += ["--host", self.host]
         if self.unix:
@@ -83,7 +88,7 @@ class StoreProcess:
         if not ready.wait(self.start_timeout) or self.port is None:
             self.stop()
             raise StoreStartError(
-                "tierrun store did not start:\n" + "".join(self._output[-20:])
+                f"tierrun {self.command_name} did not start:\n" + "".join(self._output[-20:])
             )
         return self.port
 
@@ -100,6 +105,11 @@ class StoreProcess:
             if m:
                 with self._changed:
                     self._namespaces[m.group(1)] = int(m.group(2))
+                    self._changed.notify_all()
+            m = _STATS.search(line.rstrip())
+            if m:
+                with self._changed:
+                    self._stats.append(json.loads(m.group(1)))
                     self._changed.notify_all()
         ready.set()
         with self._changed:
@@ -122,6 +132,17 @@ class StoreProcess:
             if name not in self._namespaces:
                 raise StoreStartError(f"the store did not open namespace {name}:\n{self.output}")
             return self._namespaces[name]
+
+    def stats(self, timeout: float = 10.0) -> dict:
+        """The process's counters (needs ``controlled=True``)."""
+        assert self.controlled and self.proc is not None and self.proc.stdin is not None
+        with self._changed:
+            seen = len(self._stats)
+            self.proc.stdin.write("stats\n")
+            self.proc.stdin.flush()
+            if not self._changed.wait_for(lambda: len(self._stats) > seen, timeout):
+                raise StoreStartError(f"no stats from the {self.command_name} process")
+            return self._stats[-1]
 
     @property
     def output(self) -> str:

@@ -1,4 +1,4 @@
-"""``tierrun store``: run a root store from the command line."""
+"""``tierrun store`` (the root store) and ``tierrun proxy`` (a node front-end)."""
 
 from __future__ import annotations
 
@@ -7,18 +7,19 @@ import logging
 import sys
 
 from ..frontend import FrontEndConfig
+from ..link.auth import load_token
 from ..protocol import Limits
 from .eventloop import run
-from .root import RootConfig, serve_root
+from .proxy import serve_proxy
+from .root import serve_root
+from .service import ServiceConfig
 
 
-def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(
-        prog="tierrun store",
-        description="Run a key-value store that torch's TCPStore clients can use.",
-    )
-    p.add_argument("--host", default=None, help="address to listen on (default: all, dual-stack)")
-    p.add_argument("--port", type=int, default=29500, help="TCP port (0 picks a free one)")
+def build_parser(prog: str, description: str, default_host: str | None, default_port: int) -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog=prog, description=description)
+    p.add_argument("--host", default=default_host,
+                   help=f"address to listen on (default: {default_host or 'all, dual-stack'})")
+    p.add_argument("--port", type=int, default=default_port, help="TCP port (0 picks a free one)")
     p.add_argument("--unix", default=None, help="also listen on this Unix socket (@name: abstract)")
     d = Limits()
     p.add_argument("--max-key-bytes", type=int, default=d.max_key_bytes)
@@ -26,44 +27,65 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-keys-per-request", type=int, default=d.max_keys_per_request)
     p.add_argument("--max-request-bytes", type=int, default=d.max_request_bytes)
     p.add_argument("--max-connections", type=int, default=FrontEndConfig().max_connections)
-    p.add_argument(
-        "--control-stdin",
-        action="store_true",
-        help="take commands on stdin (used by the launcher) and stop when stdin closes",
-    )
+    p.add_argument("--control-stdin", action="store_true",
+                   help="take commands on stdin (used by the launcher) and stop when stdin closes")
     p.add_argument("--log-level", default="WARNING", help="DEBUG, INFO, WARNING or ERROR")
     return p
 
 
-def main(argv: list[str]) -> int:
-    args = build_parser().parse_args(argv)
-    logging.basicConfig(
-        level=args.log_level.upper(), format="[tierrun store] %(levelname)s %(message)s"
-    )
+def _config(args: argparse.Namespace) -> ServiceConfig:
     limits = Limits(
         max_key_bytes=args.max_key_bytes,
         max_value_bytes=args.max_value_bytes,
         max_keys_per_request=args.max_keys_per_request,
         max_request_bytes=args.max_request_bytes,
     )
-    config = RootConfig(
-        host=args.host,
-        port=args.port,
-        unix=args.unix,
+    return ServiceConfig(
+        host=args.host, port=args.port, unix=args.unix,
         frontend=FrontEndConfig(limits=limits, max_connections=args.max_connections),
         control_stdin=args.control_stdin,
     )
 
-    def announce(line: str) -> None:
-        print(f"tierrun store {line}", flush=True)
 
+def _announcer(name: str):
+    def announce(line: str) -> None:
+        print(f"tierrun {name} {line}", flush=True)
+
+    return announce
+
+
+def store_main(argv: list[str]) -> int:
+    p = build_parser("tierrun store", "Run a key-value store that torch's TCPStore clients can use. "
+                     "Node proxies link to it when it has a job token ($TIERRUN_TOKEN or $TIERRUN_TOKEN_FILE).",
+                     None, 29500)
+    args = p.parse_args(argv)
+    logging.basicConfig(level=args.log_level.upper(), format="[tierrun store] %(levelname)s %(message)s")
     try:
-        run(serve_root(config, on_listening=announce))
+        run(serve_root(_config(args), on_listening=_announcer("store"), token=load_token()))
     except OSError as e:
-        print(
-            f"tierrun store: cannot listen on {args.host or '*'}:{args.port}: {e.strerror or e}. "
-            "Pick another --port, or stop whatever uses it.",
-            file=sys.stderr,
-        )
+        print(f"tierrun store: cannot listen on {args.host or '*'}:{args.port}: {e.strerror or e}. "
+              "Pick another --port, or stop whatever uses it.", file=sys.stderr)
         return 1
     return 0
+
+
+def proxy_main(argv: list[str]) -> int:
+    p = build_parser("tierrun proxy", "Run a node front-end: local clients in, one authenticated "
+                     "link to the store host out. The job token comes from $TIERRUN_TOKEN or "
+                     "$TIERRUN_TOKEN_FILE.", "127.0.0.1", 0)
+    p.add_argument("--upstream", required=True, help="the store host, HOST:PORT")
+    p.add_argument("--connect-timeout", type=float, default=60.0)
+    args = p.parse_args(argv)
+    logging.basicConfig(level=args.log_level.upper(), format="[tierrun proxy] %(levelname)s %(message)s")
+    token = load_token()
+    if token is None:
+        print("tierrun proxy: no job token: set TIERRUN_TOKEN or TIERRUN_TOKEN_FILE to the token "
+              "the store host was started with", file=sys.stderr)
+        return 2
+    host, _, port = args.upstream.rpartition(":")
+    try:
+        return run(serve_proxy(_config(args), host.strip("[]"), int(port), token,
+                               on_listening=_announcer("proxy"), connect_timeout=args.connect_timeout))
+    except (OSError, TimeoutError, Exception) as e:  # noqa: B014 - one line for any start failure
+        print(f"tierrun proxy: cannot link to the store host {args.upstream}: {e}", file=sys.stderr)
+        return 1

@@ -1,0 +1,1 @@
+"""The front-end <-> core link: framed, batched, authenticated."""

@@ -1,0 +1,85 @@
+"""Mutual authentication of a link with a per-job token: HMAC challenge-response.
+
+Each side sends a fresh random nonce and proves it knows the token by the HMAC of both
+nonces (with a different label per direction, so a proof cannot be reflected). The
+token itself never crosses the wire.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import hmac
+import os
+import secrets
+import struct
+
+from .frames import AUTH, ERROR, HELLO, VERSION, WELCOME, LinkError, frame
+
+NONCE = 32
+_ver = struct.Struct("<H")
+
+
+def load_token(value: str | None = None) -> bytes | None:
+    """The job token: ``value``, else $TIERRUN_TOKEN, else the file named by $TIERRUN_TOKEN_FILE."""
+    if value:
+        return value.encode()
+    if os.environ.get("TIERRUN_TOKEN"):
+        return os.environ["TIERRUN_TOKEN"].encode()
+    path = os.environ.get("TIERRUN_TOKEN_FILE")
+    if path:
+        with open(path, "rb") as f:
+            return f.read().strip()
+    return None
+
+
+def new_token() -> str:
+    return secrets.token_hex(32)
+
+
+def _mac(token: bytes, label: bytes, a: bytes, b: bytes) -> bytes:
+    return hmac.new(token, label + a + b, hashlib.sha256).digest()
+
+
+def hello(server_nonce: bytes) -> bytes:
+    return frame(HELLO, _ver.pack(VERSION) + server_nonce)
+
+
+def answer_hello(token: bytes, payload: bytes) -> tuple[bytes, bytes]:
+    """Front-end side: check the version, return (AUTH frame, client nonce)."""
+    if len(payload) != 2 + NONCE:
+        raise LinkError("malformed HELLO")
+    (version,) = _ver.unpack_from(payload)
+    if version != VERSION:
+        raise LinkError(
+            f"the store host speaks link version {version}, this node {VERSION}: "
+            "install the same tierrun version on every node"
+        )
+    server_nonce = payload[2:]
+    client_nonce = secrets.token_bytes(NONCE)
+    mac = _mac(token, b"tierrun-link-client", server_nonce, client_nonce)
+    return frame(AUTH, _ver.pack(VERSION) + client_nonce + mac), client_nonce
+
+
+def check_auth(token: bytes, server_nonce: bytes, payload: bytes) -> bytes:
+    """Core side: verify AUTH; return the WELCOME frame. Raises LinkError."""
+    if len(payload) != 2 + 2 * NONCE:
+        raise LinkError("malformed AUTH")
+    (version,) = _ver.unpack_from(payload)
+    if version != VERSION:
+        raise LinkError(
+            f"front-end speaks link version {version}, the store host {VERSION}: "
+            "install the same tierrun version on every node"
+        )
+    client_nonce, mac = payload[2 : 2 + NONCE], payload[2 + NONCE :]
+    if not hmac.compare_digest(mac, _mac(token, b"tierrun-link-client", server_nonce, client_nonce)):
+        raise LinkError("wrong job token")
+    return frame(WELCOME, _mac(token, b"tierrun-link-server", client_nonce, server_nonce))
+
+
+def check_welcome(token: bytes, server_nonce: bytes, client_nonce: bytes, payload: bytes) -> None:
+    if not hmac.compare_digest(payload, _mac(token, b"tierrun-link-server", client_nonce, server_nonce)):
+        raise LinkError("the store host does not know the job token (wrong token, or not tierrun)")
+
+
+def error(message: str) -> bytes:
+    return frame(ERROR, message.encode())

@@ -1,0 +1,150 @@
+"""The front-end <-> core link, sans I/O: length-prefixed frames carrying batches.
+
+    frame   := u32 length | u8 type | payload            (length counts type + payload)
+    HELLO   := u16 version | 32-byte server nonce        core -> front-end, first
+    AUTH    := u16 version | 32-byte client nonce | 32-byte HMAC    front-end -> core
+    WELCOME := 32-byte HMAC                              core -> front-end
+    ERROR   := utf-8 text, then the sender closes
+    BATCH   := u32 n | n x entry                         front-end -> core
+        entry := u8 OPEN    | u32 client | u32 len | namespace   (a new client; "" = root)
+               | u8 REQUEST | u32 client | u64 rid | u32 len | torch-encoded request
+               | u8 CLOSE   | u32 client                         (client gone: drop its waits)
+    REPLIES := u32 n | n x (u64 rid | u8 status | u32 len | bytes)  core -> front-end
+        status 0: the torch-encoded reply; 1: an error message (the client must be closed)
+
+Every length is checked against a limit before anything is allocated for it.
+"""
+
+from __future__ import annotations
+
+import struct
+from dataclasses import dataclass
+
+LINK_MAGIC = 0xA7  # first byte a front-end sends: not an opcode of any torch version
+VERSION = 1
+
+HELLO, AUTH, WELCOME, ERROR, BATCH, REPLIES = range(1, 7)
+OPEN, REQUEST, CLOSE = range(3)
+OK, FAILED = 0, 1
+
+_hdr = struct.Struct("<IB")
+_u32 = struct.Struct("<I")
+_open = struct.Struct("<BII")
+_req = struct.Struct("<BIQI")
+_close = struct.Struct("<BI")
+_reply = struct.Struct("<QBI")
+
+#: Largest frame accepted: a batch of many maximal requests still fits.
+DEFAULT_MAX_FRAME = 512 * 1024 * 1024
+
+
+class LinkError(Exception):
+    """The peer broke the link protocol; close the link."""
+
+
+def frame(ftype: int, payload: bytes) -> bytes:
+    return _hdr.pack(len(payload) + 1, ftype) + payload
+
+
+class FrameDecoder:
+    """Bytes in, ``(type, payload)`` frames out. O(bytes read)."""
+
+    def __init__(self, max_frame: int = DEFAULT_MAX_FRAME) -> None:
+        self._buf = bytearray()
+        self._max = max_frame
+
+    def feed(self, data: bytes) -> list[tuple[int, bytes]]:
+        buf = self._buf
+        buf += data
+        out = []
+        pos = 0
+        while len(buf) - pos >= 5:
+            length, ftype = _hdr.unpack_from(buf, pos)
+            if length == 0 or length > self._max:
+                raise LinkError(f"frame of {length} bytes (limit {self._max})")
+            if len(buf) - pos - 4 < length:
+                break
+            out.append((ftype, bytes(buf[pos + 5 : pos + 4 + length])))
+            pos += 4 + length
+        if pos:
+            del buf[:pos]
+        return out
+
+
+@dataclass
+class Entry:
+    kind: int
+    client: int
+    rid: int = 0
+    data: bytes = b""  # namespace (OPEN) or request bytes (REQUEST)
+
+
+def encode_batch(entries: list[bytes]) -> bytes:
+    """``entries`` are already-encoded entries (see the ``entry_*`` helpers)."""
+    return frame(BATCH, _u32.pack(len(entries)) + b"".join(entries))
+
+
+def entry_open(client: int, namespace: bytes) -> bytes:
+    return _open.pack(OPEN, client, len(namespace)) + namespace
+
+
+def entry_request(client: int, rid: int, request: bytes) -> bytes:
+    return _req.pack(REQUEST, client, rid, len(request)) + request
+
+
+def entry_close(client: int) -> bytes:
+    return _close.pack(CLOSE, client)
+
+
+def decode_batch(payload: bytes) -> list[Entry]:
+    try:
+        (n,) = _u32.unpack_from(payload, 0)
+        pos = 4
+        out = []
+        for _ in range(n):
+            kind = payload[pos]
+            if kind == REQUEST:
+                _, client, rid, length = _req.unpack_from(payload, pos)
+                pos += _req.size
+                out.append(Entry(REQUEST, client, rid, payload[pos : pos + length]))
+                pos += length
+            elif kind == OPEN:
+                _, client, length = _open.unpack_from(payload, pos)
+                pos += _open.size
+                out.append(Entry(OPEN, client, 0, payload[pos : pos + length]))
+                pos += length
+            elif kind == CLOSE:
+                _, client = _close.unpack_from(payload, pos)
+                pos += _close.size
+                out.append(Entry(CLOSE, client))
+            else:
+                raise LinkError(f"unknown batch entry kind {kind}")
+            if pos > len(payload):
+                raise LinkError("truncated batch")
+        return out
+    except (struct.error, IndexError) as e:
+        raise LinkError(f"malformed batch: {e}") from None
+
+
+def encode_replies(replies: list[tuple[int, int, bytes]]) -> bytes:
+    return frame(
+        REPLIES,
+        _u32.pack(len(replies)) + b"".join(_reply.pack(rid, st, len(b)) + b for rid, st, b in replies),
+    )
+
+
+def decode_replies(payload: bytes) -> list[tuple[int, int, bytes]]:
+    try:
+        (n,) = _u32.unpack_from(payload, 0)
+        pos = 4
+        out = []
+        for _ in range(n):
+            rid, status, length = _reply.unpack_from(payload, pos)
+            pos += _reply.size
+            out.append((rid, status, payload[pos : pos + length]))
+            pos += length
+        if pos > len(payload):
+            raise LinkError("truncated replies")
+        return out
+    except struct.error as e:
+        raise LinkError(f"malformed replies: {e}") from None
