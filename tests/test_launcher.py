@@ -135,3 +135,44 @@ def test_elastic_timeout_says_how_many_arrived(tmp_path):
     assert finish([p], timeout=90)[0] != 0
     text = log.read_text()
     assert "1 node(s) arrived (127.0.1.1), at least 2 needed" in text
+
+
+def served_by_store_host(log):
+    import json
+    import re
+
+    m = re.search(r"store host served: (\{.*\})", log.read_text())
+    assert m, log.read_text()[-3000:]
+    return json.loads(m.group(1))
+
+
+@pytest.mark.parametrize("mode", ["static", "elastic"])
+def test_tiered_three_nodes_node0_sees_only_links(tmp_path, mode):
+    port = free_port()
+    logs = [tmp_path / f"node{k}.log" for k in range(3)]
+    env = {"TIERRUN_TOKEN": "tiered-test-token", "TIERRUN_LOG_LEVEL": "INFO"}
+    procs = []
+    for k in range(3):
+        if mode == "static":
+            flags = ("--nnodes", 3, "--rdzv_backend", "parallel", "--master_addr", "127.0.1.1",
+                     "--master_port", port, "--node_rank", k, "--enable_tiered_parallel_tcpstore", "true")
+        else:
+            flags = ("--nnodes", "2:3", "--rdzv_endpoint", f"127.0.1.1:{port}", "--rdzv_id", "tiered",
+                     "--rdzv_conf", "last_call_timeout=3", "--tiered")
+        procs.append(tierrun(*flags, "--nproc_per_node", 2, "--local_addr", f"127.0.1.{k + 1}",
+                             SCRIPTS / "collectives.py", log=logs[k], env=env))
+    assert finish(procs) == [0, 0, 0], logs[0].read_text()[-3000:]
+    check_world(results(*logs), 6, 21)
+    for log in logs:  # workers talk to their own node's proxy on loopback
+        assert {r["master"].split(":")[0] for r in results(log)} == {"127.0.0.1"}
+    served = served_by_store_host(logs[0])
+    assert served["links_accepted"] == 3
+    assert served["clients_accepted"] == 0  # no agent and no worker connected directly
+
+
+def test_tiered_across_nodes_without_token_is_a_usage_error(tmp_path):
+    log = tmp_path / "out.log"
+    p = tierrun("--nnodes", 2, "--rdzv_backend", "parallel", "--tiered", "--nproc_per_node", 1,
+                SCRIPTS / "collectives.py", log=log, env={"TIERRUN_TOKEN": ""})
+    assert finish([p], timeout=60) == [2]
+    assert "needs a shared job token" in log.read_text()

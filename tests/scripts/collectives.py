@@ -8,6 +8,12 @@ import os
 import torch
 import torch.distributed as dist
 
+
+def say(line: str) -> None:
+    """One write() per line: lines of workers sharing a pipe never interleave."""
+    os.write(1, (line + "\n").encode())
+
+
 dist.init_process_group("gloo")
 rank, world = dist.get_rank(), dist.get_world_size()
 x = torch.ones(4) * (rank + 1)
@@ -17,10 +23,7 @@ group = dist.new_group(list(range(world)))
 y = torch.ones(1)
 dist.all_reduce(y, group=group)
 assert int(y.item()) == world
-print(
-    f"RESULT rank={rank} world={world} sum={int(x[0].item())} "
+say(f"RESULT rank={rank} world={world} sum={int(x[0].item())} "
     f"local_rank={os.environ.get('LOCAL_RANK')} group_rank={os.environ.get('GROUP_RANK')} "
-    f"master={os.environ.get('MASTER_ADDR')}:{os.environ.get('MASTER_PORT')}",
-    flush=True,
-)
+    f"master={os.environ.get('MASTER_ADDR')}:{os.environ.get('MASTER_PORT')}")
 dist.destroy_process_group()

@@ -5,6 +5,12 @@ import os
 
 import torch
 import torch.distributed as dist
+
+
+def say(line: str) -> None:
+    """One write() per line: lines of workers sharing a pipe never interleave."""
+    os.write(1, (line + "\n").encode())
+
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
@@ -30,5 +36,5 @@ w = model.module[0].weight.detach().clone()
 gathered = [torch.zeros_like(w) for _ in range(world)]
 dist.all_gather(gathered, w)
 assert all(torch.equal(g, w) for g in gathered), "replicas diverged"
-print(f"RESULT rank={rank} world={world} loss={loss.item():.4f} local_rank={os.environ['LOCAL_RANK']}", flush=True)
+say(f"RESULT rank={rank} world={world} loss={loss.item():.4f} local_rank={os.environ['LOCAL_RANK']}")
 dist.destroy_process_group()

@@ -11,6 +11,12 @@ import time
 import torch
 import torch.distributed as dist
 
+
+def say(line: str) -> None:
+    """One write() per line: lines of workers sharing a pipe never interleave."""
+    os.write(1, (line + "\n").encode())
+
+
 p = argparse.ArgumentParser()
 p.add_argument("--want", type=int, required=True, help="world size at which to finish")
 p.add_argument("--patience", type=float, default=60.0)
@@ -21,9 +27,9 @@ rank, world = dist.get_rank(), dist.get_world_size()
 x = torch.ones(1) * (rank + 1)
 dist.all_reduce(x)
 assert int(x.item()) == world * (world + 1) // 2, (x.item(), world)
-print(f"ROUND rank={rank} world={world} restart={os.environ['TORCHELASTIC_RESTART_COUNT']}", flush=True)
+say(f"ROUND rank={rank} world={world} restart={os.environ['TORCHELASTIC_RESTART_COUNT']}")
 if world == args.want:
-    print(f"RESULT rank={rank} world={world} sum={int(x.item())} group_rank={os.environ['GROUP_RANK']}", flush=True)
+    say(f"RESULT rank={rank} world={world} sum={int(x.item())} group_rank={os.environ['GROUP_RANK']}")
     dist.destroy_process_group()
 else:
     deadline = time.time() + args.patience

@@ -52,7 +52,14 @@ def build_parser() -> argparse.ArgumentParser:
         action=env,
         type=parse_bool,
         default=False,
-        help="torch_npu_run's flag: tiered store wire-up (a store front-end per node).",
+        help="torch_npu_run's flag: tiered store wire-up (a store proxy per node).",
+    )
+    parser.add_argument(
+        "--tiered",
+        action="store_true",
+        help="tierrun's spelling of --enable_tiered_parallel_tcpstore true. Across nodes it "
+        "needs the same secret in $TIERRUN_TOKEN (or a file named by $TIERRUN_TOKEN_FILE) "
+        "on every node.",
     )
     return parser
 
@@ -93,6 +100,7 @@ def normalise(args: argparse.Namespace) -> argparse.Namespace:
             raise UsageError(
                 f"--node_rank {args.node_rank} is outside 0..{nmax - 1} for --nnodes {nmax}"
             )
+    args.tiered = bool(args.tiered or args.enable_tiered_parallel_tcpstore)
     if args.max_restarts < 0:
         raise UsageError(f"--max_restarts {args.max_restarts} is negative: write 0 or more")
     return args

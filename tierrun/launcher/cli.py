@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import os
 import sys
 import uuid
 
@@ -11,6 +12,7 @@ from torch.distributed.launcher.api import elastic_launch
 from torch.distributed.run import config_from_args
 
 from .. import rendezvous
+from ..link.auth import load_token, new_token
 from .args import UsageError, build_parser, normalise
 from .devices import resolve_nproc_per_node
 
@@ -37,18 +39,24 @@ def prepare(argv: list[str]):
         conf = f"rank={args.node_rank}"
         args.rdzv_conf = f"{args.rdzv_conf},{conf}" if args.rdzv_conf else conf
         args.node_rank = 0  # now in rdzv_conf; keeps torch from warning it is ignored
-    if args.enable_tiered_parallel_tcpstore:
-        log.warning(
-            "--enable_tiered_parallel_tcpstore: node front-ends are not available in this "
-            "version; every process connects to the store host directly"
-        )
+    if args.tiered:
+        if load_token() is None:
+            if not args.standalone and args.nnodes.split(":")[-1] != "1":
+                raise UsageError(
+                    "tiered wire-up across nodes needs a shared job token: set TIERRUN_TOKEN to "
+                    "the same secret on every node (or TIERRUN_TOKEN_FILE to a file holding it)"
+                )
+            os.environ["TIERRUN_TOKEN"] = new_token()  # one node: nobody else needs it
+        conf = "tiered=1"
+        args.rdzv_conf = f"{args.rdzv_conf},{conf}" if args.rdzv_conf else conf
     rendezvous.register()
     return config_from_args(args)
 
 
 @record
 def main(argv: list[str]) -> int:
-    logging.basicConfig(level=logging.WARNING, format="[tierrun] %(levelname)s %(message)s")
+    logging.basicConfig(format="[tierrun] %(levelname)s %(message)s")
+    logging.getLogger("tierrun").setLevel(os.environ.get("TIERRUN_LOG_LEVEL", "WARNING").upper())
     try:
         config, entrypoint, cmd_args = prepare(argv)
     except UsageError as e:

@@ -41,7 +41,7 @@ from torch.distributed.elastic.rendezvous import (
 from torch.distributed.elastic.rendezvous.utils import _matches_machine_hostname, parse_rendezvous_endpoint
 
 from ..client import StoreClient, StoreClientError
-from .job_store import JobStore
+from .job_store import JobStore, token_from
 
 log = logging.getLogger("tierrun.rendezvous")
 
@@ -91,7 +91,7 @@ class ElasticRendezvousHandler(RendezvousHandler):
         return True
 
     def next_rendezvous(self) -> RendezvousInfo:
-        self._job.start_if_hosting()
+        self._job.start()
         store = self._job.client()
         if self.is_closed():
             raise RendezvousClosedError(f"rendezvous '{self._run_id}' is closed: the job has ended")
@@ -102,7 +102,7 @@ class ElasticRendezvousHandler(RendezvousHandler):
             if joined is not None:
                 break
             r += 1  # arrived after the close: wait in the next round
-        index, members, worker_port = joined
+        index, members, endpoint = joined
         order = sorted(
             range(len(members)),
             key=lambda j: (members[j]["prev_rank"] if members[j]["prev_rank"] >= 0 else 1 << 30, j),
@@ -118,7 +118,7 @@ class ElasticRendezvousHandler(RendezvousHandler):
             PrefixStore(self._k(r, "agents"), store),
             rank,
             len(members),
-            RendezvousStoreInfo(self._job.host, worker_port),
+            RendezvousStoreInfo(*endpoint),
         )
 
     def _join(self, store, r: int, deadline: float):
@@ -126,9 +126,9 @@ class ElasticRendezvousHandler(RendezvousHandler):
         index = int(store.add(self._k(r, "joined"), 1))
         me = {"addr": self._addr, "prev_rank": self._rank, "pid": os.getpid()}
         store.set(self._k(r, f"node/{index}"), json.dumps(me))
-        if self._job.hosting:
-            port = self._job.open_worker_namespace(f"{self._run_id}/workers/{r}")
-            store.set(self._k(r, "worker_port"), str(port))
+        endpoint = self._job.worker_endpoint(f"{self._run_id}/workers/{r}")
+        if endpoint is not None and not self._job.tiered:  # flat: the host publishes it
+            store.set(self._k(r, "worker_port"), str(endpoint[1]))
         if index == self._max:
             self._close(store, r, self._max)
         elif index == self._min:
@@ -146,10 +146,15 @@ class ElasticRendezvousHandler(RendezvousHandler):
             log.info("round %d of '%s' closed with %d nodes before node %s arrived; waiting for the next",
                      r, self._run_id, n, self._addr)
             return None
-        keys = [self._k(r, f"node/{j}") for j in range(1, n + 1)] + [self._k(r, "worker_port")]
+        keys = [self._k(r, f"node/{j}") for j in range(1, n + 1)]
+        if not self._job.tiered:
+            keys.append(self._k(r, "worker_port"))
         store.wait(keys, self._job.timeout)
         values = store.multi_get(keys)
-        return index, [json.loads(v) for v in values[:-1]], int(values[-1])
+        if not self._job.tiered:
+            endpoint = (self._job.host, int(values.pop()))
+        assert endpoint is not None
+        return index, [json.loads(v) for v in values], endpoint
 
     def _close(self, store, r: int, n: int) -> None:
         if store.compare_set(self._k(r, "closed"), "", str(n)) == str(n).encode():
@@ -187,7 +192,7 @@ class ElasticRendezvousHandler(RendezvousHandler):
         the socket, quietly.
         """
         self._stop_watcher()
-        client = StoreClient((self._job.host, self._job.port), timeout=365 * 24 * 3600)
+        client = StoreClient(self._job.client_address, timeout=365 * 24 * 3600)
         self._watcher = client
 
         def watch() -> None:
@@ -251,6 +256,7 @@ def create_handler(params: RendezvousParameters) -> RendezvousHandler:
     join_timeout = float(params.config.get("join_timeout", DEFAULT_JOIN_TIMEOUT))
     last_call = float(params.config.get("last_call_timeout", DEFAULT_LAST_CALL_TIMEOUT))
     timeout = timedelta(seconds=max(join_timeout, 60))
-    job = JobStore(host, port, hosting=_hosts_store(host, params.local_addr), timeout=timeout)
+    job = JobStore(host, port, hosting=_hosts_store(host, params.local_addr), timeout=timeout,
+                   token=token_from(params.config))
     return ElasticRendezvousHandler(job, params.run_id, params.min_nodes, params.max_nodes,
                                     join_timeout, last_call, params.local_addr)

@@ -1,83 +1,142 @@
-"""The job's store, seen from one agent: host it (in a child process) or connect to it."""
+"""The job's store, seen from one agent: host it, front it, connect to it.
+
+One store per job serves the agents and, through per-round namespaces, the workers.
+The hosting agent runs the root store in a child process. With tiering (a job token
+is given), every agent also runs its node's proxy in a child process: the agent and
+the workers of the node talk to the proxy on loopback, and only the proxies talk to
+the store host, over authenticated links. Child processes stop when the agent does
+(they watch its stdin pipe).
+"""
 
 from __future__ import annotations
 
 import errno
+import json
 import logging
+import os
 import socket
 from datetime import timedelta
 
 from torch.distributed import TCPStore
 
+from ..link.auth import load_token
 from ..server import StoreProcess, StoreStartError
 
 log = logging.getLogger("tierrun.rendezvous")
 
+#: Where a node's proxy listens for its workers and its agent.
+PROXY_HOST = "127.0.0.1"
+
 
 class JobStore:
-    """One store per job serves the agents and, through per-round namespaces, the workers.
+    """``start`` blocks until the processes this agent runs accept connections;
+    ``client`` until the store answers (``RuntimeError`` naming the address if it
+    does not within ``timeout``)."""
 
-    ``hosting`` agents start the root store on ``port`` (every address, dual-stack),
-    supervise it (it exits when this process does) and stop it in :meth:`stop`.
-    :meth:`connect` blocks until the store answers or ``timeout`` expires, and raises
-    ``RuntimeError`` naming the address when it does not.
-    """
-
-    def __init__(self, host: str, port: int, hosting: bool, timeout: timedelta) -> None:
+    def __init__(self, host: str, port: int, hosting: bool, timeout: timedelta,
+                 token: str | None = None) -> None:
         self.host = host
         self.port = port
         self.hosting = hosting
         self.timeout = timeout
-        self.process: StoreProcess | None = None
+        self.token = token
+        self.root: StoreProcess | None = None
+        self.proxy: StoreProcess | None = None
         self._client: TCPStore | None = None
 
-    def start_if_hosting(self) -> bool:
-        """Start the root store if this agent hosts it. False if the port was taken
-        (another agent on this machine hosts it); raises on any other failure."""
-        if not self.hosting or self.process is not None:
-            return self.hosting
-        proc = StoreProcess(host=None, port=self.port, controlled=True)
+    @property
+    def tiered(self) -> bool:
+        return self.token is not None
+
+    def _env(self) -> dict[str, str]:
+        env = dict(os.environ)
+        if self.token is not None:
+            env["TIERRUN_TOKEN"] = self.token
+        return env
+
+    def start(self) -> None:
+        if self.hosting and self.root is None:
+            self._start_root()
+        if self.tiered and self.proxy is None:
+            proxy = StoreProcess(
+                host=PROXY_HOST, port=0, controlled=True, command="proxy", env=self._env(),
+                extra_args=["--upstream", f"{self.host}:{self.port}",
+                            "--connect-timeout", str(self.timeout.total_seconds())],
+                start_timeout=self.timeout.total_seconds() + 10,
+            )
+            try:
+                proxy.start()
+            except StoreStartError as e:
+                raise RuntimeError(
+                    f"this node's store proxy could not link to the store host "
+                    f"{self.host}:{self.port}: {e}"
+                ) from e
+            self.proxy = proxy
+
+    def _start_root(self) -> None:
+        proc = StoreProcess(host=None, port=self.port, controlled=True, env=self._env())
         try:
             self.port = proc.start()
         except StoreStartError as e:
-            if _port_in_use(self.port) and self.port != 0:
-                log.info("port %d is taken; connecting to the store there instead", self.port)
+            if self.port != 0 and _port_in_use(self.port):
+                log.info("port %d is taken; using the store there instead", self.port)
                 self.hosting = False
-                return False
+                return
             raise RuntimeError(
                 f"could not start the job's store on port {self.port}: {e}. "
                 "Pick a free port with --master_port or --rdzv_endpoint HOST:PORT."
             ) from e
-        self.process = proc
+        self.root = proc
         log.info("hosting the job's store on port %d (pid %d)", self.port, proc.pid)
-        return True
+
+    @property
+    def client_address(self) -> tuple[str, int]:
+        if self.proxy is not None:
+            assert self.proxy.port is not None
+            return PROXY_HOST, self.proxy.port
+        return self.host, self.port
 
     def client(self) -> TCPStore:
         if self._client is None:
+            host, port = self.client_address
             try:
-                self._client = TCPStore(
-                    self.host, self.port, is_master=False, timeout=self.timeout,
-                    wait_for_workers=False,
-                )
+                self._client = TCPStore(host, port, is_master=False, timeout=self.timeout,
+                                        wait_for_workers=False)
             except Exception as e:
                 raise RuntimeError(
-                    f"cannot reach the job's store at {self.host}:{self.port} "
-                    f"within {self.timeout.total_seconds():.0f} s ({type(e).__name__}). "
-                    "Check that the store host (node rank 0 / the --rdzv_endpoint host) "
-                    "is running and that the port is open."
+                    f"cannot reach the job's store at {host}:{port} within "
+                    f"{self.timeout.total_seconds():.0f} s ({type(e).__name__}). Check that the "
+                    "store host (node rank 0 / the --rdzv_endpoint host) is running and that "
+                    "the port is open."
                 ) from e
         return self._client
 
-    def open_worker_namespace(self, name: str) -> int:
-        """The port of a listener whose clients see only keys under ``name/``."""
-        assert self.process is not None, "only the hosting agent opens namespaces"
-        return self.process.open_namespace(name)
+    def worker_endpoint(self, namespace: str) -> tuple[str, int] | None:
+        """Where this node's workers of a round connect: a listener whose clients see only
+        keys under ``namespace/``. None when another agent (the host) publishes it."""
+        if self.proxy is not None:
+            return PROXY_HOST, self.proxy.open_namespace(namespace)
+        if self.root is not None:
+            return self.host, self.root.open_namespace(namespace)
+        return None
 
     def stop(self) -> None:
         self._client = None
-        if self.process is not None:
-            self.process.stop()
-            self.process = None
+        for name, proc in (("node proxy", self.proxy), ("store host", self.root)):
+            if proc is not None:
+                proc.stop()
+                log.info("%s served: %s", name, json.dumps(proc.last_stats))
+        self.proxy = self.root = None
+
+
+def token_from(config: dict) -> str | None:
+    """The job token when ``--rdzv_conf tiered=1`` (set by ``--tiered``), else None."""
+    if str(config.get("tiered", "0")).lower() not in ("1", "true"):
+        return None
+    token = load_token()
+    if token is None:
+        raise ValueError("tiered wire-up needs a job token: set TIERRUN_TOKEN on every node")
+    return token.decode()
 
 
 def _port_in_use(port: int) -> bool:

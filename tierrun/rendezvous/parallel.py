@@ -22,7 +22,7 @@ from torch.distributed.elastic.rendezvous import (
 )
 from torch.distributed.elastic.rendezvous.utils import parse_rendezvous_endpoint
 
-from .job_store import JobStore
+from .job_store import JobStore, token_from
 
 log = logging.getLogger("tierrun.rendezvous")
 
@@ -55,24 +55,27 @@ class ParallelRendezvousHandler(RendezvousHandler):
 
     def next_rendezvous(self) -> RendezvousInfo:
         self._round += 1
-        self._job.start_if_hosting()
+        self._job.start()
         store = self._job.client()
         base = f"tierrun/{self._run_id}/static/{self._round}"
         store.set(f"{base}/node/{self._rank}", json.dumps({"addr": self._local_addr}))
-        if self._rank == 0:
-            port = self._job.open_worker_namespace(f"{self._run_id}/workers/{self._round}")
-            store.set(f"{base}/worker_port", str(port))
-        keys = [f"{base}/node/{r}" for r in range(self._world_size)] + [f"{base}/worker_port"]
+        endpoint = self._job.worker_endpoint(f"{self._run_id}/workers/{self._round}")
+        keys = [f"{base}/node/{r}" for r in range(self._world_size)]
+        if not self._job.tiered:  # the host publishes the one worker port of the round
+            if endpoint is not None:
+                store.set(f"{base}/worker_port", str(endpoint[1]))
+            keys.append(f"{base}/worker_port")
         try:
             store.wait(keys, self._timeout)
         except Exception as e:
             raise RendezvousTimeoutError(self._missing_message(store, base)) from e
-        worker_port = int(store.get(f"{base}/worker_port"))
+        if endpoint is None:
+            endpoint = (self._job.host, int(store.get(f"{base}/worker_port")))
         return RendezvousInfo(
             PrefixStore(f"{base}/agents", store),
             self._rank,
             self._world_size,
-            RendezvousStoreInfo(self._job.host, worker_port),
+            RendezvousStoreInfo(*endpoint),
         )
 
     def _missing_message(self, store, base: str) -> str:
@@ -119,5 +122,5 @@ def create_handler(params: RendezvousParameters) -> RendezvousHandler:
     if port < 0:
         raise ValueError(f"no port in '{params.endpoint}': add --master_port PORT")
     timeout = timedelta(seconds=int(params.config.get("timeout", DEFAULT_TIMEOUT)))
-    store = JobStore(host, port, hosting=rank == 0, timeout=timeout)
+    store = JobStore(host, port, hosting=rank == 0, timeout=timeout, token=token_from(params.config))
     return ParallelRendezvousHandler(store, rank, params.max_nodes, params.run_id, timeout, params.local_addr)

@@ -41,7 +41,8 @@ class RemoteClient:
 
 class LinkStats:
     def __init__(self) -> None:
-        self.links = 0
+        self.links = 0  # open now
+        self.links_accepted = 0
         self.batches = 0
         self.operations = 0
 
@@ -88,6 +89,7 @@ class LinkServerConnection(asyncio.Protocol):
         self._transport.write(auth.check_auth(self._token, self._nonce, payload))
         self._ready = True
         self._stats.links += 1
+        self._stats.links_accepted += 1
         log.info("link from %s authenticated", self._peer)
 
     def _execute(self, payload: bytes) -> None:

@@ -52,6 +52,7 @@ class StoreProcess:
         self.controlled = controlled
         self._namespaces: dict[str, int] = {}
         self._stats: list[dict] = []
+        self._pump_thread: threading.Thread | None = None
         self._changed = threading.Condition()
         self.port: int | None = None
         self.proc: subprocess.Popen[str] | None = None
@@ -84,7 +85,8 @@ class StoreProcess:
             env=env,
         )
         ready = threading.Event()
-        threading.Thread(target=self._pump, args=(ready,), daemon=True).start()
+        self._pump_thread = threading.Thread(target=self._pump, args=(ready,), daemon=True)
+        self._pump_thread.start()
         if not ready.wait(self.start_timeout) or self.port is None:
             self.stop()
             raise StoreStartError(
@@ -158,7 +160,14 @@ class StoreProcess:
             except subprocess.TimeoutExpired:
                 self.proc.kill()
                 self.proc.wait()
+        if self._pump_thread is not None:
+            self._pump_thread.join(timeout)
         return self.proc.returncode
+
+    @property
+    def last_stats(self) -> dict | None:
+        """The counters it printed last (at exit it prints its final ones)."""
+        return self._stats[-1] if self._stats else None
 
     def __enter__(self) -> StoreProcess:
         self.start()

@@ -34,7 +34,7 @@ async def serve_root(
         return NamespacedUpstream(core, namespace.encode() + b"/") if namespace else core
 
     def stats() -> dict:
-        return {"keys": core.num_keys, "operations": core.operations, "links": links.links,
+        return {"keys": core.num_keys, "operations": core.operations, "links": links.links, "links_accepted": links.links_accepted,
                 "link_batches": links.batches, "link_operations": links.operations}
 
     service = Service(

@@ -76,9 +76,10 @@ class Service:
         finally:
             if control is not None:
                 control.cancel()
+            final = {**self.client_stats(), **self.stats()}
             for frontend in self.frontends:
                 await frontend.close()
-            log.info("stopped: %s", json.dumps(self.stats()))
+            self.announce("stats " + json.dumps(final))
 
     async def open_namespace(self, name: str) -> int:
         if name not in self.namespaces:

@@ -1,0 +1,156 @@
+"""The link: frames, authentication, and a node proxy in front of the root store."""
+
+import json
+import os
+import socket
+import struct
+import threading
+import time
+from datetime import timedelta
+
+import pytest
+import torch.distributed as dist
+
+from tierrun.link import auth
+from tierrun.link.frames import (
+    BATCH, LINK_MAGIC, FrameDecoder, LinkError, decode_batch, decode_replies, encode_batch,
+    encode_replies, entry_close, entry_open, entry_request, frame,
+)
+from tierrun.protocol import Op
+from tierrun.protocol.requests import encode_request
+from tierrun.server import StoreProcess, StoreStartError
+
+TOKEN = "test-token-0123"
+
+
+def test_frames_round_trip_at_any_split():
+    entries = [entry_open(1, b"ns"), entry_request(1, 7, encode_request((Op.GET, b"/k"))), entry_close(1)]
+    data = encode_batch(entries) + encode_replies([(7, 0, b"\x01\x00"), (8, 1, b"boom")])
+    for cut in range(len(data) + 1):
+        d = FrameDecoder()
+        frames = d.feed(data[:cut]) + d.feed(data[cut:])
+        assert [f[0] for f in frames] == [BATCH, 6]
+    batch = decode_batch(frames[0][1])
+    assert [(e.kind, e.client, e.rid, e.data) for e in batch] == [
+        (0, 1, 0, b"ns"), (1, 1, 7, encode_request((Op.GET, b"/k"))), (2, 1, 0, b"")]
+    assert decode_replies(frames[1][1]) == [(7, 0, b"\x01\x00"), (8, 1, b"boom")]
+
+
+def test_oversized_frame_is_refused_before_allocation():
+    with pytest.raises(LinkError, match="frame of"):
+        FrameDecoder(max_frame=1000).feed(struct.pack("<IB", 10**9, BATCH))
+
+
+def test_handshake_is_mutual_and_the_token_never_crosses():
+    server_nonce = os.urandom(32)
+    hello = auth.hello(server_nonce)
+    (_, payload), = FrameDecoder().feed(hello)
+    auth_frame, client_nonce = auth.answer_hello(b"secret", payload)
+    assert b"secret" not in auth_frame
+    (_, auth_payload), = FrameDecoder().feed(auth_frame)
+    welcome = auth.check_auth(b"secret", server_nonce, auth_payload)
+    (_, w), = FrameDecoder().feed(welcome)
+    auth.check_welcome(b"secret", server_nonce, client_nonce, w)
+    with pytest.raises(LinkError, match="wrong job token"):
+        auth.check_auth(b"other", server_nonce, auth_payload)
+    with pytest.raises(LinkError, match="does not know the job token"):
+        auth.check_welcome(b"other", server_nonce, client_nonce, w)
+    # a reflected client proof is not a valid server proof
+    with pytest.raises(LinkError):
+        auth.check_welcome(b"secret", server_nonce, client_nonce, auth_payload[2 + 32:])
+
+
+@pytest.fixture
+def tiered():
+    env = dict(os.environ, TIERRUN_TOKEN=TOKEN)
+    with StoreProcess(host=None, port=0, controlled=True, env=env) as root:
+        with StoreProcess(command="proxy", host="127.0.0.1", port=0, controlled=True, env=env,
+                          extra_args=["--upstream", f"127.0.0.1:{root.port}"]) as proxy:
+            yield root, proxy
+
+
+def test_wrong_token_is_refused_and_logged(tiered):
+    root, _ = tiered
+    env = dict(os.environ, TIERRUN_TOKEN="not-the-token")
+    bad = StoreProcess(command="proxy", host="127.0.0.1", port=0, env=env, start_timeout=20,
+                       extra_args=["--upstream", f"127.0.0.1:{root.port}", "--connect-timeout", "5"])
+    with pytest.raises(StoreStartError, match="wrong job token"):
+        bad.start()
+    assert "closing link from" in root.output and "wrong job token" in root.output
+    assert root.stats()["links"] == 1  # the good proxy is still linked
+
+
+def test_version_mismatch_is_a_clear_error(tiered):
+    root, _ = tiered
+    s = socket.create_connection(("127.0.0.1", root.port))
+    s.sendall(bytes([LINK_MAGIC]))
+    (ftype, payload), = FrameDecoder().feed(s.recv(100))
+    s.sendall(frame(2, struct.pack("<H", 99) + os.urandom(64)))
+    reply = FrameDecoder().feed(s.recv(1000))
+    assert b"install the same tierrun version" in reply[0][1]
+
+
+def test_proxy_listens_on_loopback_only(tiered):
+    _, proxy = tiered
+    assert "listening on tcp 127.0.0.1:" in proxy.output
+    with socket.socket() as s:
+        s.settimeout(2)
+        assert s.connect_ex(("127.0.1.9", proxy.port)) != 0
+
+
+def test_root_sees_one_link_however_many_clients(tiered):
+    root, proxy = tiered
+    clients = [dist.TCPStore("127.0.0.1", proxy.port, is_master=False) for _ in range(8)]
+    for i, c in enumerate(clients):
+        c.set(f"k{i}", str(i))
+    direct = dist.TCPStore("127.0.0.1", root.port, is_master=False)
+    assert direct.get("k7") == b"7"
+    stats = root.stats()
+    assert stats["links"] == 1 and stats["clients_accepted"] == 1  # only `direct`
+
+
+def test_waits_released_together_and_cancel_is_per_client(tiered):
+    root, proxy = tiered
+    waiters = [dist.TCPStore("127.0.0.1", proxy.port, is_master=False, timeout=timedelta(seconds=20))
+               for _ in range(6)]
+    quitter = dist.TCPStore("127.0.0.1", proxy.port, is_master=False, timeout=timedelta(seconds=0.5))
+    done = []
+    threads = [threading.Thread(target=lambda c=c: (c.wait(["go"]), done.append(1))) for c in waiters]
+    for t in threads:
+        t.start()
+    with pytest.raises(dist.DistStoreError):
+        quitter.wait(["go"])  # times out and cancels: the others keep waiting
+    time.sleep(0.3)
+    assert done == []
+    dist.TCPStore("127.0.0.1", root.port, is_master=False).set("go", "1")
+    for t in threads:
+        t.join(10)
+    assert len(done) == 6
+
+
+def test_torch_client_suite_through_the_proxy(tiered):
+    _, proxy = tiered
+    c = dist.TCPStore("127.0.0.1", proxy.port, is_master=False, timeout=timedelta(seconds=10))
+    c.set("a", "1")
+    assert c.get("a") == b"1"
+    assert c.add("n", 5) == 5 and c.add("n", -2) == 3
+    assert c.compare_set("a", "1", "2") == b"2"
+    assert c.compare_set("missing", "x", "y") == b"x"
+    assert c.compare_set("fresh", "", "v") == b"v"
+    c.append("a", "+")
+    c.multi_set(["m1", "m2"], ["x", "y"])
+    assert c.multi_get(["a", "m1", "m2"]) == [b"2+", b"x", b"y"]
+    assert c.check(["a", "m1"]) and not c.check(["nope"])
+    assert c.delete_key("m2") and not c.delete_key("m2")
+    assert sorted(c.list_keys()) == ["a", "fresh", "m1", "n"]
+    assert c.num_keys() == 4
+    c.queue_push("q", "1")
+    assert c.queue_len("q") == 1 and c.queue_pop("q") == b"1"
+    c.barrier("b", 1)
+    c.set("text", "x")
+    with pytest.raises(dist.DistError):
+        c.add("text", 1)
+    c2 = dist.TCPStore("127.0.0.1", proxy.port, is_master=False, timeout=timedelta(seconds=0.5))
+    with pytest.raises(dist.DistStoreError):
+        c2.wait(["never"])
+    assert c2.add("after-timeout", 1) == 1
