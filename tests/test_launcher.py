@@ -170,9 +170,13 @@ def test_tiered_three_nodes_node0_sees_only_links(tmp_path, mode):
     assert served["clients_accepted"] == 0  # no agent and no worker connected directly
 
 
-def test_tiered_across_nodes_without_token_is_a_usage_error(tmp_path):
-    log = tmp_path / "out.log"
-    p = tierrun("--nnodes", 2, "--rdzv_backend", "parallel", "--tiered", "--nproc_per_node", 1,
-                SCRIPTS / "collectives.py", log=log, env={"TIERRUN_TOKEN": ""})
-    assert finish([p], timeout=60) == [2]
-    assert "needs a shared job token" in log.read_text()
+def test_tiered_without_token_derives_one_and_warns(tmp_path):
+    port = free_port()
+    logs = [tmp_path / f"node{k}.log" for k in range(2)]
+    procs = [tierrun("--nnodes", 2, "--rdzv_backend", "parallel", "--master_addr", "127.0.1.1",
+                     "--master_port", port, "--node_rank", k, "--tiered", "--nproc_per_node", 1,
+                     "--local_addr", f"127.0.1.{k + 1}", SCRIPTS / "collectives.py", log=logs[k],
+                     env={"TIERRUN_TOKEN": ""}) for k in range(2)]
+    assert finish(procs) == [0, 0], logs[0].read_text()[-3000:]
+    assert "Set TIERRUN_TOKEN to the same secret" in logs[0].read_text()
+    check_world(results(*logs), 2, 3)

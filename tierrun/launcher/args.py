@@ -57,9 +57,9 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument(
         "--tiered",
         action="store_true",
-        help="tierrun's spelling of --enable_tiered_parallel_tcpstore true. Across nodes it "
-        "needs the same secret in $TIERRUN_TOKEN (or a file named by $TIERRUN_TOKEN_FILE) "
-        "on every node.",
+        help="tierrun's spelling of --enable_tiered_parallel_tcpstore true. Across nodes, put "
+        "the same secret in $TIERRUN_TOKEN (or a file named by $TIERRUN_TOKEN_FILE) on every "
+        "node to authenticate the links.",
     )
     return parser
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import hashlib
 import logging
 import os
 import sys
@@ -41,12 +42,17 @@ def prepare(argv: list[str]):
         args.node_rank = 0  # now in rdzv_conf; keeps torch from warning it is ignored
     if args.tiered:
         if load_token() is None:
-            if not args.standalone and args.nnodes.split(":")[-1] != "1":
-                raise UsageError(
-                    "tiered wire-up across nodes needs a shared job token: set TIERRUN_TOKEN to "
-                    "the same secret on every node (or TIERRUN_TOKEN_FILE to a file holding it)"
+            if args.standalone or args.nnodes.split(":")[-1] == "1":
+                os.environ["TIERRUN_TOKEN"] = new_token()  # one node: nobody else needs it
+            else:
+                # torch_npu_run's flags carry no secret; stay drop-in, but say what it costs
+                identity = f"tierrun:{args.rdzv_id}:{args.rdzv_endpoint}"
+                os.environ["TIERRUN_TOKEN"] = hashlib.sha256(identity.encode()).hexdigest()
+                log.warning(
+                    "no job token: the store links are keyed by the job's endpoint and id, "
+                    "which stops mistakes, not attackers. Set TIERRUN_TOKEN to the same secret "
+                    "on every node (or TIERRUN_TOKEN_FILE) to authenticate them."
                 )
-            os.environ["TIERRUN_TOKEN"] = new_token()  # one node: nobody else needs it
         conf = "tiered=1"
         args.rdzv_conf = f"{args.rdzv_conf},{conf}" if args.rdzv_conf else conf
     rendezvous.register()
