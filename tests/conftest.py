@@ -1,13 +1,9 @@
-import os
 import uuid
 from datetime import timedelta
-from pathlib import Path
 
 import pytest
 
 from tierrun.server import StoreProcess
-
-FIXTURES = Path(__file__).resolve().parents[1] / "tests" / "fixtures"
 
 
 @pytest.fixture

@@ -1,6 +1,5 @@
 """The link: frames, authentication, and a node proxy in front of the root store."""
 
-import json
 import os
 import socket
 import struct

@@ -25,7 +25,7 @@ def test_four_workers_init_all_reduce_barrier_new_group(store):
             subprocess.Popen([sys.executable, str(SCRIPT)], env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
         )
     outputs = [p.communicate(timeout=120) for p in procs]
-    for p, (out, err) in zip(procs, outputs):
+    for p, (_, err) in zip(procs, outputs):
         assert p.returncode == 0, err[-2000:]
     expected_sum = sum(range(1, world + 1))
     results = sorted(line for out, _ in outputs for line in out.splitlines() if line.startswith("RESULT"))

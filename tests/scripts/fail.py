@@ -1,7 +1,6 @@
 """A worker whose local rank 1 exits with code 3 after init, on every attempt."""
 
 import os
-import sys
 
 import torch.distributed as dist
 

@@ -26,14 +26,13 @@ from ..link.frames import (
     decode_replies, encode_batch, entry_close, entry_open, entry_request,
 )
 from ..protocol import Op, Request
-from ..protocol.opcodes import STOP_WAITING, WAIT_CANCELED
+from ..protocol.opcodes import NO_REPLY_OPS, STOP_WAITING, WAIT_CANCELED
 from ..protocol.requests import encode_request
 
 log = logging.getLogger("tierrun.frontend")
 
 _i64 = struct.Struct("<q")
 _DEDUP_OPS = frozenset({Op.WAIT, Op.CHECK, Op.GET, Op.MULTI_GET, Op.GETNUMKEYS, Op.QUEUE_LEN})
-_NO_REPLY = frozenset({Op.SET, Op.APPEND, Op.MULTI_SET, Op.QUEUE_PUSH})
 _ALL_KEYS = b"\x00*"  # pseudo-key touched by every write: GETNUMKEYS depends on all
 
 
@@ -59,7 +58,9 @@ class _Upstream:
         self.group = False  # a WAIT group: waiters may cancel one by one
 
 
-class LinkStats:
+class CoalescingStats:
+    """What a front-end merged before its requests left the node."""
+
     def __init__(self) -> None:
         self.requests = 0  # from local clients
         self.upstream_ops = 0
@@ -89,7 +90,7 @@ class LinkUpstream(asyncio.Protocol):
         self._cids: dict[tuple[Waiter, bytes], int] = {}
         self._wait_of: dict[Waiter, _Upstream] = {}
         self._next_id = 1
-        self.stats = LinkStats()
+        self.stats = CoalescingStats()
 
     # -- connection and handshake -----------------------------------------------------
 
@@ -237,7 +238,7 @@ class LinkUpstream(asyncio.Protocol):
                 ops.append(u)
             else:
                 touched(ns, _keys(req), write=True)
-                u = _Upstream(req, self._cids[(waiter, ns)], None if op in _NO_REPLY else waiter)
+                u = _Upstream(req, self._cids[(waiter, ns)], None if op in NO_REPLY_OPS else waiter)
                 ops.append(u)
         for u in ops:
             req = u.req

@@ -41,20 +41,5 @@ CHECK_NOT_READY = b"\x01"
 STOP_WAITING = b"\x00"
 WAIT_CANCELED = b"\x01"
 
-#: Requests that change the store (used by coalescing and by wake-up rules).
-WRITE_OPS = frozenset(
-    {
-        Op.SET,
-        Op.COMPARE_SET,
-        Op.ADD,
-        Op.DELETE_KEY,
-        Op.APPEND,
-        Op.MULTI_SET,
-        Op.QUEUE_PUSH,
-        Op.QUEUE_POP,
-        Op.BARRIER,
-    }
-)
-
 #: Requests the torch client sends without waiting for an answer.
 NO_REPLY_OPS = frozenset({Op.VALIDATE, Op.SET, Op.APPEND, Op.MULTI_SET, Op.QUEUE_PUSH})

@@ -86,6 +86,6 @@ def proxy_main(argv: list[str]) -> int:
     try:
         return run(serve_proxy(_config(args), host.strip("[]"), int(port), token,
                                on_listening=_announcer("proxy"), connect_timeout=args.connect_timeout))
-    except (OSError, TimeoutError, Exception) as e:  # noqa: B014 - one line for any start failure
+    except Exception as e:  # one line for any start failure (refused, token, timeout)
         print(f"tierrun proxy: cannot link to the store host {args.upstream}: {e}", file=sys.stderr)
         return 1
