@@ -18,6 +18,13 @@ sys.stdin.read()
 """
 
 
+def process_cpu_seconds(pid: int) -> float:
+    """utime + stime of a live process, from /proc (ticks of 10 ms)."""
+    with open(f"/proc/{pid}/stat") as f:
+        fields = f.read().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / 100.0
+
+
 @dataclass
 class ServerHandle:
     name: str
@@ -26,13 +33,13 @@ class ServerHandle:
     _stop: object
 
     def cpu_seconds(self) -> float:
-        fields = open(f"/proc/{self.pid}/stat").read().rsplit(")", 1)[1].split()
-        return (int(fields[11]) + int(fields[12])) / 100.0  # utime + stime, in ticks of 10 ms
+        return process_cpu_seconds(self.pid)
 
     def peak_rss_mb(self) -> float:
-        for line in open(f"/proc/{self.pid}/status"):
-            if line.startswith("VmHWM:"):
-                return int(line.split()[1]) / 1024
+        with open(f"/proc/{self.pid}/status") as f:
+            for line in f:
+                if line.startswith("VmHWM:"):
+                    return int(line.split()[1]) / 1024
         return float("nan")
 
     def stop(self) -> None:

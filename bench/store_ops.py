@@ -14,19 +14,16 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import json
 import statistics
 import struct
 import threading
 import time
 from datetime import timedelta
-from pathlib import Path
 
 import torch.distributed as dist
-
+from report import raise_fd_limit, write_json, write_section
 from servers import SERVERS, ServerHandle
 
-ROOT = Path(__file__).resolve().parents[1]
 _pack_u64 = struct.Struct("<Q").pack
 
 
@@ -140,13 +137,6 @@ def median_of(runs: list[dict], workload: str, metric: str) -> float:
     return statistics.median(r[workload][metric] for r in runs)
 
 
-def raise_fd_limit() -> None:
-    import resource
-
-    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
-    resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
-
-
 def main() -> None:
     raise_fd_limit()
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -176,22 +166,8 @@ def main() -> None:
     ] + [f"| {w} | {m} | {t:,.1f} | {r:,.1f} | {q:.2f} | {b} |" for w, m, t, r, q, b in rows]
     table = "\n".join(lines)
     print(table)
-    (ROOT / "docs" / "bench").mkdir(parents=True, exist_ok=True)
-    (ROOT / "docs" / "bench" / "store_ops.json").write_text(json.dumps(
-        {"args": vars(args), "runs": runs}, indent=1))
+    write_json("store_ops", {"args": vars(args), "runs": runs})
     write_section("store_ops", table)
-
-
-def write_section(name: str, body: str) -> None:
-    doc = ROOT / "docs" / "benchmarks.md"
-    text = doc.read_text() if doc.exists() else "# Benchmarks\n"
-    start, end = f"<!-- {name}:start -->", f"<!-- {name}:end -->"
-    block = f"{start}\n{body}\n{end}"
-    if start in text:
-        text = text[: text.index(start)] + block + text[text.index(end) + len(end):]
-    else:
-        text += f"\n{block}\n"
-    doc.write_text(text)
 
 
 if __name__ == "__main__":
