@@ -10,10 +10,13 @@ does a fixed number of operations:
     (i == max)                 -> close now;  (i == min) -> close after the last call
     WAIT   r/closed            -> pushed by the store, no polling
     GET    r/closed            -> n members: arrivals 1..n; i > n waits for round r+1
-    WAIT + MULTI_GET r/node/1..n, r/worker_port  -> every member computes the same ranks
+    WAIT + MULTI_GET r/rank/<i>, r/worker_port  -> my rank, where my workers connect
 
 Closing is one COMPARE_SET of ``r/closed`` from empty to the member count: whoever
-wins decides, the others' attempts change nothing. Nodes that arrive after the close
+wins decides, the others' attempts change nothing. The winner (the closer) reads the n
+descriptors once and publishes every member's rank in one MULTI_SET, so each member
+reads O(1) keys and bytes, and the store does O(n) work per round, not O(n²). (If the
+closer dies in that instant, the members' wait ends with the join timeout.) Nodes that arrive after the close
 join round r+1 at once; running agents hold one standing WAIT on ``r+1/node/1``, so
 ``num_nodes_waiting()`` turns positive without polling and they restart to admit them.
 Ranks are stable: members sort by their rank in their previous round, then by arrival.
@@ -102,27 +105,22 @@ class ElasticRendezvousHandler(RendezvousHandler):
             if joined is not None:
                 break
             r += 1  # arrived after the close: wait in the next round
-        index, members, endpoint = joined
-        order = sorted(
-            range(len(members)),
-            key=lambda j: (members[j]["prev_rank"] if members[j]["prev_rank"] >= 0 else 1 << 30, j),
-        )
-        rank = order.index(index - 1)
+        rank, n, endpoint = joined
         with self._lock:
             self._round = r
             self._rank = rank
         self._watch_for_waiting_nodes(r)
         log.info("rendezvous '%s' round %d: node %s is rank %d of %d",
-                 self._run_id, r, self._addr, rank, len(members))
+                 self._run_id, r, self._addr, rank, n)
         return RendezvousInfo(
             PrefixStore(self._k(r, "agents"), store),
             rank,
-            len(members),
+            n,
             RendezvousStoreInfo(*endpoint),
         )
 
     def _join(self, store, r: int, deadline: float):
-        """Join round r. None if it closed without us; else (index, members, worker_port)."""
+        """Join round r. None if it closed without us; else (rank, members, worker endpoint)."""
         index = int(store.add(self._k(r, "joined"), 1))
         me = {"addr": self._addr, "prev_rank": self._rank, "pid": os.getpid()}
         store.set(self._k(r, f"node/{index}"), json.dumps(me))
@@ -146,20 +144,31 @@ class ElasticRendezvousHandler(RendezvousHandler):
             log.info("round %d of '%s' closed with %d nodes before node %s arrived; waiting for the next",
                      r, self._run_id, n, self._addr)
             return None
-        keys = [self._k(r, f"node/{j}") for j in range(1, n + 1)]
+        keys = [self._k(r, f"rank/{index}")]
         if not self._job.tiered:
             keys.append(self._k(r, "worker_port"))
         store.wait(keys, self._job.timeout)
         values = store.multi_get(keys)
         if not self._job.tiered:
-            endpoint = (self._job.host, int(values.pop()))
+            endpoint = (self._job.host, int(values[1]))
         assert endpoint is not None
-        return index, [json.loads(v) for v in values], endpoint
+        return int(values[0]), n, endpoint
 
     def _close(self, store, r: int, n: int) -> None:
         if store.compare_set(self._k(r, "closed"), "", str(n)) == str(n).encode():
+            self._assign_ranks(store, r, n)
             # advance the open round (only the closer of r does this, once)
             store.compare_set(f"{self._base}/round", str(r) if r else "", str(r + 1))
+
+    def _assign_ranks(self, store, r: int, n: int) -> None:
+        """The closer's one O(n) step: rank of members 1..n, stable across rounds (by the
+        rank a node had in its previous round, then by arrival), in one MULTI_SET."""
+        keys = [self._k(r, f"node/{j}") for j in range(1, n + 1)]
+        store.wait(keys, self._job.timeout)
+        members = json.loads(b"[" + b",".join(store.multi_get(keys)) + b"]")  # one parse
+        order = sorted(range(n), key=lambda j: (members[j]["prev_rank"] if members[j]["prev_rank"] >= 0 else 1 << 30, j))
+        rank_keys = [self._k(r, f"rank/{j + 1}") for j in order]
+        store.multi_set(rank_keys, [str(rank) for rank in range(n)])
 
     def _last_call_then_close(self, store, r: int) -> None:
         try:
