@@ -26,5 +26,7 @@ demo: $(STAMP)
 test: $(STAMP)
 	$(PYTHON) -m pytest -q
 
+# each benchmark writes its figures under docs/ (docs/benchmarks.md, docs/bench/)
 bench: $(STAMP)
-	$(PYTHON) bench/store_ops.py
+	$(PYTHON) -m pip install --quiet -e '.[bench]'
+	cd bench && $(PYTHON) store_ops.py && $(PYTHON) launch.py && $(PYTHON) wireup.py

@@ -80,85 +80,136 @@ def time_job(launcher: str, mode: str, port: int) -> float:
 # -- 2. rendezvous of K agents ----------------------------------------------------------
 
 
-def rendezvous_torch(k: int) -> dict:
+class CountingStore:
+    """What torch's C10dRendezvousBackend sees as its store; counts its operations."""
+
+    def __init__(self, store) -> None:
+        self._store = store
+        self.ops = 0
+
+    def __getattr__(self, name: str):
+        method = getattr(self._store, name)
+
+        def counted(*args, **kwargs):
+            self.ops += 1
+            return method(*args, **kwargs)
+
+        return counted
+
+
+def torch_handlers(indices: list[int], k: int, port: int) -> tuple[list, list[CountingStore]]:
     import torch.distributed as dist
     from torch.distributed.elastic.rendezvous import RendezvousParameters
     from torch.distributed.elastic.rendezvous.c10d_rendezvous_backend import C10dRendezvousBackend
     from torch.distributed.elastic.rendezvous.dynamic_rendezvous import create_handler
 
-    server = start_torch()
-    try:
-        handlers = []
-        for i in range(k):
-            store = dist.TCPStore("127.0.0.1", server.port, is_master=False,
-                                  timeout=timedelta(seconds=3600), wait_for_workers=False)
-            params = RendezvousParameters("c10d", f"127.0.0.1:{server.port}", "bench", k, k,
-                                          local_addr="127.0.0.1", join_timeout=3600)
-            handlers.append(create_handler(store, C10dRendezvousBackend(store, "bench"), params))
-        return _run_handlers(handlers, server.pid)
-    finally:
-        server.stop()
+    handlers, counters = [], []
+    for _ in indices:
+        store = dist.TCPStore("127.0.0.1", port, is_master=False,
+                              timeout=timedelta(seconds=3600), wait_for_workers=False)
+        counting = CountingStore(store)
+        params = RendezvousParameters("c10d", f"127.0.0.1:{port}", "bench", k, k,
+                                      local_addr="127.0.0.1", join_timeout=3600)
+        handlers.append(create_handler(store, C10dRendezvousBackend(counting, "bench"), params))
+        counters.append(counting)
+    return handlers, counters
 
 
-def rendezvous_tierrun(k: int) -> dict:
+def tierrun_handlers(indices: list[int], k: int, port: int) -> tuple[list, int]:
+    """Handler 0 hosts the store, as the store-host agent does; returns its pid too."""
     from tierrun.rendezvous.elastic import ElasticRendezvousHandler
     from tierrun.rendezvous.job_store import JobStore
 
     timeout = timedelta(seconds=3600)
-    host = JobStore("127.0.0.1", 0, hosting=True, timeout=timeout)
-    host.start()
-    jobs = [host] + [JobStore("127.0.0.1", host.port, hosting=False, timeout=timeout) for _ in range(k - 1)]
-    handlers = []
-    for i, job in enumerate(jobs):
+    handlers, server_pid = [], 0
+    for i in indices:
+        job = JobStore("127.0.0.1", port, hosting=(i == 0), timeout=timeout)
+        job.start()
+        if job.root is not None:
+            port, server_pid = job.port, job.root.pid
         job.client()  # connect now, as an agent does before it rendezvous
         handlers.append(ElasticRendezvousHandler(job, "bench", k, k, 3600, 30, f"node{i}"))
-    assert host.root is not None
-    return _run_handlers(handlers, host.root.pid)
+    return handlers, server_pid
 
 
-def _run_handlers(handlers: list, server_pid: int) -> dict:
-    k = len(handlers)
-    ranks: list[int] = [-1] * k
-    go = threading.Barrier(k + 1)
+def rendezvous_child(launcher: str, k: int, procs: int, index: int, port: int) -> None:
+    """Handlers index, index + procs, ... of K, one thread each; told when to start on stdin."""
+    raise_fd_limit()
+    mine = list(range(index, k, procs))
+    counters: list[CountingStore] = []
+    server_pid = 0
+    if launcher == "torchrun":
+        handlers, counters = torch_handlers(mine, k, port)
+    else:
+        handlers, server_pid = tierrun_handlers(mine, k, port)
+        port = handlers[0]._job.port
+    ranks = [-1] * len(handlers)
 
-    def agent(i: int) -> None:
-        go.wait()
-        ranks[i] = handlers[i].next_rendezvous().rank
+    def agent(j: int) -> None:
+        ranks[j] = handlers[j].next_rendezvous().rank
 
-    threads = [threading.Thread(target=agent, args=(i,), daemon=True) for i in range(k)]
+    print(f"ready {port} {server_pid}", flush=True)
+    sys.stdin.readline()
+    threads = [threading.Thread(target=agent, args=(j,), daemon=True) for j in range(len(handlers))]
     for t in threads:
         t.start()
-    cpu0 = process_cpu_seconds(server_pid)
-    go.wait()
-    t0 = time.perf_counter()
     for t in threads:
         t.join()
-    wall = time.perf_counter() - t0
-    cpu = process_cpu_seconds(server_pid) - cpu0
-    assert sorted(ranks) == list(range(k)), "ranks are not a permutation of 0..K-1"
-    return {"wall_s": wall, "server_cpu_s": cpu}
-
-
-def rendezvous_child(launcher: str, k: int) -> None:
-    raise_fd_limit()
-    result = (rendezvous_torch if launcher == "torchrun" else rendezvous_tierrun)(k)
-    print(json.dumps(result), flush=True)
+    print(json.dumps({"ranks": ranks, "ops": sum(c.ops for c in counters)}), flush=True)
+    if server_pid:  # asked once every process is done: what the store host counted
+        sys.stdin.readline()
+        root = handlers[0]._job.root
+        print(json.dumps({"ops": root.stats()["operations"]}), flush=True)
     os._exit(0)  # handlers' background threads (keep-alives, watchers) end with us
 
 
-def time_rendezvous(launcher: str, k: int, limit: float) -> dict:
-    """One measurement in a fresh process; {"timeout": limit} past ``limit`` seconds."""
-    cmd = [sys.executable, __file__, "--rendezvous-child", launcher, str(k)]
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+def time_rendezvous(launcher: str, k: int, procs: int, limit: float) -> dict:
+    """K handlers over ``procs`` processes, all fresh; {"timeout": limit} past ``limit`` s."""
+    server = start_torch() if launcher == "torchrun" else None
+
+    def child(index: int, port: int) -> subprocess.Popen:
+        return subprocess.Popen([sys.executable, __file__, "--rendezvous-child", launcher, str(k),
+                                 str(procs), str(index), str(port)],
+                                stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+
+    first = child(0, server.port if server else 0)
+    _, port, pid = first.stdout.readline().split()
+    server_pid = server.pid if server else int(pid)
+    children = [first] + [child(i, int(port)) for i in range(1, procs)]
+    for c in children[1:]:
+        c.stdout.readline()
+    cpu0 = process_cpu_seconds(server_pid)
+    t0 = time.perf_counter()
+    for c in children:
+        c.stdin.write("go\n")
+        c.stdin.flush()
+    results = []
+    timer = threading.Timer(limit, lambda: [c.kill() for c in children])
+    timer.start()
     try:
-        out, err = proc.communicate(timeout=limit)
-    except subprocess.TimeoutExpired:
-        proc.kill()
-        proc.communicate()
-        return {"wall_s": float("inf"), "server_cpu_s": float("nan"), "timeout": limit}
-    if proc.returncode != 0:
-        raise RuntimeError(f"{launcher} K={k} failed:\n{err[-3000:]}")
-    return json.loads(out.strip().splitlines()[-1])
+        for c in children:
+            line = c.stdout.readline()
+            if not line:
+                return {"wall_s": float("inf"), "server_cpu_s": float("nan"), "ops": float("nan"), "timeout": limit}
+            results.append(json.loads(line))
+        wall = time.perf_counter() - t0
+        cpu = process_cpu_seconds(server_pid) - cpu0
+        if launcher == "tierrun":
+            first.stdin.write("stats\n")
+            first.stdin.flush()
+            ops = json.loads(first.stdout.readline())["ops"]
+        else:
+            ops = sum(res["ops"] for res in results)
+    finally:
+        timer.cancel()
+        for c in children:
+            c.kill()
+            c.wait()
+        if server:
+            server.stop()
+    ranks = sorted(r for res in results for r in res["ranks"])
+    assert ranks == list(range(k)), f"{launcher} K={k}: ranks are not a permutation of 0..K-1"
+    return {"wall_s": wall, "server_cpu_s": cpu, "ops": ops}
 
 
 # -- report -----------------------------------------------------------------------------
@@ -173,12 +224,14 @@ def main() -> None:
     p.add_argument("--repeat", type=int, default=5, help="runs per figure (median)")
     p.add_argument("--agents", type=int, nargs="+", default=[64, 256, 1024], help="K values")
     p.add_argument("--rendezvous-repeat", type=int, default=3)
-    p.add_argument("--limit", type=float, default=900, help="seconds before a rendezvous run is cut")
+    p.add_argument("--limit", type=float, default=300, help="seconds before a rendezvous run is cut")
+    p.add_argument("--procs", type=int, default=4, help="processes the K handlers are spread over")
     p.add_argument("--port", type=int, default=29571)
-    p.add_argument("--rendezvous-child", nargs=2, help=argparse.SUPPRESS)
+    p.add_argument("--rendezvous-child", nargs=5, help=argparse.SUPPRESS)
     args = p.parse_args()
     if args.rendezvous_child:
-        rendezvous_child(args.rendezvous_child[0], int(args.rendezvous_child[1]))
+        launcher, *numbers = args.rendezvous_child
+        rendezvous_child(launcher, *map(int, numbers))
     raise_fd_limit()
 
     walls: dict[str, dict[str, list[float]]] = {m: {lau: [] for lau in MODES[m]} for m in MODES}
@@ -190,12 +243,16 @@ def main() -> None:
               + ", ".join(f"{m}/{lau} {v[-1]:.1f}s" for m, d in walls.items() for lau, v in d.items()), flush=True)
 
     rdzv: dict[int, dict[str, list[dict]]] = {k: {"torchrun": [], "tierrun": []} for k in args.agents}
+    cut: set[str] = set()  # launchers cut at a smaller K are not run at larger ones
     for k in args.agents:
         for i in range(args.rendezvous_repeat):
             for launcher in ("torchrun", "tierrun"):
-                rdzv[k][launcher].append(time_rendezvous(launcher, k, args.limit))
-            print(f"rendezvous K={k} run {i + 1}: torch {rdzv[k]['torchrun'][-1]['wall_s']:.2f}s, "
-                  f"tierrun {rdzv[k]['tierrun'][-1]['wall_s']:.2f}s", flush=True)
+                if launcher in cut:
+                    continue
+                rdzv[k][launcher].append(time_rendezvous(launcher, k, args.procs, args.limit))
+                print(f"rendezvous K={k} run {i + 1} {launcher}: {rdzv[k][launcher][-1]}", flush=True)
+                if "timeout" in rdzv[k][launcher][-1]:
+                    cut.add(launcher)
 
     med = statistics.median
     lines = [f"Wall time of a 2-node x 2-worker trivial job, seconds, medians of {args.repeat} runs.", "",
@@ -206,15 +263,26 @@ def main() -> None:
         lines.append(f"| {mode} | {t:.2f} | {r:.2f} | {t / r:.2f} |")
     r = med(walls["tiered"]["tierrun"])
     lines.append(f"| static + tiered (tierrun only; vs torchrun static) | {t_static:.2f} | {r:.2f} | {t_static / r:.2f} |")
-    lines += ["", f"Rendezvous of K agents (handler level), medians of {args.rendezvous_repeat} runs; "
-              f"runs longer than {args.limit:.0f} s are cut (>limit).", "",
-              "| K | torch c10d wall s | tierrun wall s | torch / tierrun | torch store CPU s | tierrun store CPU s |",
-              "|---:|---:|---:|---:|---:|---:|"]
+    lines += ["", f"Rendezvous of K agents (handler level, spread over {args.procs} processes), medians "
+              f"of {args.rendezvous_repeat} runs; a run longer than {args.limit:.0f} s is cut (>limit) and "
+              "that launcher is not run at larger K. Store ops: torch's rendezvous-state operations "
+              "(counted at its backend), tierrun's store host's count of every operation.", "",
+              "| K | torch c10d wall s | tierrun wall s | torch / tierrun | torch store CPU s | "
+              "tierrun store CPU s | torch store ops | tierrun store ops |",
+              "|---:|---:|---:|---:|---:|---:|---:|---:|"]
+
+    def median_or_cut(runs: list[dict], metric: str) -> float:
+        if not runs or any("timeout" in x for x in runs):
+            return float("inf") if metric == "wall_s" else float("nan")
+        return med(x[metric] for x in runs)
+
     for k in args.agents:
-        t, r = (med(x["wall_s"] for x in rdzv[k][lau]) for lau in ("torchrun", "tierrun"))
-        tc, rc = (med(x["server_cpu_s"] for x in rdzv[k][lau]) for lau in ("torchrun", "tierrun"))
+        t, r = (median_or_cut(rdzv[k][lau], "wall_s") for lau in ("torchrun", "tierrun"))
+        tc, rc = (median_or_cut(rdzv[k][lau], "server_cpu_s") for lau in ("torchrun", "tierrun"))
+        to, ro = (median_or_cut(rdzv[k][lau], "ops") for lau in ("torchrun", "tierrun"))
         ratio = f">{args.limit / r:.0f}" if t == float("inf") else f"{t / r:.1f}"
-        lines.append(f"| {k} | {fmt(t)} | {fmt(r)} | {ratio} | {fmt(tc)} | {fmt(rc)} |")
+        lines.append(f"| {k} | {fmt(t)} | {fmt(r)} | {ratio} | {fmt(tc)} | {fmt(rc)} | {to:,.0f} | {ro:,.0f} |"
+                     .replace("nan", "—"))
     table = "\n".join(lines)
     print(table)
     write_json("launch", {"args": vars(args), "walls": walls, "rendezvous": rdzv})

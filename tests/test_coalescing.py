@@ -7,68 +7,10 @@ import asyncio
 import struct
 
 import pytest
+from inproc import Client, linked, settle
 
 from tierrun.core import StoreCore
-from tierrun.frontend.link_upstream import LinkUpstream
 from tierrun.protocol import Op
-from tierrun.server.link_server import LinkServerConnection, LinkStats
-
-
-class Client:
-    def __init__(self):
-        self.replies = []
-
-    def wake(self, reply):
-        self.replies.append(reply)
-
-    def drop(self, reason):
-        self.replies.append(("dropped", reason))
-
-
-class Pipe(asyncio.Transport):
-    """An in-memory transport between the two protocol ends."""
-
-    def __init__(self, peer_protocol_getter):
-        super().__init__()
-        self._peer = peer_protocol_getter
-        self._closing = False
-
-    def write(self, data):
-        asyncio.get_running_loop().call_soon(lambda: self._peer().data_received(bytes(data)))
-
-    def is_closing(self):
-        return self._closing
-
-    def close(self):
-        self._closing = True
-
-
-async def linked(core):
-    stats = LinkStats()
-    server = LinkServerConnection(core, b"tok", stats, "test")
-    link = LinkUpstream(b"tok", on_lost=lambda reason: None)
-    server.connection_made(Pipe(lambda: link))
-    link_transport = Pipe(lambda: server)
-    link.connection_made(link_transport)
-    # the magic byte is consumed by the root's sniffer, which this test has not
-    server_feed = server.data_received
-    first = [True]
-
-    def strip_magic(data):
-        if first[0]:
-            first[0] = False
-            data = data[1:]
-        if data:
-            server_feed(data)
-
-    server.data_received = strip_magic
-    await asyncio.wait_for(link.ready, 5)
-    return link, stats
-
-
-async def settle():
-    for _ in range(20):
-        await asyncio.sleep(0)
 
 
 def run(coro):

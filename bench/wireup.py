@@ -1,0 +1,362 @@
+"""Wire-up benchmark: what node 0 pays to start a job of K nodes x P ranks.
+
+A simulated cluster replays torch 2.13's start-up store traffic (as recorded in
+tests/fixtures and read from torch's sources) against three set-ups, in the same run:
+
+  torch         torch's TCPStore server (libuv), flat: every agent and rank connects to it
+  tierrun-flat  tierrun's store, flat
+  tiered        tierrun's store with a node front-end per simulated node (the proxy's own
+                components: FrontEnd + LinkUpstream): agents and ranks connect to their
+                node's front-end on loopback; only the K front-ends link to node 0
+
+Per agent (one per node): connect, VALIDATE+PING, ADD init/, SET role_info/<node>;
+node 0's agent WAITs for and MULTI_GETs every role_info, MULTI_SETs every node's
+assigned ranks (torch's static rendezvous and rank assignment); every agent WAITs and
+GETs its assignment, starts its P ranks, and at the end joins the exit barrier (ADD,
+the last one SETs last_member, WAIT).
+Per rank, --traffic nccl (default): connect, VALIDATE+PING, ADD init/; NCCL's unique-id
+broadcast (rank 0 SETs it, the others WAIT and GET it: torch's get is WAIT+GET); a
+barrier (ADD; the last SETs a key every rank WAITs for); then --heartbeats CHECKs of the
+dump key one second apart, as ProcessGroupNCCL's heartbeat monitor does.
+--traffic gloo: Gloo's full-mesh address exchange instead of the unique id (each rank
+SETs its address, then WAIT, WAIT, GET of every rank's: O(W^2) requests; small K only).
+
+Node 0 is the store server process. Reported per set-up: connections node 0 accepted,
+requests it parsed (flat: every request; tiered: operations carried by links), frames it
+received (flat: one per request; tiered: link batches), its CPU seconds (/proc), and the
+wall time from start to every rank done. All simulated nodes share this machine's cores
+with node 0, so wall times are pessimistic for every set-up alike; node 0's CPU is what
+a real node 0 would pay. Medians of --repeat runs; writes docs/bench/wireup.json, a
+plot (docs/bench/wireup.png) and a table in docs/benchmarks.md.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import secrets
+import statistics
+import struct
+import subprocess
+import sys
+import time
+
+from report import DOCS, raise_fd_limit, write_json, write_section
+from servers import process_cpu_seconds, start_torch
+
+from tierrun.protocol import Op
+from tierrun.protocol.opcodes import NO_REPLY_OPS, VALIDATION_MAGIC
+from tierrun.protocol.requests import encode_request
+from tierrun.server import StoreProcess
+
+SETUPS = ("torch", "tierrun-flat", "tiered")
+_u32 = struct.Struct("<I").unpack_from
+_i64 = struct.Struct("<q").unpack_from
+_u64 = struct.Struct("<Q").unpack_from
+
+
+# -- a simulated torch client -------------------------------------------------------------
+
+
+class SimClient(asyncio.Protocol):
+    """One torch client connection: one request in flight, replies decoded by shape."""
+
+    requests = 0  # sent by every client of this process
+
+    def __init__(self) -> None:
+        self.buf = bytearray()
+        self.pending: tuple[Op, int, asyncio.Future] | None = None
+        self.transport: asyncio.Transport | None = None
+
+    def connection_made(self, transport) -> None:  # type: ignore[override]
+        self.transport = transport
+
+    def data_received(self, data: bytes) -> None:
+        self.buf += data
+        if self.pending is not None:
+            op, nkeys, fut = self.pending
+            value = self._reply(op, nkeys)
+            if value is not None:
+                self.pending = None
+                fut.set_result(value)
+
+    def _reply(self, op: Op, nkeys: int):
+        """The reply at the head of the buffer, consumed; None while incomplete."""
+        b = self.buf
+        if op in (Op.WAIT, Op.CHECK):
+            size, value = 1, b[:1]
+        elif op == Op.PING:
+            size, value = 4, _u32(b)[0] if len(b) >= 4 else None
+        elif op == Op.ADD:
+            size, value = 8, _i64(b)[0] if len(b) >= 8 else None
+        else:  # GET, MULTI_GET: nkeys length-prefixed values
+            pos, values = 0, []
+            for _ in range(nkeys):
+                if len(b) < pos + 8:
+                    return None
+                n = _u64(b, pos)[0]
+                if len(b) < pos + 8 + n:
+                    return None
+                values.append(bytes(b[pos + 8: pos + 8 + n]))
+                pos += 8 + n
+            size, value = pos, values
+        if len(b) < size:
+            return None
+        del b[:size]
+        return value
+
+    async def call(self, *req):
+        SimClient.requests += 1
+        assert self.transport is not None
+        self.transport.write(encode_request(req))
+        if req[0] in NO_REPLY_OPS:
+            return None
+        fut = asyncio.get_running_loop().create_future()
+        self.pending = (req[0], len(req[1]) if req[0] == Op.MULTI_GET else 1, fut)
+        self.data_received(b"")
+        return await fut
+
+
+async def connect(host: str, port: int) -> SimClient:
+    """Connect (retrying while the server's backlog is full, as torch's client does) and
+    do torch's handshake: VALIDATE, PING."""
+    loop = asyncio.get_running_loop()
+    delay = 0.05
+    for _ in range(20):
+        try:
+            _, client = await loop.create_connection(SimClient, host, port)
+            break
+        except OSError:
+            await asyncio.sleep(delay)
+            delay = min(2 * delay, 1.0)
+    else:
+        raise ConnectionError(f"cannot connect to {host}:{port}")
+    await client.call(Op.VALIDATE, VALIDATION_MAGIC)
+    await client.call(Op.PING, 1)
+    return client
+
+
+# -- the simulated cluster ----------------------------------------------------------------
+
+
+class Cluster:
+    def __init__(self, k: int, p: int, traffic: str, heartbeats: int, root: tuple[str, int],
+                 tiered: bool) -> None:
+        self.k, self.p, self.w = k, p, k * p
+        self.traffic = traffic
+        self.heartbeats = heartbeats
+        self.root = root
+        self.tiered = tiered
+
+    async def node(self, n: int) -> None:
+        target = self.root
+        if self.tiered:
+            target = await self.front_end()
+        agent = await connect(*target)
+        await agent.call(Op.ADD, b"init/", 1)
+        await agent.call(Op.SET, f"/torchelastic/role_info/{n}".encode(),
+                         json.dumps({"role": "default", "rank": n, "local_world_size": self.p}).encode())
+        if n == 0:
+            keys = tuple(f"/torchelastic/role_info/{j}".encode() for j in range(self.k))
+            await agent.call(Op.WAIT, keys)
+            await agent.call(Op.MULTI_GET, keys)
+            assigned = tuple(f"/torchelastic/assigned_ranks/{j}".encode() for j in range(self.k))
+            ranks = tuple(json.dumps([j * self.p, self.w, j, self.k]).encode() for j in range(self.k))
+            await agent.call(Op.MULTI_SET, assigned, ranks)
+        mine = f"/torchelastic/assigned_ranks/{n}".encode()
+        await agent.call(Op.WAIT, (mine,))
+        await agent.call(Op.GET, mine)
+        await asyncio.gather(*(self.rank(n * self.p + i, target) for i in range(self.p)))
+        count = await agent.call(Op.ADD, b"/torchelastic/agent/terminal_state/num_members", 1)
+        last = b"/torchelastic/agent/terminal_state/last_member"
+        if count == self.k:
+            await agent.call(Op.SET, last, b"<val_ignored>")
+        await agent.call(Op.WAIT, (last,))
+        agent.transport.close()
+
+    async def front_end(self) -> tuple[str, int]:
+        from tierrun.frontend import FrontEnd
+        from tierrun.frontend.link_upstream import connect_link
+        from tierrun.frontend.listen import tcp_listen_socket
+
+        def lost(reason: str) -> None:
+            raise SystemExit(f"link lost: {reason}")
+
+        link = await connect_link(*self.root, os.environ["TIERRUN_TOKEN"].encode(), lost, 120)
+        frontend = FrontEnd(link.view(""))
+        sock = tcp_listen_socket("127.0.0.1", 0)
+        await frontend.listen(sock)
+        return "127.0.0.1", sock.getsockname()[1]
+
+    async def rank(self, g: int, target: tuple[str, int]) -> None:
+        c = await connect(*target)
+        await c.call(Op.ADD, b"init/", 1)
+        if self.traffic == "nccl":
+            uid = b"/default_pg/0//nccl/0"
+            if g == 0:
+                await c.call(Op.SET, uid, secrets.token_bytes(128))
+            else:
+                await c.call(Op.WAIT, (uid,))
+                await c.call(Op.WAIT, (uid,))
+                await c.call(Op.GET, uid)
+        else:
+            await c.call(Op.SET, f"/default_pg/0//cpu//0/{g}".encode(), secrets.token_bytes(96))
+            for j in range(self.w):
+                key = f"/default_pg/0//cpu//0/{j}".encode()
+                await c.call(Op.WAIT, (key,))
+                await c.call(Op.WAIT, (key,))
+                await c.call(Op.GET, key)
+        if await c.call(Op.ADD, b"/default_pg/0/barrier/count", 1) == self.w:
+            await c.call(Op.SET, b"/default_pg/0/barrier/done", b"1")
+        await c.call(Op.WAIT, (b"/default_pg/0/barrier/done",))
+        for _ in range(self.heartbeats):
+            await asyncio.sleep(1.0)
+            await c.call(Op.CHECK, (b"/default_pg/0/dump_nccl_trace",))
+        c.transport.close()
+
+
+def sim_child(setup: str, k: int, p: int, procs: int, index: int, port: int, traffic: str,
+              heartbeats: int) -> None:
+    """Simulate nodes index, index + procs, ...; start when told on stdin."""
+    from tierrun.server.eventloop import run
+
+    raise_fd_limit()
+    cluster = Cluster(k, p, traffic, heartbeats, ("127.0.0.1", port), setup == "tiered")
+    print("ready", flush=True)
+    sys.stdin.readline()
+
+    async def main() -> None:
+        await asyncio.gather(*(cluster.node(n) for n in range(index, k, procs)))
+
+    run(main())
+    print(json.dumps({"requests": SimClient.requests}), flush=True)
+
+
+# -- one measurement ----------------------------------------------------------------------
+
+
+def measure(setup: str, k: int, p: int, args) -> dict:
+    env = dict(os.environ, TIERRUN_TOKEN=secrets.token_hex(16))
+    store = None
+    if setup == "torch":
+        server = start_torch()
+        port, pid = server.port, server.pid
+    else:
+        store = StoreProcess(host="127.0.0.1", port=0, controlled=True, env=env)
+        port = store.start()
+        pid = store.pid
+    sims = [subprocess.Popen([sys.executable, __file__, "--sim-child", setup, str(k), str(p), str(args.procs),
+                              str(i), str(port), args.traffic, str(args.heartbeats)],
+                             stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, env=env)
+            for i in range(args.procs)]
+    try:
+        for s in sims:
+            if s.stdout.readline().strip() != "ready":
+                raise RuntimeError(f"{setup}: a simulator did not start")
+        cpu0 = process_cpu_seconds(pid)
+        t0 = time.perf_counter()
+        for s in sims:
+            s.stdin.write("go\n")
+            s.stdin.flush()
+        outs = [s.stdout.readline() for s in sims]
+        wall = time.perf_counter() - t0
+        cpu = process_cpu_seconds(pid) - cpu0
+        if not all(outs):
+            raise RuntimeError(f"{setup} K={k} P={p}: a simulator failed")
+        requests = sum(json.loads(o)["requests"] for o in outs)
+        if setup == "torch":
+            result = {"connections": k * (p + 1), "requests": requests, "frames": requests}
+        else:
+            st = store.stats()
+            if setup == "tiered":
+                result = {"connections": st["clients_accepted"] + st["links_accepted"],
+                          "requests": st["link_operations"], "frames": st["link_batches"]}
+            else:
+                result = {"connections": st["clients_accepted"], "requests": requests, "frames": requests}
+        return {**result, "cpu_s": cpu, "wall_s": wall}
+    finally:
+        for s in sims:
+            s.kill()
+            s.wait()
+        if store is not None:
+            store.stop()
+        else:
+            server.stop()
+
+
+# -- report -------------------------------------------------------------------------------
+
+
+def plot(sizes: list[tuple[int, int]], med: dict, path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    labels = [f"{k}x{p}" for k, p in sizes]
+    fig, axes = plt.subplots(1, 2, figsize=(10, 4))
+    for ax, metric, title in ((axes[0], "cpu_s", "node 0 CPU seconds"), (axes[1], "requests", "node 0 requests")):
+        width = 0.27
+        for i, setup in enumerate(SETUPS):
+            ax.bar([x + (i - 1) * width for x in range(len(sizes))], [med[s][setup][metric] for s in labels],
+                   width, label=setup)
+        ax.set_xticks(range(len(sizes)), labels)
+        ax.set_yscale("log")
+        ax.set_title(title)
+        ax.set_xlabel("nodes x ranks per node")
+    axes[0].legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--sizes", nargs="+", default=["64x8", "256x8", "512x8"], help="KxP")
+    p.add_argument("--repeat", type=int, default=3)
+    p.add_argument("--procs", type=int, default=2, help="simulator processes")
+    p.add_argument("--traffic", choices=("nccl", "gloo"), default="nccl")
+    p.add_argument("--heartbeats", type=int, default=3)
+    p.add_argument("--sim-child", nargs=8, help=argparse.SUPPRESS)
+    args = p.parse_args()
+    if args.sim_child:
+        setup, k, pp, procs, index, port, traffic, hb = args.sim_child
+        sim_child(setup, int(k), int(pp), int(procs), int(index), int(port), traffic, int(hb))
+        return
+    raise_fd_limit()
+    sizes = [tuple(map(int, s.split("x"))) for s in args.sizes]
+    runs: dict[str, dict[str, list[dict]]] = {f"{k}x{pp}": {s: [] for s in SETUPS} for k, pp in sizes}
+    for k, pp in sizes:
+        for i in range(args.repeat):  # interleaved, so that machine noise hits all alike
+            for setup in SETUPS:
+                r = measure(setup, k, pp, args)
+                runs[f"{k}x{pp}"][setup].append(r)
+                print(f"{k}x{pp} run {i + 1} {setup}: {r}", flush=True)
+    med = {size: {s: {m: statistics.median(r[m] for r in rs) for m in rs[0]} for s, rs in by.items()}
+           for size, by in runs.items()}
+    lines = [f"Traffic: {args.traffic}, {args.heartbeats} heartbeat CHECKs per rank; medians of "
+             f"{args.repeat} runs; {args.procs} simulator processes.", "",
+             "| K x P | set-up | node-0 connections | node-0 requests | node-0 frames | node-0 CPU s | wall s |",
+             "|---|---|---:|---:|---:|---:|---:|"]
+    for size, by in med.items():
+        for setup, m in by.items():
+            lines.append(f"| {size} | {setup} | {m['connections']:,.0f} | {m['requests']:,.0f} | "
+                         f"{m['frames']:,.0f} | {m['cpu_s']:.2f} | {m['wall_s']:.2f} |")
+    lines += ["", "Ratios torch / tiered (higher: tiered cheaper):", "",
+              "| K x P | connections | requests | frames | node-0 CPU | wall |", "|---|---:|---:|---:|---:|---:|"]
+    for size, by in med.items():
+        t, c = by["torch"], by["tiered"]
+        q = {m: t[m] / c[m] if c[m] else float("inf") for m in t}
+        lines.append(f"| {size} | {q['connections']:.0f}x | {q['requests']:.1f}x | {q['frames']:.1f}x | "
+                     f"{q['cpu_s']:.1f}x | {q['wall_s']:.2f}x |")
+    table = "\n".join(lines)
+    print(table)
+    name = "wireup" if args.traffic == "nccl" else "wireup_gloo"
+    write_json(name, {"args": vars(args), "runs": runs})
+    plot(sizes, med, DOCS / "bench" / f"{name}.png")
+    write_section(name, table + f"\n\n![node 0 cost](bench/{name}.png)")
+
+
+if __name__ == "__main__":
+    main()
