@@ -12,6 +12,7 @@ from typing import Protocol
 from ..core import Waiter
 from ..protocol import Limits, Request
 from .connection import ClientConnection
+from .listen import DEFAULT_BACKLOG
 
 log = logging.getLogger("tierrun.store")
 
@@ -72,14 +73,16 @@ class FrontEnd:
     def release(self, conn: ClientConnection) -> None:
         self.connections.discard(conn)
 
-    async def listen(self, sock: socket.socket) -> None:
-        """Serve clients on an already bound and listening socket."""
+    async def listen(self, sock: socket.socket, backlog: int = DEFAULT_BACKLOG) -> None:
+        """Serve clients on an already bound and listening socket. asyncio listens again
+        with its own backlog (100 unless told): pass the socket's, or a connect storm
+        overflows the accept queue and clients hang in SYN retries."""
         loop = asyncio.get_running_loop()
         factory = lambda: ClientConnection(self)  # noqa: E731
         if sock.family == socket.AF_UNIX:
-            server = await loop.create_unix_server(factory, sock=sock)
+            server = await loop.create_unix_server(factory, sock=sock, backlog=backlog)
         else:
-            server = await loop.create_server(factory, sock=sock)
+            server = await loop.create_server(factory, sock=sock, backlog=backlog)
         self._servers.append(server)
 
     async def close(self) -> None:

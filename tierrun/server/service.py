@@ -62,7 +62,7 @@ class Service:
         if config.unix:
             sockets.append(unix_listen_socket(config.unix, config.backlog))
         for sock in sockets:
-            await self.main.listen(sock)
+            await self.main.listen(sock, config.backlog)
         if stop is None:
             stop = asyncio.Event()
         loop = asyncio.get_running_loop()
@@ -85,7 +85,7 @@ class Service:
         if name not in self.namespaces:
             frontend = FrontEnd(self.make_upstream(name), self.config.frontend)
             sock = tcp_listen_socket(self.config.host, 0, self.config.backlog)
-            await frontend.listen(sock)
+            await frontend.listen(sock, self.config.backlog)
             self.frontends.append(frontend)
             self.namespaces[name] = sock.getsockname()[1]
         return self.namespaces[name]
