@@ -182,7 +182,8 @@ class Cluster:
         from tierrun.frontend.listen import tcp_listen_socket
 
         def lost(reason: str) -> None:
-            raise SystemExit(f"link lost: {reason}")
+            print(f"simulated node {os.getpid()}: link lost: {reason}", file=sys.stderr, flush=True)
+            os._exit(1)  # the parent sees EOF and reports the failure
 
         link = await connect_link(*self.root, os.environ["TIERRUN_TOKEN"].encode(), lost, 120)
         frontend = FrontEnd(link.view(""))
