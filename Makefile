@@ -29,4 +29,5 @@ test: $(STAMP)
 # each benchmark writes its figures under docs/ (docs/benchmarks.md, docs/bench/)
 bench: $(STAMP)
 	$(PYTHON) -m pip install --quiet -e '.[bench]'
-	cd bench && $(PYTHON) store_ops.py && $(PYTHON) launch.py && $(PYTHON) wireup.py
+	cd bench && $(PYTHON) store_ops.py && $(PYTHON) launch.py && $(PYTHON) wireup.py \
+	    && $(PYTHON) wireup.py --traffic gloo --sizes 8x8 16x8
