@@ -9,13 +9,14 @@
               on torch's TCPStore; tierrun: its elastic ``tierrun`` backend)
      tiered   tierrun only: static flags + --enable_tiered_parallel_tcpstore true
 2. Rendezvous time of K agents at the handler level: K rendezvous handlers (one store
-   connection each, as K agents would have), one thread each, in one process; the
-   time from all calling ``next_rendezvous()`` to the last one returning, min = max =
-   K nodes. torch: ``DynamicRendezvousHandler`` + ``C10dRendezvousBackend`` on torch's
+   connection each, as K agents would have), one thread each, spread over --procs
+   processes; the time from all calling ``next_rendezvous()`` to the last one
+   returning, min = max = K nodes. torch: ``DynamicRendezvousHandler`` + ``C10dRendezvousBackend`` on torch's
    TCPStore server; tierrun: ``ElasticRendezvousHandler`` on tierrun's store, hosted by
-   handler 0 as the store-host agent would. Also the store server's CPU seconds.
+   handler 0 as the store-host agent would. Also the store server's CPU seconds and
+   store operations (torch: counted at its rendezvous backend; tierrun: the store's).
 
-Medians of --repeat runs, each (launcher, K) in a fresh process; ratios torch/tierrun
+Medians of --repeat runs, each measurement in fresh processes; ratios torch/tierrun
 (> 1: tierrun faster). Writes docs/bench/launch.json and two tables in
 docs/benchmarks.md.
 """
