@@ -1,4 +1,5 @@
-"""The ``tierrun`` command: ``tierrun store …`` runs a store; anything else launches a job."""
+"""The ``tierrun`` command: ``tierrun store …`` runs a store, ``tierrun timeline FILE``
+draws a wire-up timeline; anything else launches a job."""
 
 from __future__ import annotations
 
@@ -12,6 +13,10 @@ def main(argv: list[str] | None = None) -> int:
 
         command = store_cli.store_main if argv[0] == "store" else store_cli.proxy_main
         return command(argv[1:])
+    if argv and argv[0] == "timeline":
+        from .report import timeline
+
+        return timeline.main(argv[1:])
     from .launcher.cli import main as launch_main
 
     return launch_main(argv)

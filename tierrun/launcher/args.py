@@ -61,6 +61,29 @@ def build_parser() -> argparse.ArgumentParser:
         "the same secret in $TIERRUN_TOKEN (or a file named by $TIERRUN_TOKEN_FILE) on every "
         "node to authenticate the links.",
     )
+    parser.add_argument(
+        "--progress",
+        action=env,
+        default="auto",
+        choices=("auto", "bar", "log", "off"),
+        help="Rendezvous progress on the store host's stderr: a bar on a terminal, plain "
+        "lines otherwise (auto, the default), or always bar / log, or off.",
+    )
+    parser.add_argument(
+        "--progress-interval",
+        "--progress_interval",
+        action=env,
+        type=float,
+        default=5.0,
+        help="Seconds between progress lines, and before the missing nodes are named.",
+    )
+    parser.add_argument(
+        "--timeline",
+        action=env,
+        default=None,
+        help="Write the wire-up timeline (per node and phase) to this JSON file on the store "
+        "host when the job ends; `tierrun timeline FILE` draws it as a PNG.",
+    )
     return parser
 
 

@@ -7,21 +7,24 @@ import logging
 import os
 import sys
 import uuid
+from pathlib import Path
 
-from torch.distributed.elastic.multiprocessing.errors import record
+from torch.distributed.elastic.multiprocessing.errors import ChildFailedError, record
 from torch.distributed.launcher.api import elastic_launch
 from torch.distributed.run import config_from_args
 
 from .. import rendezvous
 from ..link.auth import load_token, new_token
-from .args import UsageError, build_parser, normalise
+from .args import TIERRUN_BACKENDS, UsageError, build_parser, normalise
 from .devices import resolve_nproc_per_node
+from .reporting import JobReporting
 
 log = logging.getLogger("tierrun")
 
 
 def prepare(argv: list[str]):
-    """Parse and check the flags; return torch's (LaunchConfig, entrypoint, args)."""
+    """Parse and check the flags; return torch's (LaunchConfig, entrypoint, args) and
+    this launch's reporting, attached to the agent."""
     args = normalise(build_parser().parse_args(argv))
     args.nproc_per_node = resolve_nproc_per_node(args.nproc_per_node)
     if args.standalone:
@@ -55,8 +58,28 @@ def prepare(argv: list[str]):
                 )
         conf = "tiered=1"
         args.rdzv_conf = f"{args.rdzv_conf},{conf}" if args.rdzv_conf else conf
+    if args.rdzv_backend in TIERRUN_BACKENDS:
+        conf = f"progress={args.progress},progress_interval={args.progress_interval}"
+        args.rdzv_conf = f"{args.rdzv_conf},{conf}" if args.rdzv_conf else conf
+    elif args.timeline:
+        log.warning("--timeline needs a tierrun rendezvous backend (tierrun or parallel); "
+                    "with --rdzv_backend %s no timeline is written", args.rdzv_backend)
     rendezvous.register()
-    return config_from_args(args)
+    config, entrypoint, cmd_args = config_from_args(args)
+    reporting = JobReporting(config.run_id, config.local_addr, Path(args.timeline) if args.timeline else None)
+    config.event_log_handler = reporting.install(config.event_log_handler)
+    rendezvous.on_handler_created[:] = [reporting.handler_created]
+    if entrypoint == sys.executable and cmd_args[:1] == ["-u"]:
+        # record uncaught exceptions of scripts without @record, for the failure report
+        cmd_args = ["-u", "-m", "tierrun.launcher.worker_main", *cmd_args[1:]]
+    return config, entrypoint, cmd_args, reporting
+
+
+def _script_name(cmd_args: list[str]) -> str:
+    """What the user launched (torch would name the worker_main module)."""
+    rest = cmd_args[3:] if cmd_args[1:3] == ["-m", "tierrun.launcher.worker_main"] else cmd_args
+    rest = rest[1:] if rest[:1] == ["-m"] else rest
+    return os.path.basename(rest[0]) if rest else "script"
 
 
 @record
@@ -64,9 +87,13 @@ def main(argv: list[str]) -> int:
     logging.basicConfig(format="[tierrun] %(levelname)s %(message)s")
     logging.getLogger("tierrun").setLevel(os.environ.get("TIERRUN_LOG_LEVEL", "WARNING").upper())
     try:
-        config, entrypoint, cmd_args = prepare(argv)
+        config, entrypoint, cmd_args, reporting = prepare(argv)
     except UsageError as e:
         print(f"tierrun: error: {e}", file=sys.stderr)
         return 2
-    elastic_launch(config=config, entrypoint=entrypoint)(*cmd_args)
+    try:
+        elastic_launch(config=config, entrypoint=entrypoint)(*cmd_args)
+    except ChildFailedError as e:
+        reporting.report_failure(config.logs_specs.root_log_dir)
+        raise ChildFailedError(_script_name(cmd_args), e.failures) from None
     return 0

@@ -1,16 +1,34 @@
 """Rendezvous backends on tierrun's store, registered with torch's elastic registry."""
 
-from torch.distributed.elastic.rendezvous import rendezvous_handler_registry
+from typing import Callable
+
+from torch.distributed.elastic.rendezvous import (
+    RendezvousHandler,
+    RendezvousParameters,
+    rendezvous_handler_registry,
+)
 
 from . import elastic, parallel
 
+#: called with every handler tierrun's backends create (the launcher's reporting)
+on_handler_created: list[Callable[[RendezvousHandler], None]] = []
 _registered = False
+
+
+def _announced(create: Callable[[RendezvousParameters], RendezvousHandler]):
+    def creator(params: RendezvousParameters) -> RendezvousHandler:
+        handler = create(params)
+        for callback in on_handler_created:
+            callback(handler)
+        return handler
+
+    return creator
 
 
 def register() -> None:
     """Make ``parallel`` and ``tierrun`` known to ``torch.distributed.elastic``."""
     global _registered
     if not _registered:
-        rendezvous_handler_registry.register("parallel", parallel.create_handler)
-        rendezvous_handler_registry.register("tierrun", elastic.create_handler)
+        rendezvous_handler_registry.register("parallel", _announced(parallel.create_handler))
+        rendezvous_handler_registry.register("tierrun", _announced(elastic.create_handler))
         _registered = True

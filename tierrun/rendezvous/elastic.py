@@ -27,7 +27,6 @@ from __future__ import annotations
 import json
 import logging
 import os
-import socket
 import threading
 import time
 from datetime import timedelta
@@ -41,9 +40,14 @@ from torch.distributed.elastic.rendezvous import (
     RendezvousStoreInfo,
     RendezvousTimeoutError,
 )
-from torch.distributed.elastic.rendezvous.utils import _matches_machine_hostname, parse_rendezvous_endpoint
+from torch.distributed.elastic.rendezvous.utils import (
+    _matches_machine_hostname,
+    parse_rendezvous_endpoint,
+)
 
 from ..client import StoreClient, StoreClientError
+from ..report.progress import Arrivals
+from .handler_base import StoreRendezvousHandler
 from .job_store import JobStore, token_from
 
 log = logging.getLogger("tierrun.rendezvous")
@@ -54,7 +58,7 @@ DEFAULT_LAST_CALL_TIMEOUT = 30.0
 _JOB_CLOSED = "job-closed"
 
 
-class ElasticRendezvousHandler(RendezvousHandler):
+class ElasticRendezvousHandler(StoreRendezvousHandler):
     """Elastic rendezvous on tierrun's store.
 
     ``next_rendezvous`` blocks until a round closes with this node as a member; raises
@@ -64,14 +68,13 @@ class ElasticRendezvousHandler(RendezvousHandler):
     """
 
     def __init__(self, job: JobStore, run_id: str, min_nodes: int, max_nodes: int,
-                 join_timeout: float, last_call_timeout: float, local_addr: str | None) -> None:
-        self._job = job
-        self._run_id = run_id
+                 join_timeout: float, last_call_timeout: float, local_addr: str | None,
+                 config: dict) -> None:
+        super().__init__(job, run_id, local_addr, config)
         self._min = min_nodes
         self._max = max_nodes
         self._join_timeout = join_timeout
         self._last_call = last_call_timeout
-        self._addr = local_addr or socket.gethostname()
         self._base = f"tierrun/{run_id}"
         self._round = -1  # last round this node was a member of
         self._rank = -1
@@ -94,14 +97,15 @@ class ElasticRendezvousHandler(RendezvousHandler):
         return True
 
     def next_rendezvous(self) -> RendezvousInfo:
-        self._job.start()
-        store = self._job.client()
+        self.job.start()
+        store = self.job.client()
         if self.is_closed():
-            raise RendezvousClosedError(f"rendezvous '{self._run_id}' is closed: the job has ended")
+            raise RendezvousClosedError(f"rendezvous '{self.run_id}' is closed: the job has ended")
         r = max(self._round + 1, int(store.add(f"{self._base}/round", 0)))
         deadline = time.monotonic() + self._join_timeout
         while True:
-            joined = self._join(store, r, deadline)
+            with self._progress(f"rendezvous '{self.run_id}' round {r}", lambda c, r=r: self._arrivals(c, r)):
+                joined = self._join(store, r, deadline)
             if joined is not None:
                 break
             r += 1  # arrived after the close: wait in the next round
@@ -111,7 +115,7 @@ class ElasticRendezvousHandler(RendezvousHandler):
             self._rank = rank
         self._watch_for_waiting_nodes(r)
         log.info("rendezvous '%s' round %d: node %s is rank %d of %d",
-                 self._run_id, r, self._addr, rank, n)
+                 self.run_id, r, self.node_addr, rank, n)
         return RendezvousInfo(
             PrefixStore(self._k(r, "agents"), store),
             rank,
@@ -122,10 +126,11 @@ class ElasticRendezvousHandler(RendezvousHandler):
     def _join(self, store, r: int, deadline: float):
         """Join round r. None if it closed without us; else (rank, members, worker endpoint)."""
         index = int(store.add(self._k(r, "joined"), 1))
-        me = {"addr": self._addr, "prev_rank": self._rank, "pid": os.getpid()}
+        me = {"addr": self.node_addr, "prev_rank": self._rank, "pid": os.getpid()}
         store.set(self._k(r, f"node/{index}"), json.dumps(me))
-        endpoint = self._job.worker_endpoint(f"{self._run_id}/workers/{r}")
-        if endpoint is not None and not self._job.tiered:  # flat: the host publishes it
+        store.append(self._k(r, "arrivals"), f"{self.node_addr}\n")
+        endpoint = self.job.worker_endpoint(f"{self.run_id}/workers/{r}")
+        if endpoint is not None and not self.job.tiered:  # flat: the host publishes it
             store.set(self._k(r, "worker_port"), str(endpoint[1]))
         if index == self._max:
             self._close(store, r, self._max)
@@ -138,21 +143,26 @@ class ElasticRendezvousHandler(RendezvousHandler):
             raise RendezvousTimeoutError(self._timeout_message(store, r)) from e
         closed = store.get(self._k(r, "closed")).decode()
         if closed == _JOB_CLOSED:
-            raise RendezvousClosedError(f"rendezvous '{self._run_id}' was closed while node {self._addr} waited")
+            raise RendezvousClosedError(f"rendezvous '{self.run_id}' was closed while node {self.node_addr} waited")
         n = int(closed)
         if index > n:
             log.info("round %d of '%s' closed with %d nodes before node %s arrived; waiting for the next",
-                     r, self._run_id, n, self._addr)
+                     r, self.run_id, n, self.node_addr)
             return None
         keys = [self._k(r, f"rank/{index}")]
-        if not self._job.tiered:
+        if not self.job.tiered:
             keys.append(self._k(r, "worker_port"))
-        store.wait(keys, self._job.timeout)
+        store.wait(keys, self.job.timeout)
         values = store.multi_get(keys)
-        if not self._job.tiered:
-            endpoint = (self._job.host, int(values[1]))
+        if not self.job.tiered:
+            endpoint = (self.job.host, int(values[1]))
         assert endpoint is not None
         return int(values[0]), n, endpoint
+
+    def _arrivals(self, client: StoreClient, r: int) -> Arrivals:
+        key = ("/" + self._k(r, "arrivals")).encode()
+        joined = client.get(key).decode().splitlines() if client.check([key]) else []
+        return Arrivals(joined, self._min, self._max, None)
 
     def _close(self, store, r: int, n: int) -> None:
         if store.compare_set(self._k(r, "closed"), "", str(n)) == str(n).encode():
@@ -164,7 +174,7 @@ class ElasticRendezvousHandler(RendezvousHandler):
         """The closer's one O(n) step: rank of members 1..n, stable across rounds (by the
         rank a node had in its previous round, then by arrival), in one MULTI_SET."""
         keys = [self._k(r, f"node/{j}") for j in range(1, n + 1)]
-        store.wait(keys, self._job.timeout)
+        store.wait(keys, self.job.timeout)
         members = json.loads(b"[" + b",".join(store.multi_get(keys)) + b"]")  # one parse
         order = sorted(range(n), key=lambda j: (members[j]["prev_rank"] if members[j]["prev_rank"] >= 0 else 1 << 30, j))
         rank_keys = [self._k(r, f"rank/{j + 1}") for j in order]
@@ -186,8 +196,8 @@ class ElasticRendezvousHandler(RendezvousHandler):
         except Exception:
             arrived = ["(unknown: the store did not answer)"]
         return (
-            f"rendezvous '{self._run_id}' timed out after {self._join_timeout:.0f} s on node "
-            f"{self._addr}: {len(arrived)} node(s) arrived ({', '.join(arrived)}), "
+            f"rendezvous '{self.run_id}' timed out after {self._join_timeout:.0f} s on node "
+            f"{self.node_addr}: {len(arrived)} node(s) arrived ({', '.join(arrived)}), "
             f"at least {self._min} needed (--nnodes {self._min}:{self._max}); "
             f"{max(self._min - len(arrived), 0)} more missing. Start tierrun on the missing "
             "nodes with the same --rdzv_endpoint and --rdzv_id, lower --nnodes, or raise "
@@ -201,7 +211,7 @@ class ElasticRendezvousHandler(RendezvousHandler):
         the socket, quietly.
         """
         self._stop_watcher()
-        client = StoreClient(self._job.client_address, timeout=365 * 24 * 3600)
+        client = StoreClient(self.job.client_address, timeout=365 * 24 * 3600)
         self._watcher = client
 
         def watch() -> None:
@@ -224,33 +234,31 @@ class ElasticRendezvousHandler(RendezvousHandler):
             if self._round not in self._waiting_seen:
                 return 0
         try:
-            return max(int(self._job.client().add(self._k(self._round + 1, "joined"), 0)), 1)
+            return max(int(self.job.client().add(self._k(self._round + 1, "joined"), 0)), 1)
         except Exception:
             return 1
 
     def is_closed(self) -> bool:
-        return bool(self._job.client().check([f"{self._base}/closed"]))
+        return bool(self.job.client().check([f"{self._base}/closed"]))
 
     def set_closed(self) -> None:
-        store = self._job.client()
+        store = self.job.client()
         store.set(f"{self._base}/closed", "1")
         # release nodes waiting for the next round
         r = int(store.add(f"{self._base}/round", 0))
         for rr in {r, self._round + 1}:
             store.compare_set(self._k(rr, "closed"), "", _JOB_CLOSED)
 
-    def get_run_id(self) -> str:
-        return self._run_id
-
     def shutdown(self) -> bool:
+        self._run_shutdown_hooks()
         self._stop_watcher()
         try:
             self.set_closed()
         except Exception:
-            log.debug("closing rendezvous '%s' failed (store gone)", self._run_id, exc_info=True)
-        if self._job.hosting:
+            log.debug("closing rendezvous '%s' failed (store gone)", self.run_id, exc_info=True)
+        if self.job.hosting:
             time.sleep(0.5)  # let the other agents read the closed flag
-        self._job.stop()
+        self.job.stop()
         return True
 
 
@@ -268,4 +276,4 @@ def create_handler(params: RendezvousParameters) -> RendezvousHandler:
     job = JobStore(host, port, hosting=_hosts_store(host, params.local_addr), timeout=timeout,
                    token=token_from(params.config))
     return ElasticRendezvousHandler(job, params.run_id, params.min_nodes, params.max_nodes,
-                                    join_timeout, last_call, params.local_addr)
+                                    join_timeout, last_call, params.local_addr, params.config)

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import json
 import logging
-import socket
 from datetime import timedelta
 
 from torch.distributed import PrefixStore
@@ -22,6 +21,9 @@ from torch.distributed.elastic.rendezvous import (
 )
 from torch.distributed.elastic.rendezvous.utils import parse_rendezvous_endpoint
 
+from ..client import StoreClient
+from ..report.progress import Arrivals
+from .handler_base import StoreRendezvousHandler
 from .job_store import JobStore, token_from
 
 log = logging.getLogger("tierrun.rendezvous")
@@ -29,7 +31,7 @@ log = logging.getLogger("tierrun.rendezvous")
 DEFAULT_TIMEOUT = 600
 
 
-class ParallelRendezvousHandler(RendezvousHandler):
+class ParallelRendezvousHandler(StoreRendezvousHandler):
     """Static rendezvous: ``world_size`` nodes, this one is ``rank``.
 
     ``next_rendezvous`` blocks until every node has arrived, and raises
@@ -37,13 +39,11 @@ class ParallelRendezvousHandler(RendezvousHandler):
     """
 
     def __init__(self, store: JobStore, rank: int, world_size: int, run_id: str,
-                 timeout: timedelta, local_addr: str | None) -> None:
-        self._job = store
+                 timeout: timedelta, local_addr: str | None, config: dict) -> None:
+        super().__init__(store, run_id, local_addr, config)
         self._rank = rank
         self._world_size = world_size
-        self._run_id = run_id
         self._timeout = timeout
-        self._local_addr = local_addr or socket.gethostname()
         self._round = -1
 
     def get_backend(self) -> str:
@@ -55,22 +55,24 @@ class ParallelRendezvousHandler(RendezvousHandler):
 
     def next_rendezvous(self) -> RendezvousInfo:
         self._round += 1
-        self._job.start()
-        store = self._job.client()
-        base = f"tierrun/{self._run_id}/static/{self._round}"
-        store.set(f"{base}/node/{self._rank}", json.dumps({"addr": self._local_addr}))
-        endpoint = self._job.worker_endpoint(f"{self._run_id}/workers/{self._round}")
+        self.job.start()
+        store = self.job.client()
+        base = f"tierrun/{self.run_id}/static/{self._round}"
+        store.set(f"{base}/node/{self._rank}", json.dumps({"addr": self.node_addr}))
+        store.append(f"{base}/arrivals", f"{self._rank} {self.node_addr}\n")
+        endpoint = self.job.worker_endpoint(f"{self.run_id}/workers/{self._round}")
         keys = [f"{base}/node/{r}" for r in range(self._world_size)]
-        if not self._job.tiered:  # the host publishes the one worker port of the round
+        if not self.job.tiered:  # the host publishes the one worker port of the round
             if endpoint is not None:
                 store.set(f"{base}/worker_port", str(endpoint[1]))
             keys.append(f"{base}/worker_port")
         try:
-            store.wait(keys, self._timeout)
+            with self._progress(f"rendezvous '{self.run_id}'", lambda c: self._arrivals(c, base)):
+                store.wait(keys, self._timeout)
         except Exception as e:
             raise RendezvousTimeoutError(self._missing_message(store, base)) from e
         if endpoint is None:
-            endpoint = (self._job.host, int(store.get(f"{base}/worker_port")))
+            endpoint = (self.job.host, int(store.get(f"{base}/worker_port")))
         return RendezvousInfo(
             PrefixStore(f"{base}/agents", store),
             self._rank,
@@ -78,12 +80,19 @@ class ParallelRendezvousHandler(RendezvousHandler):
             RendezvousStoreInfo(*endpoint),
         )
 
+    def _arrivals(self, client: StoreClient, base: str) -> Arrivals:
+        key = f"/{base}/arrivals".encode()
+        lines = client.get(key).decode().splitlines() if client.check([key]) else []
+        arrived = dict(line.split(" ", 1) for line in lines)
+        missing = [f"node rank {r}" for r in range(self._world_size) if str(r) not in arrived]
+        return Arrivals(list(arrived.values()), self._world_size, self._world_size, missing)
+
     def _missing_message(self, store, base: str) -> str:
         missing = [r for r in range(self._world_size) if not store.check([f"{base}/node/{r}"])]
         arrived = self._world_size - len(missing)
         return (
-            f"rendezvous '{self._run_id}' timed out after {self._timeout.total_seconds():.0f} s "
-            f"on node rank {self._rank} ({self._local_addr}): {arrived} of {self._world_size} "
+            f"rendezvous '{self.run_id}' timed out after {self._timeout.total_seconds():.0f} s "
+            f"on node rank {self._rank} ({self.node_addr}): {arrived} of {self._world_size} "
             f"nodes arrived; missing node ranks: {', '.join(map(str, missing)) or 'none'}. "
             "Start tierrun on the missing nodes with the same --master_addr/--master_port, "
             "or raise the timeout with --rdzv_conf timeout=SECONDS."
@@ -98,11 +107,9 @@ class ParallelRendezvousHandler(RendezvousHandler):
     def num_nodes_waiting(self) -> int:
         return 0
 
-    def get_run_id(self) -> str:
-        return self._run_id
-
     def shutdown(self) -> bool:
-        self._job.stop()
+        self._run_shutdown_hooks()
+        self.job.stop()
         return True
 
 
@@ -123,4 +130,5 @@ def create_handler(params: RendezvousParameters) -> RendezvousHandler:
         raise ValueError(f"no port in '{params.endpoint}': add --master_port PORT")
     timeout = timedelta(seconds=int(params.config.get("timeout", DEFAULT_TIMEOUT)))
     store = JobStore(host, port, hosting=rank == 0, timeout=timeout, token=token_from(params.config))
-    return ParallelRendezvousHandler(store, rank, params.max_nodes, params.run_id, timeout, params.local_addr)
+    return ParallelRendezvousHandler(store, rank, params.max_nodes, params.run_id, timeout,
+                                     params.local_addr, params.config)

@@ -1,0 +1,122 @@
+"""One launch's reporting: record this agent's events, share them through the job's
+store, and at the end print the failure report and write the timeline.
+
+torch's agent is used unchanged: its event stream goes to :class:`AgentRecorder`
+(installed as an event destination, forwarding to the user's ``--event_log_handler``),
+and tierrun's rendezvous handlers call :meth:`before_shutdown` while the store is still
+up, so the agent that hosts it can read everyone's records before it stops.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import socket
+import sys
+import time
+from pathlib import Path
+
+from torch.distributed.elastic import events
+from torch.distributed.elastic.events import handlers as event_handlers
+
+from ..rendezvous.handler_base import StoreRendezvousHandler
+from ..client import StoreClientError
+from ..report import timeline
+from ..report.board import JobBoard, NodeRecord
+from ..report.failure import FailureReport
+from ..report.recorder import FINAL_STATES, AgentRecorder
+
+log = logging.getLogger("tierrun")
+
+EVENT_DESTINATION = "tierrun"
+#: seconds the store host waits for every node's final record before it reports
+REPORT_GRACE = 5.0
+#: seconds the store host keeps the store up after a failure, for the others' reports
+LINGER = 1.0
+
+
+class JobReporting:
+    """Attach with :meth:`install` before the agent starts; :meth:`report_failure` after
+    it raised. Nothing here blocks the agent for more than one store round trip."""
+
+    def __init__(self, run_id: str, local_addr: str | None, timeline_path: Path | None) -> None:
+        self.run_id = run_id
+        self.timeline_path = timeline_path
+        self.handler: StoreRendezvousHandler | None = None
+        self._board: JobBoard | None = None
+        self._others: list[NodeRecord] = []
+        self.recorder = AgentRecorder(local_addr or socket.gethostname(), os.getpid(), self.board)
+
+    def install(self, user_event_handler: str) -> str:
+        """Become the agent's event destination; returns its name for LaunchConfig.
+
+        torch looks destinations up by name in ``events.handlers._log_handlers`` (its
+        only registry); the user's own destination still gets every event."""
+        if user_event_handler != "null":
+            self.recorder.forward = event_handlers.get_logging_handler(user_event_handler)
+        event_handlers._log_handlers[EVENT_DESTINATION] = self.recorder
+        # torch gives the destination's logger the level $LOGLEVEL; events are INFO, and
+        # the report needs them whatever the console's level
+        events._get_or_create_logger(EVENT_DESTINATION).setLevel(logging.INFO)
+        return EVENT_DESTINATION
+
+    def handler_created(self, handler) -> None:
+        if isinstance(handler, StoreRendezvousHandler):
+            self.handler = handler
+            self.recorder.node.addr = handler.node_addr
+            handler.shutdown_hooks.append(self.before_shutdown)
+
+    def board(self) -> JobBoard | None:
+        if self._board is None and self.handler is not None:
+            self._board = JobBoard(self.handler.job.client_address, self.run_id, timeout=5.0)
+        return self._board
+
+    def before_shutdown(self) -> None:
+        """Read every agent's record while the store is up; the host writes the timeline.
+
+        The store host waits (up to ``REPORT_GRACE`` s) until every member of the last
+        round has published how it ended, and if the job failed keeps the store up
+        ``LINGER`` s more so the others can read the failures too."""
+        board = self.board()
+        if board is None or self.handler is None:
+            return
+        self.recorder.publish()
+        mine = self.recorder.attempt
+        hosting = self.handler.job.hosting
+        try:
+            if hosting:
+                self._others = self._read_when_all_ended(board, mine.world_size if mine else -1)
+            elif mine is not None and mine.state == "FAILED":
+                self._others = board.read_all()
+        except (OSError, StoreClientError) as e:  # the store host already stopped: report what this node saw
+            log.info("could not read the other nodes' records (%s); the report shows this node's", e)
+        if hosting and any(a.state == "FAILED" for r in self._others for a in r.attempts[-1:]):
+            time.sleep(LINGER)
+        board.close()
+        if self.timeline_path is not None and hosting:
+            timeline.write(self.timeline_path, timeline.build(self.run_id, self._others))
+            print(f"[tierrun] wire-up timeline written to {self.timeline_path}", file=sys.stderr, flush=True)
+
+    @staticmethod
+    def _read_when_all_ended(board: JobBoard, members: int) -> list[NodeRecord]:
+        deadline = time.monotonic() + REPORT_GRACE
+        while True:
+            records = board.read_all()
+            ended = sum(1 for r in records if r.attempts and r.attempts[-1].state in FINAL_STATES)
+            if ended >= members or time.monotonic() > deadline:
+                return records
+            time.sleep(0.1)
+
+    def report_failure(self, log_dir: str | None) -> FailureReport:
+        """Print the failure report on stderr and write it as JSON in ``log_dir``."""
+        report = FailureReport.build(self.run_id, self.recorder.node, self._others)
+        print(report.render(), file=sys.stderr, flush=True)
+        if log_dir:
+            name = self.recorder.node.node.replace(":", "_")
+            path = Path(log_dir) / f"tierrun_failure_{name}.json"
+            try:
+                report.write_json(path)
+                print(f"[tierrun] failure report written to {path}", file=sys.stderr, flush=True)
+            except OSError as e:
+                log.warning("could not write the failure report to %s: %s", path, e)
+        return report

@@ -1,0 +1,65 @@
+"""``python -m tierrun.launcher.worker_main script.py args`` (or ``-m module args``):
+run a worker's script unchanged, but record an uncaught exception in the error file
+torch's agent gives every worker (``TORCHELASTIC_ERROR_FILE``), as ``@record`` would.
+
+So the failure report shows the error of a script that does not use ``@record``.
+The script runs as ``__main__`` with the ``sys.argv`` and ``sys.path[0]`` Python would
+give it; the exit code and the traceback on stderr are Python's own.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import runpy
+import sys
+import time
+import traceback
+from types import TracebackType
+
+
+def _script_frames(tb: TracebackType | None) -> TracebackType | None:
+    """The traceback without this module's and runpy's frames: what Python would show."""
+    while tb is not None and tb.tb_frame.f_code.co_filename in (__file__, "<frozen runpy>", runpy.__file__):
+        tb = tb.tb_next
+    return tb
+
+
+def _record(exc: BaseException) -> None:
+    path = os.environ.get("TORCHELASTIC_ERROR_FILE")
+    if not path or os.path.exists(path):  # the script's own @record already wrote it
+        return
+    now = time.time()
+    data = {"message": {"message": f"{type(exc).__name__}: {exc}", "extraInfo": {
+        "py_callstack": "".join(traceback.format_exception(type(exc), exc, exc.__traceback__)),
+        "timestamp": str(int(now)), "tierrun_time": now,
+    }}}
+    try:
+        with open(path, "w") as f:
+            json.dump(data, f)
+    except OSError:
+        pass
+
+
+def main() -> None:
+    args = sys.argv[1:]
+    if args[:1] == ["-m"]:
+        sys.argv = args[1:]
+        run = lambda: runpy.run_module(args[1], run_name="__main__", alter_sys=True)
+    else:
+        sys.argv = args
+        sys.path[0] = os.path.dirname(os.path.abspath(args[0]))
+        run = lambda: runpy.run_path(args[0], run_name="__main__")
+    try:
+        run()
+    except SystemExit:
+        raise
+    except BaseException as e:
+        e.__traceback__ = _script_frames(e.__traceback__)
+        _record(e)
+        sys.excepthook(type(e), e, e.__traceback__)  # as Python would, then its exit code
+        sys.exit(1)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,59 @@
+"""What tierrun's rendezvous handlers share: the job's store, the node's name, live
+progress on the store host, and hooks that run before the store goes away."""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import socket
+from collections.abc import Callable, Iterator
+
+from torch.distributed.elastic.rendezvous import RendezvousHandler
+
+from ..client import StoreClient
+from ..report.progress import MODES, Arrivals, RendezvousProgress
+from .job_store import JobStore
+
+log = logging.getLogger("tierrun.rendezvous")
+
+DEFAULT_PROGRESS_INTERVAL = 5.0
+
+
+class StoreRendezvousHandler(RendezvousHandler):
+    """Base of ``parallel`` and ``tierrun``. ``--rdzv_conf progress=auto|bar|log|off``
+    and ``progress_interval=SECONDS`` set the store host's progress display."""
+
+    def __init__(self, job: JobStore, run_id: str, local_addr: str | None, config: dict) -> None:
+        self.job = job
+        self.run_id = run_id
+        self.node_addr = local_addr or socket.gethostname()
+        self.shutdown_hooks: list[Callable[[], None]] = []
+        mode = str(config.get("progress", "auto"))
+        if mode not in MODES:
+            raise ValueError(f"--rdzv_conf progress={mode}: write one of {', '.join(MODES)}")
+        self._progress_mode = mode
+        self._progress_interval = float(config.get("progress_interval", DEFAULT_PROGRESS_INTERVAL))
+
+    def get_run_id(self) -> str:
+        return self.run_id
+
+    @contextlib.contextmanager
+    def _progress(self, title: str, poll: Callable[[StoreClient], Arrivals]) -> Iterator[None]:
+        """Show the round's progress while the body runs, on the store host only."""
+        if not self.job.hosting or self._progress_mode == "off":
+            yield
+            return
+        progress = RendezvousProgress(title, self.job.client_address, poll,
+                                      self._progress_mode, self._progress_interval).start()
+        try:
+            yield
+        finally:
+            progress.stop()
+
+    def _run_shutdown_hooks(self) -> None:
+        for hook in self.shutdown_hooks:
+            try:
+                hook()
+            except Exception as e:
+                log.warning("a report step before shutdown failed: %s", e)
+                log.debug("report step", exc_info=True)

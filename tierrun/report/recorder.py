@@ -1,0 +1,142 @@
+"""An agent's record of its own node, built from torch's elastic agent events.
+
+torch's agent emits an event when a rendezvous ends (with its duration), when each
+worker starts, and, when the agent's run ends, one per worker with its final state,
+exit code and error file. :class:`AgentRecorder` is a ``logging.Handler`` installed as
+the agent's event destination: it turns those events into a :class:`NodeRecord` and
+publishes it to the job's board, so the agent itself is torch's, unchanged.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import signal
+import time
+from collections.abc import Callable
+
+from torch.distributed.elastic.events import Event, EventSource
+
+from ..client import StoreClientError
+from .board import Attempt, Failure, JobBoard, NodeRecord
+
+log = logging.getLogger("tierrun.report")
+
+FINAL_STATES = ("SUCCEEDED", "FAILED", "TERMINATED")
+
+
+class AgentRecorder(logging.Handler):
+    """``board()`` gives the board once the job's store is up (None before); events are
+    forwarded to ``forward`` (the user's ``--event_log_handler``) unchanged.
+
+    Publishing blocks the agent for one store round trip; if the store does not answer,
+    the recorder stops publishing (the record stays complete locally) rather than delay
+    the agent again.
+    """
+
+    def __init__(self, addr: str, pid: int, board: Callable[[], JobBoard | None],
+                 forward: logging.Handler | None = None) -> None:
+        super().__init__(logging.INFO)
+        self.node = NodeRecord(node=f"{addr}:{pid}", addr=addr, started=process_start_time())
+        self._board = board
+        self.forward = forward
+        self._board_down = False
+
+    @property
+    def attempt(self) -> Attempt | None:
+        return self.node.attempts[-1] if self.node.attempts else None
+
+    def emit(self, record: logging.LogRecord) -> None:
+        if self.forward is not None:
+            self.forward.handle(record)
+        try:
+            self.on_event(Event.deserialize(record.getMessage()), time.time())
+        except Exception:  # never let reporting break the agent
+            log.debug("could not record an agent event", exc_info=True)
+
+    def on_event(self, event: Event, now: float) -> None:
+        md = event.metadata
+        state = str(md.get("state"))
+        restarts = int(md.get("agent_restarts") or 0)
+        if event.source == EventSource.AGENT and state == "RENDEZVOUS":
+            if self.attempt is not None and self.attempt.state == "RUNNING":
+                self.attempt.state, self.attempt.ended = "RESTARTED", now - md["duration_ms"] / 1000
+            self.node.attempts.append(Attempt(number=restarts,
+                                                 rendezvous=(now - md["duration_ms"] / 1000, now)))
+        elif event.source == EventSource.WORKER and self.attempt is not None:
+            extra = json.loads(str(md.get("metadata") or "{}"))
+            if state == "START":
+                self.attempt.workers_started = now
+                self.attempt.group_rank = int(md["group_rank"])
+                self.attempt.world_size = int(extra.get("group_world_size", -1))
+            elif state in FINAL_STATES:
+                self._end(state, md, extra, now)
+            else:
+                return
+        else:
+            return
+        self.publish()
+
+    def _end(self, state: str, md: dict, extra: dict, now: float) -> None:
+        attempt = self.attempt
+        assert attempt is not None
+        attempt.ended = attempt.ended or now
+        if state == "FAILED" or attempt.state != "FAILED":
+            attempt.state = state
+        if state != "FAILED":
+            return
+        exitcode = _first(extra.get("exit_code"))
+        message, tb, when = _error_details(md.get("raw_error"), exitcode, now)
+        attempt.failures.append(Failure(
+            global_rank=int(md["global_rank"]), local_rank=int(_first(extra.get("local_rank")) or 0),
+            exitcode=exitcode, time=when, message=message, traceback=tb,
+        ))
+
+    def publish(self) -> None:
+        if self._board_down:
+            return
+        board = self._board()
+        if board is None:
+            return
+        try:
+            board.publish(self.node)
+        except (OSError, StoreClientError) as e:
+            self._board_down = True
+            log.info("cannot publish this node's record to the job's store (%s); keeping it local", e)
+
+
+def process_start_time() -> float:
+    """When this process started (Unix seconds), so "agent start" includes Python's and
+    torch's import time. From /proc on Linux; now, elsewhere."""
+    try:
+        with open("/proc/self/stat") as f:
+            ticks = int(f.read().rsplit(")", 1)[1].split()[19])
+        with open("/proc/stat") as f:
+            boot = next(int(line.split()[1]) for line in f if line.startswith("btime "))
+        return boot + ticks / os.sysconf("SC_CLK_TCK")
+    except (OSError, ValueError, IndexError, StopIteration):
+        return time.time()
+
+
+def _first(value):
+    """torch wraps some metadata values in 1-tuples (JSON lists)."""
+    return value[0] if isinstance(value, (list, tuple)) else value
+
+
+def _error_details(raw_error, exitcode: int | None, now: float) -> tuple[str, str, float]:
+    """(message, traceback, time) from a worker's error file, or from its exit code."""
+    if raw_error:
+        data = json.loads(raw_error) if isinstance(raw_error, str) else raw_error
+        msg = data.get("message", data)
+        if isinstance(msg, dict):
+            info = msg.get("extraInfo", {})
+            when = float(info.get("tierrun_time") or info.get("timestamp") or now)
+            return str(msg.get("message", "")), str(info.get("py_callstack", "")), when
+        return str(msg), "", now
+    if exitcode is not None and exitcode < 0:
+        try:
+            return f"killed by signal {signal.Signals(-exitcode).name}", "", now
+        except ValueError:
+            return f"killed by signal {-exitcode}", "", now
+    return f"exited with code {exitcode}", "", now
