@@ -1,0 +1,116 @@
+"""The report package without processes: torch agent events -> a node's record ->
+the failure report and the timeline; the worker wrapper's error file."""
+
+import json
+import os
+import subprocess
+import sys
+
+from torch.distributed.elastic.events import Event, EventSource
+
+from tierrun.report import timeline
+from tierrun.report.board import NodeRecord
+from tierrun.report.failure import FailureReport
+from tierrun.report.progress import Arrivals, arrivals_line
+from tierrun.report.recorder import AgentRecorder
+
+
+def agent_event(state, restarts=0, duration_ms=0.0):
+    return Event("e", EventSource.AGENT, metadata={"state": state, "agent_restarts": restarts,
+                                                   "duration_ms": duration_ms, "group_rank": None})
+
+
+def worker_event(state, global_rank, local_rank, group_rank=1, exit_code=None, raw_error=None, restarts=0):
+    md = json.dumps({"local_rank": [local_rank], "exit_code": [exit_code], "group_world_size": 3})
+    return Event("w", EventSource.WORKER, metadata={
+        "state": state, "global_rank": global_rank, "group_rank": group_rank, "agent_restarts": restarts,
+        "raw_error": raw_error, "metadata": md})
+
+
+def recorder(addr="10.0.0.2"):
+    r = AgentRecorder(addr, 7, board=lambda: None)
+    r.node.started = 100.0
+    return r
+
+
+def test_events_make_attempts_with_phases_restarts_and_failures():
+    r = recorder()
+    r.on_event(agent_event("RENDEZVOUS", duration_ms=2000), 103.0)
+    r.on_event(worker_event("START", 2, 0), 103.5)
+    r.on_event(worker_event("START", 3, 1), 103.6)
+    # workers failed, the agent restarted them: the next rendezvous ends attempt 0
+    r.on_event(agent_event("RENDEZVOUS", restarts=1, duration_ms=1000), 110.0)
+    r.on_event(worker_event("START", 2, 0, restarts=1), 110.2)
+    error = {"message": {"message": "ValueError: bad", "extraInfo": {
+        "py_callstack": "Traceback...\nValueError: bad\n", "timestamp": "111", "tierrun_time": 111.25}}}
+    r.on_event(worker_event("FAILED", 2, 0, exit_code=1, raw_error=json.dumps(error), restarts=1), 112.0)
+    r.on_event(worker_event("FAILED", 3, 1, exit_code=-9, restarts=1), 112.0)
+    first, second = r.node.attempts
+    assert first.rendezvous == (101.0, 103.0) and first.workers_started == 103.6
+    assert first.state == "RESTARTED" and first.ended == 109.0
+    assert first.group_rank == 1 and first.world_size == 3
+    assert second.number == 1 and second.state == "FAILED" and second.ended == 112.0
+    f2, f3 = second.failures
+    assert (f2.global_rank, f2.exitcode, f2.time, f2.message) == (2, 1, 111.25, "ValueError: bad")
+    assert f2.traceback.endswith("ValueError: bad\n")
+    assert (f3.global_rank, f3.local_rank, f3.message) == (3, 1, "killed by signal SIGKILL")
+    # the record survives the board's JSON round trip
+    assert NodeRecord.from_json(r.node.to_json()) == r.node
+
+
+def test_failure_report_names_the_earliest_failure_in_the_job():
+    mine, other = recorder("10.0.0.1"), recorder("10.0.0.3")
+    for rec, rank, when in ((mine, 0, 50.0), (other, 4, 20.0)):
+        rec.on_event(agent_event("RENDEZVOUS", duration_ms=1000), 10.0)
+        rec.on_event(worker_event("START", rank, 0, group_rank=rank // 2), 11.0)
+        rec.on_event(worker_event("FAILED", rank, 0, group_rank=rank // 2, exit_code=2), when)
+    mine.node.started = 5.0
+    report = FailureReport.build("job", mine.node, [other.node, mine.node])
+    assert report.first.addr == "10.0.0.3" and report.first.failure.global_rank == 4
+    assert [fr.failure.global_rank for fr in report.failed] == [4, 0]
+    assert report.nodes_seen == 2
+    text = report.render()
+    assert "first failure: rank 4 (local rank 0) on node 10.0.0.3 (node rank 2)" in text
+    assert "exited with code 2" in text and "rank 0 on 10.0.0.1 (+30.0 s)" in text
+    assert report.phases == {"agent start": 4.0, "rendezvous": 1.0, "worker start": 1.0, "run": 39.0}
+
+
+def test_timeline_orders_nodes_by_rank_and_phases_by_time():
+    a, b = recorder("10.0.0.1"), recorder("10.0.0.2")
+    b.node.started = 104.0
+    for rec, rank in ((b, 1), (a, 0)):
+        rec.on_event(agent_event("RENDEZVOUS", duration_ms=3000), 108.0)
+        rec.on_event(worker_event("START", rank, 0, group_rank=rank), 109.0)
+    tl = timeline.build("job", [b.node, a.node])
+    assert tl["t0"] == 100.0 and [n["addr"] for n in tl["nodes"]] == ["10.0.0.1", "10.0.0.2"]
+    phases = tl["nodes"][1]["attempts"][0]["phases"]
+    assert [(p["name"], p["start"], p["end"]) for p in phases] == [
+        ("agent start", 4.0, 5.0), ("rendezvous", 5.0, 8.0), ("worker start", 8.0, 9.0), ("run", 9.0, None)]
+
+
+def test_arrivals_line_names_missing_nodes_or_says_how_many_are_short():
+    assert arrivals_line(Arrivals(["a"], 3, 3, ["node rank 1", "node rank 2"])) == "missing: node rank 1, node rank 2"
+    many = [f"node rank {k}" for k in range(25)]
+    assert arrivals_line(Arrivals([], 25, 25, many)).endswith("node rank 9 and 15 more")
+    assert arrivals_line(Arrivals(["a", "b"], 4, 8, None)) == "waiting for at least 2 more node(s); joined: a, b"
+    assert arrivals_line(Arrivals(["a", "b"], 2, 4, None)).startswith("2 joined, taking up to 4")
+
+
+def test_worker_wrapper_records_the_error_and_keeps_python_behaviour(tmp_path):
+    script = tmp_path / "job.py"
+    script.write_text("import sys\nprint(__name__, sys.argv[1:], sys.path[0])\nraise KeyError('lost')\n")
+    err = tmp_path / "error.json"
+    out = subprocess.run([sys.executable, "-m", "tierrun.launcher.worker_main", str(script), "--x", "1"],
+                         capture_output=True, text=True, env=dict(os.environ, TORCHELASTIC_ERROR_FILE=str(err)))
+    assert out.returncode == 1
+    assert out.stdout == f"__main__ ['--x', '1'] {tmp_path}\n"
+    assert "KeyError: 'lost'" in out.stderr and "worker_main" not in out.stderr and "runpy" not in out.stderr
+    data = json.loads(err.read_text())["message"]
+    assert data["message"] == "KeyError: 'lost'"
+    assert 'job.py", line 3' in data["extraInfo"]["py_callstack"]
+    # SystemExit is an exit, not an error: no error file
+    script.write_text("raise SystemExit(3)\n")
+    err.unlink()
+    out = subprocess.run([sys.executable, "-m", "tierrun.launcher.worker_main", str(script)],
+                         env=dict(os.environ, TORCHELASTIC_ERROR_FILE=str(err)))
+    assert out.returncode == 3 and not err.exists()
