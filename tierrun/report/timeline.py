@@ -59,7 +59,7 @@ def render_png(timeline: dict, out: Path, start_up_only: bool = True) -> None:
     import matplotlib.pyplot as plt
 
     nodes = timeline["nodes"]
-    fig, ax = plt.subplots(figsize=(9, 1.2 + 0.45 * len(nodes)))
+    fig, ax = plt.subplots(figsize=(10, 1.6 + 0.45 * len(nodes)))
     horizon = 0.0
     for row, node in enumerate(nodes):
         for attempt in node["attempts"]:
@@ -75,7 +75,7 @@ def render_png(timeline: dict, out: Path, start_up_only: bool = True) -> None:
     ax.set_xlabel("seconds since the first agent started")
     ax.set_title(f"tierrun wire-up timeline: {timeline['run_id']}")
     ax.legend(handles=[plt.Rectangle((0, 0), 1, 1, color=c) for c in PHASES.values()],
-              labels=list(PHASES), loc="lower right", fontsize="small")
+              labels=list(PHASES), loc="upper left", bbox_to_anchor=(1.01, 1.0), fontsize="small")
     fig.tight_layout()
     out.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(out, dpi=110)
