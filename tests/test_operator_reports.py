@@ -75,12 +75,13 @@ def test_late_node_named_failure_report_and_timeline(tmp_path):
 
 
 def test_progress_bar_on_a_terminal(tmp_path):
-    """The store host's stderr is a terminal: a tqdm bar names the missing node."""
+    """3 nodes, node 2 late; the store host's stderr is a terminal: a tqdm bar names
+    the missing node."""
     port = free_port()
     master, slave = pty.openpty()
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1", COLUMNS="160")
     host = subprocess.Popen(
-        [sys.executable, "-m", "tierrun", "--nnodes", "2", "--nproc_per_node", "1",
+        [sys.executable, "-m", "tierrun", "--nnodes", "3", "--nproc_per_node", "1",
          "--rdzv_backend", "parallel", "--master_addr", "127.0.1.1", "--master_port", str(port),
          "--node_rank", "0", "--local_addr", "127.0.1.1", "--progress_interval", "1",
          str(SCRIPTS / "collectives.py")],
@@ -100,17 +101,19 @@ def test_progress_bar_on_a_terminal(tmp_path):
 
     reader = threading.Thread(target=read, daemon=True)
     reader.start()
+    others = [static_node(1, 3, port, "--nproc_per_node", "1", SCRIPTS / "collectives.py",
+                          log=tmp_path / "node1.log")]
     time.sleep(4)
-    late = static_node(1, 2, port, "--nproc_per_node", "1", SCRIPTS / "collectives.py",
-                       log=tmp_path / "node1.log")
+    others.append(static_node(2, 3, port, "--nproc_per_node", "1", SCRIPTS / "collectives.py",
+                              log=tmp_path / "node2.log"))
     try:
-        codes = finish([host, late])
+        codes = finish([host, *others])
     finally:
         kill_tree(host.pid)
     reader.join(timeout=10)
     os.close(master)
     text = screen.decode(errors="replace")
-    assert codes == [0, 0], text[-3000:]
-    assert "1/2 nodes |" in text and "missing: node rank 1" in text, text[-3000:]
-    assert "2/2 nodes |" in text and "all joined" in text, text[-3000:]
+    assert codes == [0, 0, 0], text[-3000:]
+    assert "2/3 nodes |" in text and "missing: node rank 2" in text, text[-3000:]
+    assert "3/3 nodes |" in text and "all joined" in text, text[-3000:]
     assert "[tierrun] rendezvous" not in text  # a bar, not log lines
