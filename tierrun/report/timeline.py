@@ -52,8 +52,11 @@ def write(path: Path, timeline: dict) -> None:
 
 def render_png(timeline: dict, out: Path, start_up_only: bool = True) -> None:
     """One row per node, one bar per phase (the run phase drawn short when
-    ``start_up_only``, so start-up stays readable). Needs matplotlib (``tierrun[bench]``)."""
-    import matplotlib
+    ``start_up_only``, so start-up stays readable). Needs matplotlib (``tierrun[plot]``)."""
+    try:
+        import matplotlib
+    except ImportError:
+        raise SystemExit("tierrun timeline: drawing needs matplotlib: pip install 'tierrun[plot]'") from None
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
