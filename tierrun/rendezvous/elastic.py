@@ -17,9 +17,17 @@ wins decides, the others' attempts change nothing. The winner (the closer) reads
 descriptors once and publishes every member's rank in one MULTI_SET, so each member
 reads O(1) keys and bytes, and the store does O(n) work per round, not O(n²). (If the
 closer dies in that instant, the members' wait ends with the join timeout.) Nodes that arrive after the close
-join round r+1 at once; running agents hold one standing WAIT on ``r+1/node/1``, so
-``num_nodes_waiting()`` turns positive without polling and they restart to admit them.
+join round r+1 at once, and running agents restart to admit them (below).
 Ranks are stable: members sort by their rank in their previous round, then by arrival.
+
+Liveness (``liveness.py``): while round r runs, every member beats a counter and
+watches the member of the next rank; a silent one is marked dead and ``r/changed`` set,
+which every member WAITs on, so all agents restart their workers, even workers stuck in
+a collective. Running agents also learn of nodes waiting for round r+1 through
+``r/changed`` (its first arrival sets it). When round r+1 re-forms, its last call ends
+as soon as every member of round r is back or dead: recovering from a dead node takes
+``heartbeat_timeout`` seconds (``--rdzv_conf heartbeat_timeout=3,heartbeat_interval=1``),
+not the last call.
 """
 
 from __future__ import annotations
@@ -48,6 +56,7 @@ from torch.distributed.elastic.rendezvous.utils import (
 from ..client import StoreClient, StoreClientError
 from ..report.progress import Arrivals
 from .handler_base import StoreRendezvousHandler
+from . import liveness
 from .job_store import JobStore, token_from
 
 log = logging.getLogger("tierrun.rendezvous")
@@ -75,12 +84,16 @@ class ElasticRendezvousHandler(StoreRendezvousHandler):
         self._max = max_nodes
         self._join_timeout = join_timeout
         self._last_call = last_call_timeout
+        self._beat_interval = float(config.get("heartbeat_interval", liveness.DEFAULT_INTERVAL))
+        self._beat_timeout = float(config.get("heartbeat_timeout", liveness.DEFAULT_TIMEOUT))
         self._base = f"tierrun/{run_id}"
         self._round = -1  # last round this node was a member of
+        self._index = -1  # its arrival index in that round
         self._rank = -1
-        self._waiting_seen: set[int] = set()  # rounds r such that r+1 has a waiting node
+        self._waiting_seen: set[int] = set()  # rounds r whose membership changed
         self._lock = threading.Lock()
         self._watcher: StoreClient | None = None
+        self._heartbeat: liveness.Heartbeat | None = None
 
     # -- keys -------------------------------------------------------------------------
 
@@ -109,11 +122,12 @@ class ElasticRendezvousHandler(StoreRendezvousHandler):
             if joined is not None:
                 break
             r += 1  # arrived after the close: wait in the next round
-        rank, n, endpoint = joined
+        index, rank, n, endpoint = joined
         with self._lock:
             self._round = r
+            self._index = index
             self._rank = rank
-        self._watch_for_waiting_nodes(r)
+        self._watch_round(store, r, index, rank, n)
         log.info("rendezvous '%s' round %d: node %s is rank %d of %d",
                  self.run_id, r, self.node_addr, rank, n)
         return RendezvousInfo(
@@ -126,8 +140,11 @@ class ElasticRendezvousHandler(StoreRendezvousHandler):
     def _join(self, store, r: int, deadline: float):
         """Join round r. None if it closed without us; else (rank, members, worker endpoint)."""
         index = int(store.add(self._k(r, "joined"), 1))
-        me = {"addr": self.node_addr, "prev_rank": self._rank, "pid": os.getpid()}
+        me = {"addr": self.node_addr, "prev_rank": self._rank, "prev_round": self._round,
+              "prev_index": self._index, "pid": os.getpid()}
         store.set(self._k(r, f"node/{index}"), json.dumps(me))
+        if index == 1 and r > 0:
+            store.set(self._k(r - 1, "changed"), "joined")  # the running members restart
         store.append(self._k(r, "arrivals"), f"{self.node_addr}\n")
         endpoint = self.job.worker_endpoint(f"{self.run_id}/workers/{r}")
         if endpoint is not None and not self.job.tiered:  # flat: the host publishes it
@@ -157,7 +174,7 @@ class ElasticRendezvousHandler(StoreRendezvousHandler):
         if not self.job.tiered:
             endpoint = (self.job.host, int(values[1]))
         assert endpoint is not None
-        return int(values[0]), n, endpoint
+        return index, int(values[0]), n, endpoint
 
     def _arrivals(self, client: StoreClient, r: int) -> Arrivals:
         key = ("/" + self._k(r, "arrivals")).encode()
@@ -177,16 +194,57 @@ class ElasticRendezvousHandler(StoreRendezvousHandler):
         store.wait(keys, self.job.timeout)
         members = json.loads(b"[" + b",".join(store.multi_get(keys)) + b"]")  # one parse
         order = sorted(range(n), key=lambda j: (members[j]["prev_rank"] if members[j]["prev_rank"] >= 0 else 1 << 30, j))
-        rank_keys = [self._k(r, f"rank/{j + 1}") for j in order]
-        store.multi_set(rank_keys, [str(rank) for rank in range(n)])
+        keys = [self._k(r, f"rank/{j + 1}") for j in order]  # index -> rank
+        keys += [self._k(r, f"member/{rank}") for rank in range(n)]  # rank -> index
+        keys += [self._k(r, f"beat/{j}") for j in range(1, n + 1)]  # heartbeats start at 0
+        # dead markers exist from the start: torch's client WAITs for every key it MULTI_GETs
+        keys += [self._k(r, f"dead/{j}") for j in range(1, n + 1)]
+        values = [str(rank) for rank in range(n)] + [str(j + 1) for j in order] + ["0"] * n + [""] * n
+        store.multi_set(keys, values)
 
     def _last_call_then_close(self, store, r: int) -> None:
+        """Close round r when the last call ends, or sooner: as soon as every member of
+        round r-1 has either joined r or is dead (marked by its watcher, or its heartbeat
+        still for ``heartbeat_timeout``). A re-rendezvous after a failure then takes
+        seconds, not the last call. One MULTI_GET of O(n) keys per poll, on one node."""
         try:
-            time.sleep(self._last_call)
+            deadline = time.monotonic() + self._last_call
+            previous = self._previous_members(store, r)
+            still = liveness.Stillness(self._beat_timeout)
+            while time.monotonic() < deadline:
+                if previous and self._all_accounted_for(store, r, previous, still):
+                    log.info("round %d of '%s': every live member of round %d is back; closing "
+                             "before the last call", r, self.run_id, r - 1)
+                    break
+                time.sleep(min(0.25, max(deadline - time.monotonic(), 0)))
             n = min(int(store.add(self._k(r, "joined"), 0)), self._max)
             self._close(store, r, n)
         except Exception:  # the store went away: the job is ending
             log.debug("last call of round %d not completed", r, exc_info=True)
+
+    def _previous_members(self, store, r: int) -> int:
+        if r == 0:
+            return 0
+        closed = store.multi_get([self._k(r - 1, "closed")])[0]
+        return int(closed) if closed.isdigit() else 0
+
+    def _all_accounted_for(self, store, r: int, previous: int, still: liveness.Stillness) -> bool:
+        joined = min(int(store.add(self._k(r, "joined"), 0)), self._max)
+        if joined < self._min:
+            return False
+        back = set()
+        for raw in store.multi_get([self._k(r, f"node/{j}") for j in range(1, joined + 1)]):
+            if raw:
+                d = json.loads(raw)
+                if d.get("prev_round") == r - 1:
+                    back.add(d["prev_index"])
+        members = range(1, previous + 1)
+        values = store.multi_get([self._k(r - 1, f"beat/{j}") for j in members] +
+                                 [self._k(r - 1, f"dead/{j}") for j in members])
+        now = time.monotonic()
+        still.sample(dict(zip(members, values[:previous])), now)
+        dead = {j for j, mark in zip(members, values[previous:]) if mark} | still.still(now)
+        return all(j in back or j in dead for j in members)
 
     def _timeout_message(self, store, r: int) -> str:
         try:
@@ -204,36 +262,52 @@ class ElasticRendezvousHandler(StoreRendezvousHandler):
             "--rdzv_conf join_timeout=SECONDS."
         )
 
-    def _watch_for_waiting_nodes(self, r: int) -> None:
-        """One standing WAIT on the first arrival of round r+1, on its own connection.
-
-        Uses tierrun's small client so that :meth:`shutdown` can end the wait by closing
-        the socket, quietly.
-        """
-        self._stop_watcher()
+    def _watch_round(self, store, r: int, index: int, rank: int, n: int) -> None:
+        """While round r runs: a standing WAIT on ``r/changed`` (a node joined round r+1,
+        or a member died), on its own connection, and this member's heartbeat, watching
+        the member of the next rank. Replaces the previous round's."""
+        self._stop_watching()
         client = StoreClient(self.job.client_address, timeout=365 * 24 * 3600)
         self._watcher = client
 
         def watch() -> None:
             try:
-                client.wait([("/" + self._k(r + 1, "node/1")).encode()])
+                client.wait([("/" + self._k(r, "changed")).encode()])
             except (OSError, StoreClientError):
                 return  # stopped, or the store is gone
             with self._lock:
                 self._waiting_seen.add(r)
 
         threading.Thread(target=watch, daemon=True).start()
+        watched = int(store.get(self._k(r, f"member/{(rank + 1) % n}"))) if n > 1 else None
+        self._heartbeat = liveness.Heartbeat(
+            self.job.client_address, lambda name: ("/" + self._k(r, name)).encode(), index, watched,
+            self._beat_interval, self._beat_timeout, lambda dead: self._declare_dead(r, dead),
+        ).start()
 
-    def _stop_watcher(self) -> None:
+    def _declare_dead(self, r: int, index: int) -> None:
+        """Called by the heartbeat thread: member ``index`` of round r went silent."""
+        with StoreClient(self.job.client_address, timeout=10) as store:
+            raw = store.multi_get([("/" + self._k(r, f"node/{index}")).encode()])[0]
+            addr = json.loads(raw)["addr"] if raw else f"arrival {index}"
+            log.warning("rendezvous '%s' round %d: node %s has not answered for %.0f s; "
+                        "re-forming the job without it", self.run_id, r, addr, self._beat_timeout)
+            store.multi_set([("/" + self._k(r, f"dead/{index}")).encode(), ("/" + self._k(r, "changed")).encode()],
+                            [addr.encode(), f"dead {addr}".encode()])
+
+    def _stop_watching(self) -> None:
         if self._watcher is not None:
             self._watcher.abort()
             self._watcher = None
+        if self._heartbeat is not None:
+            self._heartbeat.stop()
+            self._heartbeat = None
 
     def num_nodes_waiting(self) -> int:
         with self._lock:
             if self._round not in self._waiting_seen:
                 return 0
-        try:
+        try:  # nodes waiting, or 1 when a member died: either way, restart to re-form
             return max(int(self.job.client().add(self._k(self._round + 1, "joined"), 0)), 1)
         except Exception:
             return 1
@@ -251,7 +325,7 @@ class ElasticRendezvousHandler(StoreRendezvousHandler):
 
     def shutdown(self) -> bool:
         self._run_shutdown_hooks()
-        self._stop_watcher()
+        self._stop_watching()
         try:
             self.set_closed()
         except Exception:
