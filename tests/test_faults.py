@@ -1,0 +1,55 @@
+"""Fault injection on real jobs: a node killed, a node frozen (SIGSTOP) with the other
+workers stuck in a collective with it. Elastic 2:3, Gloo, the default last call
+(30 s): the survivors must re-form within seconds, not after the last call."""
+
+import signal
+import time
+
+from launch import SCRIPTS, finish, free_port, kill_tree, results, tierrun
+
+COMMON = ("--nnodes", "2:3", "--nproc_per_node", 1, "--max_restarts", 3, "--monitor_interval", "0.5")
+
+
+def start_three(tmp_path, run_id):
+    port = free_port()
+    logs = [tmp_path / f"node{k}.log" for k in range(3)]
+    procs = [tierrun(*COMMON, "--rdzv_endpoint", f"127.0.1.1:{port}", "--rdzv_id", run_id,
+                     "--local_addr", f"127.0.1.{k + 1}", SCRIPTS / "heartbeat_worker.py", "--want", 2,
+                     log=logs[k]) for k in range(3)]
+    deadline = time.time() + 90
+    while len(results(*logs, tag="UP")) < 3 and time.time() < deadline:
+        time.sleep(0.2)
+    assert {r["world"] for r in results(*logs, tag="UP")} == {"3"}, logs[0].read_text()[-3000:]
+    return procs, logs
+
+
+def recovered_after(logs, t_fault: float) -> float:
+    """Seconds from the fault to the survivors' workers up again in a world of 2."""
+    up = [float(r["t"]) for r in results(*logs, tag="UP") if r["world"] == "2"]
+    assert len(up) == 2, up
+    return max(up) - t_fault
+
+
+def test_killed_node_survivors_reform_in_seconds(tmp_path):
+    procs, logs = start_three(tmp_path, "killed")
+    t_kill = time.time()
+    kill_tree(procs[2].pid)
+    assert finish(procs[:2], timeout=120) == [0, 0], logs[0].read_text()[-3000:]
+    rows = results(*logs[:2])
+    assert sorted(int(r["rank"]) for r in rows) == [0, 1] and {r["sum"] for r in rows} == {"2"}
+    assert recovered_after(logs[:2], t_kill) < 20  # the last call alone is 30 s
+
+
+def test_frozen_node_is_declared_dead_and_stuck_workers_restarted(tmp_path):
+    """SIGSTOP keeps the frozen node's sockets open: the others' all_reduce hangs (Gloo
+    sees no error). Only the heartbeat can tell; the agents restart their stuck workers."""
+    procs, logs = start_three(tmp_path, "frozen")
+    t_stop = time.time()
+    kill_tree(procs[2].pid, signal.SIGSTOP)
+    try:
+        assert finish(procs[:2], timeout=120) == [0, 0], logs[0].read_text()[-3000:]
+    finally:
+        kill_tree(procs[2].pid, signal.SIGKILL)
+    text = logs[0].read_text() + logs[1].read_text()
+    assert "node 127.0.1.3 has not answered for 3 s; re-forming the job without it" in text
+    assert recovered_after(logs[:2], t_stop) < 20
