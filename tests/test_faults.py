@@ -53,3 +53,19 @@ def test_frozen_node_is_declared_dead_and_stuck_workers_restarted(tmp_path):
     text = logs[0].read_text() + logs[1].read_text()
     assert "node 127.0.1.3 has not answered for 3 s; re-forming the job without it" in text
     assert recovered_after(logs[:2], t_stop) < 20
+
+
+def test_exit_barrier_does_not_wait_for_a_node_that_failed(tmp_path):
+    """Node 1's worker fails for good while node 0's succeed: torch's agent on node 0
+    waits in the exit barrier for every node (300 s); node 1 checks in as it leaves."""
+    port = free_port()
+    logs = [tmp_path / f"node{k}.log" for k in range(2)]
+    start = time.time()
+    procs = [tierrun("--nnodes", 2, "--nproc_per_node", 2, "--rdzv_backend", "parallel",
+                     "--master_addr", "127.0.1.1", "--master_port", port, "--node_rank", k,
+                     "--local_addr", f"127.0.1.{k + 1}", SCRIPTS / "fail_rank.py", log=logs[k],
+                     env={"FAIL_RANK": "3", "OTHERS_SUCCEED": "1"}) for k in range(2)]
+    codes = finish(procs, timeout=200)
+    assert codes[0] == 0 and codes[1] != 0, (codes, logs[0].read_text()[-3000:])
+    assert time.time() - start < 60, "node 0 waited out the exit barrier"
+    assert "rank 3 (local rank 1) on node 127.0.1.2" in logs[1].read_text()

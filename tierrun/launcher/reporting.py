@@ -84,6 +84,8 @@ class JobReporting:
         mine = self.recorder.attempt
         hosting = self.handler.job.hosting
         try:
+            if mine is not None and mine.state == "FAILED":
+                self.handler.leave_exit_barrier()
             if hosting:
                 self._others = self._read_when_all_ended(board, mine.world_size if mine else -1)
             elif mine is not None and mine.state == "FAILED":

@@ -90,6 +90,7 @@ class ElasticRendezvousHandler(StoreRendezvousHandler):
         self._round = -1  # last round this node was a member of
         self._index = -1  # its arrival index in that round
         self._rank = -1
+        self._members = 0  # nodes in that round
         self._waiting_seen: set[int] = set()  # rounds r whose membership changed
         self._lock = threading.Lock()
         self._watcher: StoreClient | None = None
@@ -127,6 +128,7 @@ class ElasticRendezvousHandler(StoreRendezvousHandler):
             self._round = r
             self._index = index
             self._rank = rank
+            self._members = n
         self._watch_round(store, r, index, rank, n)
         log.info("rendezvous '%s' round %d: node %s is rank %d of %d",
                  self.run_id, r, self.node_addr, rank, n)
@@ -302,6 +304,9 @@ class ElasticRendezvousHandler(StoreRendezvousHandler):
         if self._heartbeat is not None:
             self._heartbeat.stop()
             self._heartbeat = None
+
+    def _agents_store(self) -> tuple[str, int] | None:
+        return (self._k(self._round, "agents"), self._members) if self._round >= 0 else None
 
     def num_nodes_waiting(self) -> int:
         with self._lock:

@@ -8,7 +8,10 @@ import logging
 import socket
 from collections.abc import Callable, Iterator
 
+from torch.distributed import PrefixStore
+from torch.distributed.elastic.agent.server.api import _TERMINAL_STATE_SYNC_ID
 from torch.distributed.elastic.rendezvous import RendezvousHandler
+from torch.distributed.elastic.utils.store import _barrier_nonblocking
 
 from ..client import StoreClient
 from ..report.progress import MODES, Arrivals, RendezvousProgress
@@ -49,6 +52,23 @@ class StoreRendezvousHandler(RendezvousHandler):
             yield
         finally:
             progress.stop()
+
+    def _agents_store(self) -> tuple[str, int] | None:
+        """The current round's agent-store prefix and node count; None before a round."""
+        raise NotImplementedError
+
+    def leave_exit_barrier(self) -> None:
+        """Check this node in to torch's exit barrier of the current round, for an agent
+        whose workers failed for good. torch's agent checks in only after success, so
+        without this the other agents (the store host among them) would wait out the
+        whole exit-barrier timeout (300 s) for a node that has already given up. One ADD
+        (and one SET if this node is the last): the barrier still waits for the rest."""
+        current = self._agents_store()
+        if current is None:
+            return
+        prefix, n = current
+        _barrier_nonblocking(store=PrefixStore(prefix, self.job.client()), world_size=n,
+                             key_prefix=_TERMINAL_STATE_SYNC_ID)
 
     def _run_shutdown_hooks(self) -> None:
         for hook in self.shutdown_hooks:

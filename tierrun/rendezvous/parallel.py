@@ -98,6 +98,11 @@ class ParallelRendezvousHandler(StoreRendezvousHandler):
             "or raise the timeout with --rdzv_conf timeout=SECONDS."
         )
 
+    def _agents_store(self) -> tuple[str, int] | None:
+        if self._round < 0:
+            return None
+        return f"tierrun/{self.run_id}/static/{self._round}/agents", self._world_size
+
     def is_closed(self) -> bool:
         return False
 
