@@ -63,7 +63,7 @@ class FailureReport:
             )
             tail = f.traceback.strip().splitlines()[-TAIL_LINES:]
             lines += [f"    | {t}" for t in tail]
-            others = [fr for fr in self.failed[1:]]
+            others = self.failed[1:]
             if others:
                 lines.append(f"  {len(others)} later failure(s): " + ", ".join(
                     f"rank {fr.failure.global_rank} on {fr.addr} (+{fr.failure.time - f.time:.1f} s)"
