@@ -140,7 +140,8 @@ class ElasticRendezvousHandler(StoreRendezvousHandler):
         )
 
     def _join(self, store, r: int, deadline: float):
-        """Join round r. None if it closed without us; else (rank, members, worker endpoint)."""
+        """Join round r. None if it closed without us; else (arrival index, rank, members,
+        worker endpoint)."""
         index = int(store.add(self._k(r, "joined"), 1))
         me = {"addr": self.node_addr, "prev_rank": self._rank, "prev_round": self._round,
               "prev_index": self._index, "pid": os.getpid()}
@@ -179,6 +180,8 @@ class ElasticRendezvousHandler(StoreRendezvousHandler):
         return index, int(values[0]), n, endpoint
 
     def _arrivals(self, client: StoreClient, r: int) -> Arrivals:
+        """From ``r/arrivals``, not the descriptors: the store's MULTI_GET waits for
+        missing keys, and an arrival dead between its ADD and its SET would hang it."""
         key = ("/" + self._k(r, "arrivals")).encode()
         joined = client.get(key).decode().splitlines() if client.check([key]) else []
         return Arrivals(joined, self._min, self._max, None)

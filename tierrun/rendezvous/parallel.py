@@ -57,7 +57,7 @@ class ParallelRendezvousHandler(StoreRendezvousHandler):
         self._round += 1
         self.job.start()
         store = self.job.client()
-        base = f"tierrun/{self.run_id}/static/{self._round}"
+        base = self._base(self._round)
         store.set(f"{base}/node/{self._rank}", json.dumps({"addr": self.node_addr}))
         store.append(f"{base}/arrivals", f"{self._rank} {self.node_addr}\n")
         endpoint = self.job.worker_endpoint(f"{self.run_id}/workers/{self._round}")
@@ -80,7 +80,12 @@ class ParallelRendezvousHandler(StoreRendezvousHandler):
             RendezvousStoreInfo(*endpoint),
         )
 
+    def _base(self, r: int) -> str:
+        return f"tierrun/{self.run_id}/static/{r}"
+
     def _arrivals(self, client: StoreClient, base: str) -> Arrivals:
+        """From ``arrivals`` (one GET), since MULTI_GET of the descriptors would wait for
+        the missing ones, the very nodes to name."""
         key = f"/{base}/arrivals".encode()
         lines = client.get(key).decode().splitlines() if client.check([key]) else []
         arrived = dict(line.split(" ", 1) for line in lines)
@@ -101,7 +106,7 @@ class ParallelRendezvousHandler(StoreRendezvousHandler):
     def _agents_store(self) -> tuple[str, int] | None:
         if self._round < 0:
             return None
-        return f"tierrun/{self.run_id}/static/{self._round}/agents", self._world_size
+        return f"{self._base(self._round)}/agents", self._world_size
 
     def is_closed(self) -> bool:
         return False
