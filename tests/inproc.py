@@ -5,7 +5,7 @@ deterministically."""
 import asyncio
 
 from tierrun.frontend.link_upstream import LinkUpstream
-from tierrun.server.link_server import LinkServerConnection, LinkStats
+from tierrun.server.link_server import LinkServer
 
 
 class Client:
@@ -37,15 +37,17 @@ class Pipe(asyncio.Transport):
         self._closing = True
 
 
-async def linked(core):
-    stats = LinkStats()
-    server = LinkServerConnection(core, b"tok", stats, "test")
+async def linked(core, server=None):
+    """A front-end link to ``core`` through in-memory pipes; returns it and the core's
+    link statistics. Pass ``server`` to link several front-ends to one LinkServer."""
+    server = server or LinkServer(core, b"tok")
     link = LinkUpstream(b"tok", on_lost=lambda reason: None)
-    server.connection_made(Pipe(lambda: link))
-    link_transport = Pipe(lambda: server)
-    link.connection_made(link_transport)
+    conn = link.connection()
+    server_end = server.accept("test")
+    server_end.connection_made(Pipe(lambda: conn))
+    conn.connection_made(Pipe(lambda: server_end))
     # the magic byte is consumed by the root's sniffer, which this test has not
-    server_feed = server.data_received
+    server_feed = server_end.data_received
     first = [True]
 
     def strip_magic(data):
@@ -55,9 +57,9 @@ async def linked(core):
         if data:
             server_feed(data)
 
-    server.data_received = strip_magic
+    server_end.data_received = strip_magic
     await asyncio.wait_for(link.ready, 5)
-    return link, stats
+    return link, server.stats
 
 
 async def settle():

@@ -15,16 +15,21 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import secrets
+import socket
 import struct
 from collections import defaultdict
 from collections.abc import Callable
 
-from ..core import Waiter
+from ..core import StoreError, Waiter
 from ..link import auth
+from ..link.config import LinkConfig
 from ..link.frames import (
-    ERROR, HELLO, LINK_MAGIC, OK, REPLIES, WELCOME, FrameDecoder, LinkError,
-    decode_replies, encode_batch, entry_close, entry_open, entry_request,
+    ACK, ERROR, HELLO, LINK_MAGIC, OK, REPLIES, RESUMED, SESSION_ID_BYTES, WELCOME, FrameDecoder,
+    LinkError, decode_count, decode_replies, encode_batch, encode_count, encode_session,
+    entry_close, entry_open, entry_request,
 )
+from ..link.outbox import Outbox
 from ..protocol import Op, Request
 from ..protocol.opcodes import NO_REPLY_OPS, STOP_WAITING, WAIT_CANCELED
 from ..protocol.requests import encode_request
@@ -73,17 +78,30 @@ class CoalescingStats:
         return dict(vars(self))
 
 
-class LinkUpstream(asyncio.Protocol):
-    """The link to the core (or to another front-end). Use :meth:`view` per namespace."""
+class LinkUpstream:
+    """The link to the core (or to another front-end). Use :meth:`view` per namespace.
 
-    def __init__(self, token: bytes, on_lost: Callable[[str], None]) -> None:
+    Its session survives the connection: when the connection drops (or is silent for
+    ``heartbeat_timeout``) it reconnects with backoff and resumes, resending the batches
+    the core has not received; local clients see only latency. Past ``grace`` it gives
+    up: every client waiting on it is dropped with the reason and ``on_lost`` is called.
+    """
+
+    def __init__(self, token: bytes, on_lost: Callable[[str], None],
+                 config: LinkConfig | None = None, address: tuple[str, int] | None = None) -> None:
         self._token = token
         self._on_lost = on_lost
-        self._decoder = FrameDecoder()
-        self._transport: asyncio.Transport | None = None
+        self.config = config or LinkConfig()
+        self.address = address
+        self.session_id = secrets.token_bytes(SESSION_ID_BYTES)
+        self._outbox = Outbox(self.config.max_unacked_bytes)  # BATCH frames
+        self.replies_received = 0
+        self._conn: LinkConnection | None = None  # connected, session resumed
+        self._opened = False  # the core has this session
+        self.dead: str | None = None
         self.ready: asyncio.Future[None] = asyncio.get_running_loop().create_future()
-        self._client_nonce = b""
-        self._server_nonce = b""
+        self._heartbeat: asyncio.TimerHandle | None = None
+        self._reconnecting: asyncio.Task[None] | None = None
         self._pending: list[tuple[Waiter, bytes, Request]] = []
         self._extra: list[bytes] = []  # CLOSE entries for the next batch
         self._inflight: dict[int, _Upstream] = {}
@@ -92,44 +110,118 @@ class LinkUpstream(asyncio.Protocol):
         self._next_id = 1
         self.stats = CoalescingStats()
 
-    # -- connection and handshake -----------------------------------------------------
+    # -- the session and its connections ----------------------------------------------
 
-    def connection_made(self, transport) -> None:  # type: ignore[override]
-        self._transport = transport
-        transport.write(bytes([LINK_MAGIC]))
+    def connection(self) -> LinkConnection:
+        """A protocol for a new connection to the core; it resumes this session."""
+        return LinkConnection(self)
 
-    def data_received(self, data: bytes) -> None:
+    def _established(self, conn: LinkConnection, batches_received: int) -> None:
+        """RESUMED arrived on ``conn``: resend what the core has not executed."""
+        missed = self._outbox.since(batches_received)
+        self._conn = conn
+        self._opened = True
+        if missed:
+            conn.write(b"".join(missed))
+        if not self.ready.done():
+            self.ready.set_result(None)
+        if self._heartbeat is None:
+            self._schedule_heartbeat()
+
+    def _schedule_heartbeat(self) -> None:
+        loop = asyncio.get_running_loop()
+        self._heartbeat = loop.call_later(self.config.heartbeat_interval, self._beat)
+
+    def _beat(self) -> None:
+        """Every heartbeat interval: acknowledge (the heartbeat), or drop a silent connection."""
+        conn = self._conn
+        if conn is not None:
+            silent = asyncio.get_running_loop().time() - conn.last_rx
+            if silent > self.config.heartbeat_timeout:
+                conn.abort(f"nothing heard from the store host for {silent:.1f} s")
+            else:
+                conn.ack()
+        if self.dead is None:
+            self._schedule_heartbeat()
+
+    def _connection_lost(self, conn: LinkConnection, reason: str) -> None:
+        if conn is not self._conn:
+            return
+        self._conn = None
+        if self.dead is None and self._reconnecting is None and self.address is not None:
+            self._reconnecting = asyncio.ensure_future(self._reconnect(reason))
+        elif self.address is None:
+            self._die(reason)
+
+    async def _reconnect(self, reason: str) -> None:
+        """Reconnect with backoff (0.1 s to 1 s) until the grace period ends."""
+        loop = asyncio.get_running_loop()
+        grace = self.config.grace
+        since = loop.time()
+        log.warning("%s; reconnecting (for up to %g s)", reason, grace)
+        delay = 0.1
         try:
-            for ftype, payload in self._decoder.feed(data):
-                if ftype == REPLIES:
-                    self._on_replies(payload)
-                elif ftype == HELLO:
-                    self._server_nonce = payload[2:]
-                    frame, self._client_nonce = auth.answer_hello(self._token, payload)
-                    assert self._transport is not None
-                    self._transport.write(frame)
-                elif ftype == WELCOME:
-                    auth.check_welcome(self._token, self._server_nonce, self._client_nonce, payload)
-                    self.ready.set_result(None)
-                elif ftype == ERROR:
-                    raise LinkError("the store host refused the link: " + payload.decode(errors="replace"))
-                else:
-                    raise LinkError(f"unexpected frame type {ftype}")
+            while True:
+                try:
+                    await _open(self, self.config.heartbeat_timeout)
+                    log.warning("link to the store host resumed after %.1f s", loop.time() - since)
+                    return
+                except LinkError as e:  # refused: the session is gone, or not our store
+                    self._die(str(e))
+                    return
+                except (OSError, asyncio.TimeoutError) as e:
+                    last = e
+                if loop.time() - since + delay > grace:
+                    self._die(f"{reason}; not back within the {grace:g} s grace period "
+                              f"(last attempt: {type(last).__name__} {last})")
+                    return
+                await asyncio.sleep(delay)
+                delay = min(delay * 2, 1.0)
+        finally:
+            self._reconnecting = None
+
+    def _die(self, reason: str) -> None:
+        """Give up the session: drop every waiting client with ``reason``."""
+        if self.dead is not None:
+            return
+        self.dead = reason
+        if not self.ready.done():
+            self.ready.set_exception(LinkError(reason))
+        if self._heartbeat is not None:
+            self._heartbeat.cancel()
+        if self._conn is not None:
+            self._conn.abort(reason)
+            self._conn = None
+        inflight, self._inflight = self._inflight, {}
+        for u in inflight.values():
+            for w in u.waiters:
+                w.drop(reason)  # type: ignore[attr-defined]
+        pending, self._pending = self._pending, []
+        for w, _, _ in pending:
+            w.drop(reason)  # type: ignore[attr-defined]
+        self._on_lost(reason)
+
+    def close(self) -> None:
+        """End the session cleanly: the core drops it at once."""
+        if self.dead is None:
+            if self._conn is not None:
+                self._conn.write(auth.error("the front-end is stopping"))
+            self.dead = "closed"
+            if self._heartbeat is not None:
+                self._heartbeat.cancel()
+            if self._reconnecting is not None:
+                self._reconnecting.cancel()
+            if self._conn is not None:
+                self._conn.close()
+
+    def _send(self, data: bytes) -> None:
+        try:
+            self._outbox.add(data)
         except LinkError as e:
-            self._fail(str(e))
-
-    def _fail(self, reason: str) -> None:
-        if not self.ready.done():
-            self.ready.set_exception(LinkError(reason))
-        if self._transport is not None:
-            self._transport.close()
-        self._on_lost(reason)
-
-    def connection_lost(self, exc: Exception | None) -> None:
-        reason = f"link to the store host lost ({exc or 'closed by the peer'})"
-        if not self.ready.done():
-            self.ready.set_exception(LinkError(reason))
-        self._on_lost(reason)
+            self._die(f"the store host stopped acknowledging: {e}")
+            return
+        if self._conn is not None:
+            self._conn.write(data)
 
     # -- requests ---------------------------------------------------------------------
 
@@ -137,6 +229,8 @@ class LinkUpstream(asyncio.Protocol):
         return LinkView(self, namespace.encode())
 
     def submit(self, req: Request, waiter: Waiter, ns: bytes) -> bytes | None:
+        if self.dead is not None:
+            raise StoreError(self.dead)
         op = req[0]
         if op == Op.CANCEL_WAIT:
             group = self._wait_of.pop(waiter, None)
@@ -248,12 +342,13 @@ class LinkUpstream(asyncio.Protocol):
             if rid:
                 self._inflight[rid] = u
             entries.append(entry_request(u.cid, rid, encode_request(req)))
-        if entries and self._transport is not None and not self._transport.is_closing():
+        if entries and self.dead is None:
             stats.batches += 1
             stats.upstream_ops += len(ops)
-            self._transport.write(encode_batch(entries))
+            self._send(encode_batch(entries))
 
     def _on_replies(self, payload: bytes) -> None:
+        self.replies_received += 1
         for rid, status, data in decode_replies(payload):
             u = self._inflight.pop(rid, None)
             if u is None:
@@ -293,21 +388,117 @@ class LinkView:
         self._link.forget(waiter, self._ns)
 
 
+class LinkConnection(asyncio.Protocol):
+    """One TCP connection of a :class:`LinkUpstream`: the handshake, then its frames."""
+
+    def __init__(self, link: LinkUpstream) -> None:
+        self._link = link
+        self._decoder = FrameDecoder()
+        self._transport: asyncio.Transport | None = None
+        self._client_nonce = b""
+        self._server_nonce = b""
+        self._unacked_in = 0
+        self.established: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+        self.established.add_done_callback(_retrieve)  # an abandoned attempt may fail later
+        self.last_rx = asyncio.get_running_loop().time()
+
+    def connection_made(self, transport) -> None:  # type: ignore[override]
+        self._transport = transport
+        sock = transport.get_extra_info("socket")
+        if sock is not None and sock.family in (socket.AF_INET, socket.AF_INET6):
+            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        transport.write(bytes([LINK_MAGIC]))
+
+    def write(self, data: bytes) -> None:
+        if self._transport is not None and not self._transport.is_closing():
+            self._transport.write(data)
+
+    def ack(self) -> None:
+        self._unacked_in = 0
+        self.write(encode_count(ACK, self._link.replies_received))
+
+    def data_received(self, data: bytes) -> None:
+        self.last_rx = asyncio.get_running_loop().time()
+        link = self._link
+        try:
+            for ftype, payload in self._decoder.feed(data):
+                if ftype == REPLIES and self.established.done():
+                    link._on_replies(payload)
+                    self._unacked_in += 1
+                    if self._unacked_in >= link.config.ack_every:
+                        self.ack()
+                elif ftype == ACK and self.established.done():
+                    link._outbox.ack(decode_count(payload))
+                elif ftype == HELLO:
+                    self._server_nonce = payload[2:]
+                    frame, self._client_nonce = auth.answer_hello(link._token, payload)
+                    self.write(frame)
+                elif ftype == WELCOME:
+                    auth.check_welcome(link._token, self._server_nonce, self._client_nonce, payload)
+                    self.write(encode_session(link.session_id, not link._opened, link.replies_received))
+                elif ftype == RESUMED and not self.established.done():
+                    link._established(self, decode_count(payload))
+                    self.established.set_result(None)
+                elif ftype == ERROR:
+                    raise LinkError("the store host refused the link: " + payload.decode(errors="replace"))
+                else:
+                    raise LinkError(f"unexpected frame type {ftype}")
+        except LinkError as e:
+            if not self.established.done():
+                self.established.set_exception(e)
+                self.abort(str(e))
+            else:  # the session is unusable: our state and the core's disagree
+                link._die(str(e))
+
+    def abort(self, reason: str) -> None:
+        if self._transport is not None and not self._transport.is_closing():
+            log.warning("dropping the link connection: %s", reason)
+            self._transport.abort()
+
+    def close(self) -> None:
+        if self._transport is not None:
+            self._transport.close()
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        reason = f"link to the store host lost ({exc or 'closed by the peer'})"
+        if not self.established.done():
+            self.established.set_exception(ConnectionError(reason))
+        self._link._connection_lost(self, reason)
+
+
+def _retrieve(f: asyncio.Future[None]) -> None:
+    if not f.cancelled():
+        f.exception()
+
+
+async def _open(link: LinkUpstream, timeout: float) -> None:
+    """One attempt: connect, authenticate, open or resume the session. Raises OSError,
+    TimeoutError, or LinkError when the store host refuses."""
+    assert link.address is not None
+    loop = asyncio.get_running_loop()
+    transport, conn = await asyncio.wait_for(
+        loop.create_connection(link.connection, *link.address), timeout)
+    try:
+        await asyncio.wait_for(asyncio.shield(conn.established), timeout)
+    except BaseException:
+        transport.abort()
+        raise
+
+
 async def connect_link(host: str, port: int, token: bytes, on_lost: Callable[[str], None],
-                       timeout: float = 60.0) -> LinkUpstream:
-    """Connect and authenticate, retrying while the store host is not up yet (backoff
+                       timeout: float = 60.0, config: LinkConfig | None = None) -> LinkUpstream:
+    """Connect and open a session, retrying while the store host is not up yet (backoff
     0.1 s to 2 s). Raises LinkError (refused, wrong token, version) or TimeoutError."""
     loop = asyncio.get_running_loop()
     deadline = loop.time() + timeout
+    link = LinkUpstream(token, on_lost, config, (host, port))
     delay = 0.1
     while True:
         try:
-            _, link = await loop.create_connection(lambda: LinkUpstream(token, on_lost), host, port)
-            break
-        except OSError as e:
+            await _open(link, max(deadline - loop.time(), 1.0))
+            return link
+        except (OSError, asyncio.TimeoutError) as e:
             if loop.time() + delay > deadline:
                 raise TimeoutError(f"cannot connect to the store host {host}:{port}: {e}") from None
             await asyncio.sleep(delay)
             delay = min(delay * 2, 2.0)
-    await asyncio.wait_for(link.ready, max(deadline - loop.time(), 1.0))
-    return link

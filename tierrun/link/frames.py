@@ -11,6 +11,15 @@
                | u8 CLOSE   | u32 client                         (client gone: drop its waits)
     REPLIES := u32 n | n x (u64 rid | u8 status | u32 len | bytes)  core -> front-end
         status 0: the torch-encoded reply; 1: an error message (the client must be closed)
+    SESSION := 16-byte session id | u8 fresh | u64 REPLIES frames received   front-end -> core,
+               right after WELCOME: open a session (fresh) or resume one
+    RESUMED := u64 BATCH frames received                 core -> front-end, then both
+               sides resend the frames the other has not received
+    ACK     := u64 frames received from the peer         both ways: frees the peer's resend
+               buffer; sent at least every heartbeat interval, so it is the heartbeat too
+
+BATCH and REPLIES frames are numbered 1, 2, ... per session (implicitly, in order), so a
+link that drops and reconnects resumes with nothing lost or executed twice.
 
 Every length is checked against a limit before anything is allocated for it.
 """
@@ -21,9 +30,9 @@ import struct
 from dataclasses import dataclass
 
 LINK_MAGIC = 0xA7  # first byte a front-end sends: not an opcode of any torch version
-VERSION = 1
+VERSION = 2  # 2: sessions, resumption, heartbeats
 
-HELLO, AUTH, WELCOME, ERROR, BATCH, REPLIES = range(1, 7)
+HELLO, AUTH, WELCOME, ERROR, BATCH, REPLIES, SESSION, RESUMED, ACK = range(1, 10)
 OPEN, REQUEST, CLOSE = range(3)
 OK, FAILED = 0, 1
 
@@ -33,6 +42,9 @@ _open = struct.Struct("<BII")
 _req = struct.Struct("<BIQI")
 _close = struct.Struct("<BI")
 _reply = struct.Struct("<QBI")
+_session = struct.Struct("<16sBQ")
+_u64 = struct.Struct("<Q")
+SESSION_ID_BYTES = 16
 
 #: Largest frame accepted: a batch of many maximal requests still fits.
 DEFAULT_MAX_FRAME = 512 * 1024 * 1024
@@ -148,3 +160,25 @@ def decode_replies(payload: bytes) -> list[tuple[int, int, bytes]]:
         return out
     except struct.error as e:
         raise LinkError(f"malformed replies: {e}") from None
+
+
+def encode_session(session_id: bytes, fresh: bool, replies_received: int) -> bytes:
+    return frame(SESSION, _session.pack(session_id, fresh, replies_received))
+
+
+def decode_session(payload: bytes) -> tuple[bytes, bool, int]:
+    if len(payload) != _session.size:
+        raise LinkError("malformed SESSION")
+    sid, fresh, received = _session.unpack(payload)
+    return sid, bool(fresh), received
+
+
+def encode_count(ftype: int, n: int) -> bytes:
+    """A RESUMED or ACK frame."""
+    return frame(ftype, _u64.pack(n))
+
+
+def decode_count(payload: bytes) -> int:
+    if len(payload) != 8:
+        raise LinkError("malformed RESUMED/ACK")
+    return _u64.unpack(payload)[0]

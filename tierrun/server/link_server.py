@@ -1,9 +1,16 @@
-"""The core's end of links: authenticates front-ends and executes their batches.
+"""The core's end of links: authenticates front-ends, keeps their sessions, executes
+their batches.
 
 A batch is executed atomically and in order (the core is single-threaded and the whole
 batch runs in one callback), and all its answers leave in one REPLIES frame. Deferred
 answers (WAIT, BARRIER) woken during one loop iteration leave together: one frame per
 link, however many waiters a write released.
+
+A *session* outlives its connection: its clients, their pending waits and the REPLIES
+frames the front-end has not acknowledged stay here for ``LinkConfig.grace`` seconds, so
+a front-end that reconnects resumes with nothing lost, and since BATCH frames are
+counted, nothing it resends is executed twice. A connection silent for
+``heartbeat_timeout`` is closed, which starts the same grace period.
 """
 
 from __future__ import annotations
@@ -15,10 +22,12 @@ import secrets
 from ..core import StoreCore, StoreError
 from ..frontend.namespace import NamespacedUpstream
 from ..link import auth
+from ..link.config import LinkConfig
 from ..link.frames import (
-    AUTH, BATCH, CLOSE, FAILED, OK, OPEN, REQUEST, FrameDecoder, LinkError,
-    decode_batch, encode_replies,
+    ACK, AUTH, BATCH, CLOSE, ERROR, FAILED, OK, OPEN, REQUEST, RESUMED, SESSION, FrameDecoder,
+    LinkError, decode_batch, decode_count, decode_session, encode_count, encode_replies,
 )
+from ..link.outbox import Outbox
 from ..protocol import ProtocolError, RequestParser
 from ..protocol.opcodes import NO_REPLY_OPS
 
@@ -28,75 +37,49 @@ log = logging.getLogger("tierrun.store")
 class RemoteClient:
     """A client of a front-end, as the core sees it: the waiter of its deferred replies."""
 
-    __slots__ = ("link", "upstream", "pending_rid")
+    __slots__ = ("session", "upstream", "pending_rid")
 
-    def __init__(self, link: LinkServerConnection, upstream) -> None:
-        self.link = link
+    def __init__(self, session: Session, upstream) -> None:
+        self.session = session
         self.upstream = upstream
         self.pending_rid = 0
 
     def wake(self, reply: bytes) -> None:
-        self.link.queue_wake(self.pending_rid, reply)
+        self.session.queue_wake(self.pending_rid, reply)
 
 
 class LinkStats:
     def __init__(self) -> None:
-        self.links = 0  # open now
-        self.links_accepted = 0
+        self.links = 0  # connections with a live session now
+        self.links_accepted = 0  # sessions opened
+        self.link_resumes = 0
+        self.sessions_expired = 0
         self.batches = 0
         self.operations = 0
 
 
-class LinkServerConnection(asyncio.Protocol):
-    def __init__(self, core: StoreCore, token: bytes | None, stats: LinkStats, peer: str) -> None:
-        self._core = core
-        self._token = token
-        self._stats = stats
-        self._peer = peer
-        self._decoder = FrameDecoder()
-        self._nonce = secrets.token_bytes(auth.NONCE)
-        self._ready = False
-        self._clients: dict[int, RemoteClient] = {}
+class Session:
+    """One front-end's state at the core, independent of its current connection."""
+
+    def __init__(self, server: LinkServer, sid: bytes, peer: str) -> None:
+        self.server = server
+        self.sid = sid
+        self.peer = peer
+        self.clients: dict[int, RemoteClient] = {}
+        self.received = 0  # BATCH frames executed
+        self.outbox = Outbox(server.config.max_unacked_bytes)
+        self.conn: LinkServerConnection | None = None
+        self.expiry: asyncio.TimerHandle | None = None
         self._parser = RequestParser(numbering="2.2")
         self._wakes: list[tuple[int, int, bytes]] = []
-        self._transport: asyncio.Transport | None = None
 
-    def connection_made(self, transport) -> None:  # type: ignore[override]
-        self._transport = transport
-        transport.write(auth.hello(self._nonce))
-
-    def data_received(self, data: bytes) -> None:
-        try:
-            for ftype, payload in self._decoder.feed(data):
-                if not self._ready:
-                    self._authenticate(ftype, payload)
-                elif ftype == BATCH:
-                    self._execute(payload)
-                else:
-                    raise LinkError(f"unexpected frame type {ftype}")
-        except (LinkError, ProtocolError) as e:
-            log.warning("closing link from %s: %s", self._peer, e)
-            assert self._transport is not None
-            self._transport.write(auth.error(str(e)))
-            self._transport.close()
-
-    def _authenticate(self, ftype: int, payload: bytes) -> None:
-        if ftype != AUTH:
-            raise LinkError("expected AUTH")
-        if self._token is None:
-            raise LinkError("this store accepts no links (it was started without a job token)")
-        assert self._transport is not None
-        self._transport.write(auth.check_auth(self._token, self._nonce, payload))
-        self._ready = True
-        self._stats.links += 1
-        self._stats.links_accepted += 1
-        log.info("link from %s authenticated", self._peer)
-
-    def _execute(self, payload: bytes) -> None:
-        stats = self._stats
+    def execute(self, payload: bytes) -> None:
+        """Run one BATCH. Raises LinkError/ProtocolError on a malformed one."""
+        stats = self.server.stats
         stats.batches += 1
+        self.received += 1
         replies: list[tuple[int, int, bytes]] = []
-        clients = self._clients
+        clients = self.clients
         parse = self._parser.parse_one
         for e in decode_batch(payload):
             if e.kind == REQUEST:
@@ -116,15 +99,25 @@ class LinkServerConnection(asyncio.Protocol):
                     client.pending_rid = e.rid
             elif e.kind == OPEN:
                 ns = e.data
-                upstream = NamespacedUpstream(self._core, ns + b"/") if ns else self._core
+                core = self.server.core
+                upstream = NamespacedUpstream(core, ns + b"/") if ns else core
                 clients[e.client] = RemoteClient(self, upstream)
             elif e.kind == CLOSE:
                 client = clients.pop(e.client, None)
                 if client is not None:
                     client.upstream.forget(client)
         if replies:
-            assert self._transport is not None
-            self._transport.write(encode_replies(replies))
+            self.send(encode_replies(replies))
+
+    def send(self, data: bytes) -> None:
+        """Number, keep and (if connected) write one REPLIES frame."""
+        try:
+            self.outbox.add(data)
+        except LinkError as e:
+            self.server.expire(self, str(e))
+            return
+        if self.conn is not None:
+            self.conn.write(data)
 
     def queue_wake(self, rid: int, reply: bytes) -> None:
         if not self._wakes:
@@ -133,13 +126,185 @@ class LinkServerConnection(asyncio.Protocol):
 
     def _flush_wakes(self) -> None:
         wakes, self._wakes = self._wakes, []
+        if self.server.sessions.get(self.sid) is self:
+            self.send(encode_replies(wakes))
+
+    def drop_clients(self) -> None:
+        for client in self.clients.values():
+            client.upstream.forget(client)
+        self.clients.clear()
+
+
+class LinkServer:
+    """Every link and session of one core."""
+
+    def __init__(self, core: StoreCore, token: bytes | None, config: LinkConfig | None = None) -> None:
+        self.core = core
+        self.token = token
+        self.config = config or LinkConfig()
+        self.stats = LinkStats()
+        self.sessions: dict[bytes, Session] = {}
+        self.connections: set[LinkServerConnection] = set()
+        self._watchdog: asyncio.TimerHandle | None = None
+
+    def accept(self, peer: str) -> LinkServerConnection:
+        if self._watchdog is None:
+            self._schedule_watchdog()
+        return LinkServerConnection(self, peer)
+
+    def _schedule_watchdog(self) -> None:
+        loop = asyncio.get_running_loop()
+        self._watchdog = loop.call_later(self.config.heartbeat_interval, self._check_heartbeats)
+
+    def _check_heartbeats(self) -> None:
+        """Close connections silent for longer than the heartbeat timeout. O(links)."""
+        deadline = asyncio.get_running_loop().time() - self.config.heartbeat_timeout
+        for conn in list(self.connections):
+            if conn.last_rx < deadline:
+                conn.abort(f"nothing heard for {self.config.heartbeat_timeout:g} s")
+        self._schedule_watchdog()
+
+    def attach(self, conn: LinkServerConnection, sid: bytes, fresh: bool, replies_received: int) -> Session:
+        """Open or resume a session on ``conn``; write RESUMED and what the front-end
+        missed. Raises LinkError if the session cannot be resumed."""
+        session = self.sessions.get(sid)
+        if session is None:
+            if not fresh:
+                raise LinkError(
+                    "this store host does not know the node's link session: the store host "
+                    "restarted, or the node was cut off longer than the "
+                    f"{self.config.grace:g} s grace period"
+                )
+            session = self.sessions[sid] = Session(self, sid, conn.peer)
+            self.stats.links_accepted += 1
+            log.info("link from %s: new session", conn.peer)
+        else:
+            old = session.conn
+            if old is not None:  # the front-end gave up on it before we noticed
+                old.release_session()
+                self.stats.links -= 1
+                old.abort("replaced by a newer connection of the same session")
+            if session.expiry is not None:
+                session.expiry.cancel()
+                session.expiry = None
+            self.stats.link_resumes += 1
+            log.warning("link from %s: session resumed (was %s)", conn.peer, session.peer)
+        missed = session.outbox.since(replies_received)
+        session.conn = conn
+        session.peer = conn.peer
+        self.stats.links += 1
+        conn.write(encode_count(RESUMED, session.received) + b"".join(missed))
+        return session
+
+    def detach(self, session: Session) -> None:
+        """Its connection is gone: keep the session for the grace period."""
+        session.conn = None
+        self.stats.links -= 1
+        if self.sessions.get(session.sid) is session:
+            grace = self.config.grace
+            log.warning("link from %s lost; its session is kept for %g s", session.peer, grace)
+            session.expiry = asyncio.get_running_loop().call_later(
+                grace, self.expire, session, f"not resumed within {grace:g} s"
+            )
+
+    def expire(self, session: Session, reason: str, quiet: bool = False) -> None:
+        """End a session: drop its clients' waits, close its connection."""
+        if self.sessions.pop(session.sid, None) is None:
+            return
+        (log.info if quiet else log.warning)("session of %s ended: %s", session.peer, reason)
+        if not quiet:
+            self.stats.sessions_expired += 1
+        if session.expiry is not None:
+            session.expiry.cancel()
+        session.drop_clients()
+        if session.conn is not None:
+            session.conn.abort(reason)
+
+    def close(self) -> None:
+        """The store is stopping: drop every link."""
+        if self._watchdog is not None:
+            self._watchdog.cancel()
+        for conn in list(self.connections):
+            conn.abort("the store is stopping")
+
+
+class LinkServerConnection(asyncio.Protocol):
+    """One connection from a front-end: handshake, then its session's frames."""
+
+    def __init__(self, server: LinkServer, peer: str) -> None:
+        self._server = server
+        self.peer = peer
+        self._decoder = FrameDecoder()
+        self._nonce = secrets.token_bytes(auth.NONCE)
+        self._authenticated = False
+        self._session: Session | None = None
+        self._unacked_in = 0
+        self._transport: asyncio.Transport | None = None
+        self.last_rx = asyncio.get_running_loop().time()
+
+    def connection_made(self, transport) -> None:  # type: ignore[override]
+        self._transport = transport
+        self._server.connections.add(self)
+        transport.write(auth.hello(self._nonce))
+
+    def write(self, data: bytes) -> None:
+        assert self._transport is not None
+        if not self._transport.is_closing():
+            self._transport.write(data)
+
+    def data_received(self, data: bytes) -> None:
+        self.last_rx = asyncio.get_running_loop().time()
+        try:
+            for ftype, payload in self._decoder.feed(data):
+                session = self._session
+                if session is not None and ftype == BATCH:
+                    session.execute(payload)
+                    self._unacked_in += 1
+                    if self._unacked_in >= self._server.config.ack_every:
+                        self._ack(session)
+                elif session is not None and ftype == ACK:
+                    session.outbox.ack(decode_count(payload))
+                    self._ack(session)  # the echo is the front-end's heartbeat
+                elif session is not None and ftype == ERROR:
+                    self._server.expire(session, "the front-end closed its session", quiet=True)
+                    return
+                elif not self._authenticated:
+                    self._authenticate(ftype, payload)
+                elif session is None and ftype == SESSION:
+                    self._session = self._server.attach(self, *decode_session(payload))
+                else:
+                    raise LinkError(f"unexpected frame type {ftype}")
+        except (LinkError, ProtocolError) as e:
+            log.warning("closing link from %s: %s", self.peer, e)
+            assert self._transport is not None
+            self.write(auth.error(str(e)))
+            self._transport.close()  # after the ERROR frame is out
+            if self._session is not None:  # a resent batch would fail the same way
+                self._server.expire(self._session, f"protocol error: {e}")
+
+    def _ack(self, session: Session) -> None:
+        self._unacked_in = 0
+        self.write(encode_count(ACK, session.received))
+
+    def _authenticate(self, ftype: int, payload: bytes) -> None:
+        if ftype != AUTH:
+            raise LinkError("expected AUTH")
+        if self._server.token is None:
+            raise LinkError("this store accepts no links (it was started without a job token)")
+        self.write(auth.check_auth(self._server.token, self._nonce, payload))
+        self._authenticated = True
+
+    def abort(self, reason: str) -> None:
+        """Drop the connection now, unsent data included (the peer may not be reading)."""
         if self._transport is not None and not self._transport.is_closing():
-            self._transport.write(encode_replies(wakes))
+            log.warning("closing link from %s: %s", self.peer, reason)
+            self._transport.abort()
+
+    def release_session(self) -> None:
+        self._session = None
 
     def connection_lost(self, exc: Exception | None) -> None:
-        if self._ready:
-            self._stats.links -= 1
-            log.info("link from %s closed", self._peer)
-        for client in self._clients.values():
-            client.upstream.forget(client)
-        self._clients.clear()
+        self._server.connections.discard(self)
+        session, self._session = self._session, None
+        if session is not None and session.conn is self:
+            self._server.detach(session)

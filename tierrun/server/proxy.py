@@ -2,8 +2,9 @@
 
 Workers and the agent of a node connect here (loopback TCP, or a Unix socket);
 VALIDATE and PING are answered here, everything else leaves in batches over one
-authenticated link. If the link is lost the proxy exits (status 3), and its agent
-reports it.
+authenticated link. A link that drops is resumed (see ``LinkUpstream``); if the store
+host is not back within the grace period the proxy exits (status 3), closing its
+clients' connections, and its agent reports it.
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ import logging
 from collections.abc import Callable
 
 from ..frontend.link_upstream import connect_link
+from ..link.config import LinkConfig
 from .service import Service, ServiceConfig
 
 log = logging.getLogger("tierrun.proxy")
@@ -25,6 +27,7 @@ async def serve_proxy(
     token: bytes,
     on_listening: Callable[[str], None] | None = None,
     connect_timeout: float = 60.0,
+    link_config: LinkConfig | None = None,
 ) -> int:
     stop = asyncio.Event()
     lost: list[str] = []
@@ -35,7 +38,10 @@ async def serve_proxy(
             log.error("%s", reason)
         stop.set()
 
-    link = await connect_link(upstream_host, upstream_port, token, on_lost, connect_timeout)
+    link = await connect_link(upstream_host, upstream_port, token, on_lost, connect_timeout, link_config)
     service = Service(config, link.view, link.stats.as_dict, on_listening or (lambda line: None))
-    await service.serve(stop)
+    try:
+        await service.serve(stop)
+    finally:
+        link.close()
     return 3 if lost else 0

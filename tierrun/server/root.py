@@ -9,7 +9,8 @@ from collections.abc import Callable
 from ..core import StoreCore
 from ..frontend import Upstream
 from ..frontend.namespace import NamespacedUpstream
-from .link_server import LinkServerConnection, LinkStats
+from ..link.config import LinkConfig
+from .link_server import LinkServer
 from .service import Service, ServiceConfig
 
 RootConfig = ServiceConfig
@@ -20,6 +21,7 @@ async def serve_root(
     on_listening: Callable[[str], None] | None = None,
     stop: asyncio.Event | None = None,
     token: bytes | None = None,
+    link_config: LinkConfig | None = None,
 ) -> None:
     """Serve until ``stop`` is set, or until SIGINT/SIGTERM when ``stop`` is None.
 
@@ -28,17 +30,23 @@ async def serve_root(
     ``OSError`` if a bind fails.
     """
     core = StoreCore()
-    links = LinkStats()
+    links = LinkServer(core, token, link_config)
 
     def make_upstream(namespace: str) -> Upstream:
         return NamespacedUpstream(core, namespace.encode() + b"/") if namespace else core
 
     def stats() -> dict:
-        return {"keys": core.num_keys, "operations": core.operations, "links": links.links, "links_accepted": links.links_accepted,
-                "link_batches": links.batches, "link_operations": links.operations}
+        st = links.stats
+        return {"keys": core.num_keys, "operations": core.operations, "links": st.links,
+                "links_accepted": st.links_accepted, "link_resumes": st.link_resumes,
+                "sessions_expired": st.sessions_expired, "link_batches": st.batches,
+                "link_operations": st.operations}
 
     service = Service(
         config, make_upstream, stats, on_listening or (lambda line: None),
-        link_acceptor=lambda peer: LinkServerConnection(core, token, links, peer),
+        link_acceptor=links.accept,
     )
-    await service.serve(stop)
+    try:
+        await service.serve(stop)
+    finally:
+        links.close()

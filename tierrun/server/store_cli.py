@@ -8,6 +8,7 @@ import sys
 
 from ..frontend import FrontEndConfig
 from ..link.auth import load_token
+from ..link.config import LinkConfig
 from ..protocol import Limits
 from .eventloop import run
 from .proxy import serve_proxy
@@ -61,7 +62,8 @@ def store_main(argv: list[str]) -> int:
     args = p.parse_args(argv)
     logging.basicConfig(level=args.log_level.upper(), format="[tierrun store] %(levelname)s %(message)s")
     try:
-        run(serve_root(_config(args), on_listening=_announcer("store"), token=load_token()))
+        run(serve_root(_config(args), on_listening=_announcer("store"), token=load_token(),
+                       link_config=LinkConfig.from_env()))
     except OSError as e:
         print(f"tierrun store: cannot listen on {args.host or '*'}:{args.port}: {e.strerror or e}. "
               "Pick another --port, or stop whatever uses it.", file=sys.stderr)
@@ -85,7 +87,8 @@ def proxy_main(argv: list[str]) -> int:
     host, _, port = args.upstream.rpartition(":")
     try:
         return run(serve_proxy(_config(args), host.strip("[]"), int(port), token,
-                               on_listening=_announcer("proxy"), connect_timeout=args.connect_timeout))
+                               on_listening=_announcer("proxy"), connect_timeout=args.connect_timeout,
+                               link_config=LinkConfig.from_env()))
     except Exception as e:  # one line for any start failure (refused, token, timeout)
         print(f"tierrun proxy: cannot link to the store host {args.upstream}: {e}", file=sys.stderr)
         return 1

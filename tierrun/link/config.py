@@ -1,0 +1,34 @@
+"""Timing and memory bounds of a link session, shared by both ends."""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class LinkConfig:
+    #: Each end sends an ACK at least this often (seconds): the link heartbeat.
+    heartbeat_interval: float = 1.0
+    #: Nothing heard from the peer for this long (seconds): the connection is presumed
+    #: dead and closed (a silent partition, a frozen or vanished host).
+    heartbeat_timeout: float = 5.0
+    #: How long a session outlives its connection (seconds). Within it the front-end
+    #: reconnects and resumes (its clients see only latency); past it the core drops the
+    #: session's clients and the front-end gives up and closes its own.
+    grace: float = 15.0
+    #: Most bytes of unacknowledged frames one end keeps for one session.
+    max_unacked_bytes: int = 256 * 1024 * 1024
+    #: Acknowledge after this many frames even before the next heartbeat.
+    ack_every: int = 64
+
+    @classmethod
+    def from_env(cls) -> LinkConfig:
+        """Defaults, overridden by $TIERRUN_LINK_HEARTBEAT, $TIERRUN_LINK_TIMEOUT and
+        $TIERRUN_LINK_GRACE (seconds), which the launcher passes to every store process."""
+        d = cls()
+        return cls(
+            heartbeat_interval=float(os.environ.get("TIERRUN_LINK_HEARTBEAT", d.heartbeat_interval)),
+            heartbeat_timeout=float(os.environ.get("TIERRUN_LINK_TIMEOUT", d.heartbeat_timeout)),
+            grace=float(os.environ.get("TIERRUN_LINK_GRACE", d.grace)),
+        )
