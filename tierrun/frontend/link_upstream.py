@@ -18,6 +18,7 @@ import logging
 import secrets
 import socket
 import struct
+import time
 from collections import defaultdict
 from collections.abc import Callable
 
@@ -158,6 +159,9 @@ class LinkUpstream:
         loop = asyncio.get_running_loop()
         grace = self.config.grace
         since = loop.time()
+        host, port = self.address  # type: ignore[misc]
+        reason = reason.replace("the store host", f"the store host {host}:{port}", 1)
+        reason = reason.replace(" lost (", f" lost at {time.strftime('%H:%M:%S')} (", 1)
         log.warning("%s; reconnecting (for up to %g s)", reason, grace)
         delay = 0.1
         try:

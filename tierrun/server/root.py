@@ -37,7 +37,8 @@ async def serve_root(
 
     def stats() -> dict:
         st = links.stats
-        return {"keys": core.num_keys, "operations": core.operations, "links": st.links,
+        return {"keys": core.num_keys, "operations": core.operations, "waiters": core.num_waiters,
+                "links": st.links,
                 "links_accepted": st.links_accepted, "link_resumes": st.link_resumes,
                 "sessions_expired": st.sessions_expired, "link_batches": st.batches,
                 "link_operations": st.operations}
