@@ -5,6 +5,8 @@ workers stuck in a collective with it. Elastic 2:3, Gloo, the default last call
 import signal
 import time
 
+import pytest
+
 from launch import SCRIPTS, finish, free_port, kill_tree, results, tierrun
 
 COMMON = ("--nnodes", "2:3", "--nproc_per_node", 1, "--max_restarts", 3, "--monitor_interval", "0.5")
@@ -69,3 +71,40 @@ def test_exit_barrier_does_not_wait_for_a_node_that_failed(tmp_path):
     assert codes[0] == 0 and codes[1] != 0, (codes, logs[0].read_text()[-3000:])
     assert time.time() - start < 60, "node 0 waited out the exit barrier"
     assert "rank 3 (local rank 1) on node 127.0.1.2" in logs[1].read_text()
+
+
+@pytest.mark.parametrize("tiered", [True, False])
+def test_store_host_death_stops_every_node_with_the_reason(tmp_path, tiered):
+    """The store host (node 0) dies while the others' workers run. Tiered: node 0 is
+    frozen (SIGSTOP: a machine gone silent, no connection closed, the other workers stuck
+    in all_reduce with it); the proxies' link heartbeats notice, and after the grace
+    period (here 4 s) every other agent stops its workers and exits non-zero naming the
+    store host. Flat: node 0 is killed while the workers sleep; the closed connection
+    is noticed at once. Either way: no hang."""
+    port = free_port()
+    logs = [tmp_path / f"node{k}.log" for k in range(3)]
+    env = {"TIERRUN_LINK_GRACE": "4", "TIERRUN_LINK_TIMEOUT": "2"}
+    flags = ("--tiered",) if tiered else ()
+    script = ("heartbeat_worker.py", "--want", 4) if tiered else ("sleep_worker.py",)
+    procs = [tierrun("--nnodes", 3, "--nproc_per_node", 1, "--rdzv_backend", "parallel", *flags,
+                     "--master_addr", "127.0.1.1", "--master_port", port, "--node_rank", k,
+                     "--local_addr", f"127.0.1.{k + 1}", SCRIPTS / script[0], *script[1:],
+                     log=logs[k], env=env) for k in range(3)]
+    deadline = time.time() + 90
+    while len(results(*logs, tag="UP")) < 3 and time.time() < deadline:
+        time.sleep(0.2)
+    assert len(results(*logs, tag="UP")) == 3, logs[0].read_text()[-3000:]
+    t_fault = time.time()
+    kill_tree(procs[0].pid, signal.SIGSTOP if tiered else signal.SIGKILL)
+    try:
+        codes = finish(procs[1:], timeout=60)
+    finally:
+        kill_tree(procs[0].pid, signal.SIGKILL)
+    elapsed = time.time() - t_fault
+    assert all(c != 0 for c in codes), codes
+    assert elapsed < (15 if tiered else 8), elapsed
+    for log in logs[1:]:
+        text = log.read_text()
+        assert f"lost the job's store host 127.0.1.1:{port}" in text, text[-3000:]
+        if tiered:
+            assert "not back within the 4 s grace period" in text

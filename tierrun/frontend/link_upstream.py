@@ -177,7 +177,7 @@ class LinkUpstream:
                     last = e
                 if loop.time() - since + delay > grace:
                     self._die(f"{reason}; not back within the {grace:g} s grace period "
-                              f"(last attempt: {type(last).__name__} {last})")
+                              f"(last attempt: {type(last).__name__}{f' {last}' if str(last) else ''})")
                     return
                 await asyncio.sleep(delay)
                 delay = min(delay * 2, 1.0)

@@ -10,6 +10,7 @@ import uuid
 from pathlib import Path
 
 from torch.distributed.elastic.multiprocessing.errors import ChildFailedError, record
+from torch.distributed.elastic.rendezvous import RendezvousConnectionError
 from torch.distributed.launcher.api import elastic_launch
 from torch.distributed.run import config_from_args
 
@@ -96,4 +97,7 @@ def main(argv: list[str]) -> int:
     except ChildFailedError as e:
         reporting.report_failure(config.logs_specs.root_log_dir)
         raise ChildFailedError(_script_name(cmd_args), e.failures) from None
+    except RendezvousConnectionError as e:
+        print(f"tierrun: error: {e}", file=sys.stderr)
+        return 1
     return 0

@@ -312,12 +312,15 @@ class ElasticRendezvousHandler(StoreRendezvousHandler):
         return (self._k(self._round, "agents"), self._members) if self._round >= 0 else None
 
     def num_nodes_waiting(self) -> int:
+        """Raises ``RendezvousConnectionError`` once the store host is lost."""
+        self.check_store_host()
         with self._lock:
             if self._round not in self._waiting_seen:
                 return 0
         try:  # nodes waiting, or 1 when a member died: either way, restart to re-form
             return max(int(self.job.client().add(self._k(self._round + 1, "joined"), 0)), 1)
         except Exception:
+            self.check_store_host()
             return 1
 
     def is_closed(self) -> bool:

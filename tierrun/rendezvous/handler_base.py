@@ -10,7 +10,7 @@ from collections.abc import Callable, Iterator
 
 from torch.distributed import PrefixStore
 from torch.distributed.elastic.agent.server.api import _TERMINAL_STATE_SYNC_ID
-from torch.distributed.elastic.rendezvous import RendezvousHandler
+from torch.distributed.elastic.rendezvous import RendezvousConnectionError, RendezvousHandler
 from torch.distributed.elastic.utils.store import _barrier_nonblocking
 
 from ..client import StoreClient
@@ -52,6 +52,20 @@ class StoreRendezvousHandler(RendezvousHandler):
             yield
         finally:
             progress.stop()
+
+    def check_store_host(self) -> None:
+        """Raise ``RendezvousConnectionError`` if this node has lost the job's store. O(1),
+        no store operation (see ``JobStore.lost``); torch's agent calls
+        ``num_nodes_waiting`` every monitor interval, which calls this, and stops the
+        node's workers when it raises."""
+        reason = self.job.lost()
+        if reason is not None:
+            raise RendezvousConnectionError(
+                f"node {self.node_addr} lost the job's store host {self.job.host}:{self.job.port}: "
+                f"{reason}. The job cannot go on without its store; this node's workers were "
+                "stopped. Restart the job when the store host (the --rdzv_endpoint or "
+                "--master_addr node) is up again."
+            )
 
     def _agents_store(self) -> tuple[str, int] | None:
         """The current round's agent-store prefix and node count; None before a round."""

@@ -43,6 +43,7 @@ class JobStore:
         self.root: StoreProcess | None = None
         self.proxy: StoreProcess | None = None
         self._client: TCPStore | None = None
+        self._watch: socket.socket | None = None
 
     @property
     def tiered(self) -> bool:
@@ -72,6 +73,21 @@ class JobStore:
                     f"{self.host}:{self.port}: {e}"
                 ) from e
             self.proxy = proxy
+
+    def lost(self) -> str | None:
+        """Why this node has lost the job's store, or None while it has not. O(1) and no
+        store operation, so agents may ask every monitor interval: with tiering the node
+        proxy exits once its link is not back within the grace period (it logged why);
+        without, a connection that sends nothing is watched for the store host closing it.
+        A store host that vanishes without closing its connections is noticed by link
+        heartbeats, so only with tiering."""
+        if self.proxy is not None and self.proxy.exited() is not None:
+            return self.proxy.last_error() or f"this node's store proxy exited ({self.proxy.exited()})"
+        if self.root is not None and self.root.exited() is not None:
+            return f"the store process on this node exited with status {self.root.exited()}"
+        if self._watch is not None and _closed_by_peer(self._watch):
+            return "the store host closed this node's connection"
+        return None
 
     def _start_root(self) -> None:
         proc = StoreProcess(host=None, port=self.port, controlled=True, env=self._env())
@@ -109,6 +125,8 @@ class JobStore:
                     "store host (node rank 0 / the --rdzv_endpoint host) is running and that "
                     "the port is open."
                 ) from e
+            if self.proxy is None and self.root is None:  # flat, on a node without the store
+                self._watch = _watch_connection(host, port, self.timeout.total_seconds())
         return self._client
 
     def worker_endpoint(self, namespace: str) -> tuple[str, int] | None:
@@ -122,6 +140,9 @@ class JobStore:
 
     def stop(self) -> None:
         self._client = None
+        if self._watch is not None:
+            self._watch.close()
+            self._watch = None
         for name, proc in (("node proxy", self.proxy), ("store host", self.root)):
             if proc is not None:
                 proc.stop()
@@ -137,6 +158,24 @@ def token_from(config: dict) -> str | None:
     if token is None:
         raise ValueError("tiered wire-up needs a job token: set TIERRUN_TOKEN on every node")
     return token.decode()
+
+
+def _watch_connection(host: str, port: int, timeout: float) -> socket.socket | None:
+    try:
+        sock = socket.create_connection((host, port), timeout)
+    except OSError:
+        return None  # the rendezvous itself reports an unreachable store
+    sock.setblocking(False)
+    return sock
+
+
+def _closed_by_peer(sock: socket.socket) -> bool:
+    try:
+        return sock.recv(1, socket.MSG_PEEK) == b""
+    except BlockingIOError:
+        return False
+    except OSError:
+        return True
 
 
 def _port_in_use(port: int) -> bool:

@@ -115,6 +115,9 @@ class ParallelRendezvousHandler(StoreRendezvousHandler):
         pass
 
     def num_nodes_waiting(self) -> int:
+        """Always 0 (the job is static). Raises ``RendezvousConnectionError`` once the
+        store host is lost."""
+        self.check_store_host()
         return 0
 
     def shutdown(self) -> bool:

@@ -146,6 +146,18 @@ class StoreProcess:
                 raise StoreStartError(f"no stats from the {self.command_name} process")
             return self._stats[-1]
 
+    def exited(self) -> int | None:
+        """The exit status once the process has ended, else None. O(1)."""
+        assert self.proc is not None
+        return self.proc.poll()
+
+    def last_error(self) -> str | None:
+        """The last ERROR line it logged, without its prefix."""
+        for line in reversed(self._output):
+            if "] ERROR " in line:
+                return line.split("] ERROR ", 1)[1].strip()
+        return None
+
     @property
     def output(self) -> str:
         return "".join(self._output)
