@@ -108,3 +108,40 @@ def test_store_host_death_stops_every_node_with_the_reason(tmp_path, tiered):
         assert f"lost the job's store host 127.0.1.1:{port}" in text, text[-3000:]
         if tiered:
             assert "not back within the 4 s grace period" in text
+
+
+def test_sigterm_elastic_node_leaves_and_the_others_go_on(tmp_path):
+    """SIGTERM to one agent (as `kill PID` would): it stops its workers and marks itself
+    gone; the other two re-form at once and finish."""
+    procs, logs = start_three(tmp_path, "sigterm")
+    t_term = time.time()
+    procs[2].send_signal(signal.SIGTERM)
+    assert procs[2].wait(60) != 0
+    assert finish(procs[:2], timeout=120) == [0, 0], logs[0].read_text()[-3000:]
+    assert "node 127.0.1.3 is leaving (received SIGTERM)" in logs[2].read_text()
+    assert recovered_after(logs[:2], t_term) < 15
+
+
+def test_static_job_stops_with_the_reason_when_a_node_leaves_or_dies(tmp_path):
+    """Static job, 3 nodes: SIGTERM to node 2's agent. The others must not wait (in a
+    collective, or in the next round's rendezvous for a node that will not come): they
+    stop their workers and exit non-zero saying which node left."""
+    port = free_port()
+    logs = [tmp_path / f"node{k}.log" for k in range(3)]
+    procs = [tierrun("--nnodes", 3, "--nproc_per_node", 1, "--rdzv_backend", "parallel",
+                     "--max_restarts", 1, "--master_addr", "127.0.1.1", "--master_port", port,
+                     "--node_rank", k, "--local_addr", f"127.0.1.{k + 1}",
+                     SCRIPTS / "heartbeat_worker.py", "--want", 4, log=logs[k]) for k in range(3)]
+    deadline = time.time() + 90
+    while len(results(*logs, tag="UP")) < 3 and time.time() < deadline:
+        time.sleep(0.2)
+    assert len(results(*logs, tag="UP")) == 3, logs[0].read_text()[-3000:]
+    t_term = time.time()
+    procs[2].send_signal(signal.SIGTERM)
+    codes = finish(procs, timeout=60)
+    assert all(c != 0 for c in codes), codes
+    assert time.time() - t_term < 20
+    for log in logs[:2]:
+        text = log.read_text()
+        assert "node rank 2 (127.0.1.3) left: received SIGTERM" in text, text[-3000:]
+        assert "cannot go on without every node" in text

@@ -5,17 +5,20 @@ from __future__ import annotations
 import hashlib
 import logging
 import os
+import signal
 import sys
 import uuid
 from pathlib import Path
 
 from torch.distributed.elastic.multiprocessing.errors import ChildFailedError, record
+from torch.distributed.elastic.multiprocessing.api import SignalException
 from torch.distributed.elastic.rendezvous import RendezvousConnectionError
 from torch.distributed.launcher.api import elastic_launch
 from torch.distributed.run import config_from_args
 
 from .. import rendezvous
 from ..link.auth import load_token, new_token
+from ..rendezvous.handler_base import JobStoppedError
 from .args import TIERRUN_BACKENDS, UsageError, build_parser, normalise
 from .devices import resolve_nproc_per_node
 from .reporting import JobReporting
@@ -97,7 +100,11 @@ def main(argv: list[str]) -> int:
     except ChildFailedError as e:
         reporting.report_failure(config.logs_specs.root_log_dir)
         raise ChildFailedError(_script_name(cmd_args), e.failures) from None
-    except RendezvousConnectionError as e:
+    except (RendezvousConnectionError, JobStoppedError) as e:
         print(f"tierrun: error: {e}", file=sys.stderr)
         return 1
+    except SignalException as e:  # torch's agent has stopped the workers
+        if reporting.handler is not None:
+            reporting.handler.leave(f"received {signal.Signals(e.sigval).name}")
+        raise
     return 0

@@ -300,6 +300,19 @@ class ElasticRendezvousHandler(StoreRendezvousHandler):
             store.multi_set([("/" + self._k(r, f"dead/{index}")).encode(), ("/" + self._k(r, "changed")).encode()],
                             [addr.encode(), f"dead {addr}".encode()])
 
+    def _announce_leaving(self, reason: str) -> None:
+        """Mark this member of the current round gone, as a dead one is: the others
+        restart their workers and re-form without it now, not after the heartbeat timeout."""
+        with self._lock:
+            r, index = self._round, self._index
+        self._stop_watching()
+        if r < 0:
+            return
+        log.warning("rendezvous '%s' round %d: node %s is leaving (%s)", self.run_id, r, self.node_addr, reason)
+        with StoreClient(self.job.client_address, timeout=10) as store:
+            store.multi_set([("/" + self._k(r, f"dead/{index}")).encode(), ("/" + self._k(r, "changed")).encode()],
+                            [self.node_addr.encode(), f"left {self.node_addr}: {reason}".encode()])
+
     def _stop_watching(self) -> None:
         if self._watcher is not None:
             self._watcher.abort()

@@ -10,7 +10,9 @@ from collections.abc import Callable, Iterator
 
 from torch.distributed import PrefixStore
 from torch.distributed.elastic.agent.server.api import _TERMINAL_STATE_SYNC_ID
-from torch.distributed.elastic.rendezvous import RendezvousConnectionError, RendezvousHandler
+from torch.distributed.elastic.rendezvous import (
+    RendezvousConnectionError, RendezvousError, RendezvousHandler,
+)
 from torch.distributed.elastic.utils.store import _barrier_nonblocking
 
 from ..client import StoreClient
@@ -20,6 +22,10 @@ from .job_store import JobStore
 log = logging.getLogger("tierrun.rendezvous")
 
 DEFAULT_PROGRESS_INTERVAL = 5.0
+
+
+class JobStoppedError(RendezvousError):
+    """A node of a static job left or died: the others cannot go on without it."""
 
 
 class StoreRendezvousHandler(RendezvousHandler):
@@ -66,6 +72,20 @@ class StoreRendezvousHandler(RendezvousHandler):
                 "stopped. Restart the job when the store host (the --rdzv_endpoint or "
                 "--master_addr node) is up again."
             )
+
+    def leave(self, reason: str) -> None:
+        """This agent is going away (a signal; torch's agent has stopped its workers):
+        tell the other nodes at once rather than let the heartbeats find out, and check in
+        to the exit barrier so nobody waits there for this node. Best effort: errors are
+        logged, never raised."""
+        try:
+            self._announce_leaving(reason)
+            self.leave_exit_barrier()
+        except Exception as e:
+            log.warning("node %s could not tell the others it is leaving: %s", self.node_addr, e)
+
+    def _announce_leaving(self, reason: str) -> None:
+        raise NotImplementedError
 
     def _agents_store(self) -> tuple[str, int] | None:
         """The current round's agent-store prefix and node count; None before a round."""

@@ -3,12 +3,21 @@
 torch_npu_run's behaviour on tierrun's store: node rank 0 hosts the store, every agent
 announces itself with one SET and waits once for all the others (O(1) operations per
 node), and the workers of each round get their own key namespace.
+
+A static job cannot go on without any of its nodes, so it should stop at once, and say
+why, when one is lost: the members beat and watch each other in a ring (see
+``liveness``), a node that is silent for the heartbeat timeout, or that leaves on a
+signal, sets the round's ``failed`` key, and every agent, holding a WAIT on it, stops
+its workers and exits with the reason instead of waiting in a collective or in the
+next round's rendezvous for a node that will not come.
 """
 
 from __future__ import annotations
 
 import json
 import logging
+import threading
+import time
 from datetime import timedelta
 
 from torch.distributed import PrefixStore
@@ -21,9 +30,10 @@ from torch.distributed.elastic.rendezvous import (
 )
 from torch.distributed.elastic.rendezvous.utils import parse_rendezvous_endpoint
 
-from ..client import StoreClient
+from ..client import StoreClient, StoreClientError
 from ..report.progress import Arrivals
-from .handler_base import StoreRendezvousHandler
+from . import liveness
+from .handler_base import JobStoppedError, StoreRendezvousHandler
 from .job_store import JobStore, token_from
 
 log = logging.getLogger("tierrun.rendezvous")
@@ -45,6 +55,12 @@ class ParallelRendezvousHandler(StoreRendezvousHandler):
         self._world_size = world_size
         self._timeout = timeout
         self._round = -1
+        self._beat_interval = float(config.get("heartbeat_interval", liveness.DEFAULT_INTERVAL))
+        self._beat_timeout = float(config.get("heartbeat_timeout", liveness.DEFAULT_TIMEOUT))
+        self._failure: str | None = None  # why the job cannot go on
+        self._lock = threading.Lock()
+        self._watcher: StoreClient | None = None
+        self._heartbeat: liveness.Heartbeat | None = None
 
     def get_backend(self) -> str:
         return "parallel"
@@ -54,6 +70,7 @@ class ParallelRendezvousHandler(StoreRendezvousHandler):
         return True
 
     def next_rendezvous(self) -> RendezvousInfo:
+        self._raise_if_failed()
         self._round += 1
         self.job.start()
         store = self.job.client()
@@ -66,19 +83,91 @@ class ParallelRendezvousHandler(StoreRendezvousHandler):
             if endpoint is not None:
                 store.set(f"{base}/worker_port", str(endpoint[1]))
             keys.append(f"{base}/worker_port")
-        try:
-            with self._progress(f"rendezvous '{self.run_id}'", lambda c: self._arrivals(c, base)):
-                store.wait(keys, self._timeout)
-        except Exception as e:
-            raise RendezvousTimeoutError(self._missing_message(store, base)) from e
+        with self._progress(f"rendezvous '{self.run_id}'", lambda c: self._arrivals(c, base)):
+            self._wait_for_all(store, keys, base)
         if endpoint is None:
             endpoint = (self.job.host, int(store.get(f"{base}/worker_port")))
+        self._watch_round(base)
         return RendezvousInfo(
             PrefixStore(f"{base}/agents", store),
             self._rank,
             self._world_size,
             RendezvousStoreInfo(*endpoint),
         )
+
+    def _wait_for_all(self, store, keys: list[str], base: str) -> None:
+        """WAIT for every node, one second at a time, so that a node lost in the previous
+        round (its ring watcher sets ``failed``) ends the wait at once. O(1) operations
+        per node per second."""
+        deadline = time.monotonic() + self._timeout.total_seconds()
+        while True:
+            try:
+                store.wait(keys, timedelta(seconds=min(1.0, max(deadline - time.monotonic(), 0.01))))
+                return
+            except Exception as e:
+                self.check_store_host()
+                self._raise_if_failed()
+                if time.monotonic() >= deadline:
+                    raise RendezvousTimeoutError(self._missing_message(store, base)) from e
+
+    def _watch_round(self, base: str) -> None:
+        """While the round runs: a standing WAIT on ``failed`` on its own connection, and
+        this node's heartbeat, watching the next node rank."""
+        self._stop_watching()
+        key = lambda name: f"/{base}/{name}".encode()  # noqa: E731
+        client = StoreClient(self.job.client_address, timeout=365 * 24 * 3600)
+        self._watcher = client
+
+        def watch() -> None:
+            try:
+                client.wait([key("failed")])
+                reason = client.get(key("failed")).decode()
+            except (OSError, StoreClientError):
+                return  # stopped, or the store is gone (reported by check_store_host)
+            with self._lock:
+                self._failure = reason
+
+        threading.Thread(target=watch, daemon=True).start()
+        if self._world_size > 1:
+            self._heartbeat = liveness.Heartbeat(
+                self.job.client_address, key, self._rank, (self._rank + 1) % self._world_size,
+                self._beat_interval, self._beat_timeout, lambda dead: self._declare_dead(base, dead),
+            ).start()
+
+    def _declare_dead(self, base: str, rank: int) -> None:
+        """Called by the heartbeat thread: node ``rank`` went silent."""
+        with StoreClient(self.job.client_address, timeout=10) as store:
+            addr = json.loads(store.get(f"/{base}/node/{rank}".encode()))["addr"]
+            reason = f"node rank {rank} ({addr}) has not answered for {self._beat_timeout:.0f} s"
+            log.warning("rendezvous '%s': %s; stopping the job", self.run_id, reason)
+            store.set(f"/{base}/failed".encode(), reason.encode())
+
+    def _announce_leaving(self, reason: str) -> None:
+        self._stop_watching()
+        if self._round < 0:
+            return
+        with StoreClient(self.job.client_address, timeout=10) as store:
+            store.set(f"/{self._base(self._round)}/failed".encode(),
+                      f"node rank {self._rank} ({self.node_addr}) left: {reason}".encode())
+
+    def _raise_if_failed(self) -> None:
+        with self._lock:
+            failure = self._failure
+        if failure is not None:
+            raise JobStoppedError(
+                f"node rank {self._rank} ({self.node_addr}): {failure}. A static job "
+                "(--rdzv_backend parallel or static) cannot go on without every node, so this "
+                "node's workers were stopped. Restart the job, or run it elastic "
+                "(--nnodes MIN:MAX) to re-form without a lost node."
+            )
+
+    def _stop_watching(self) -> None:
+        if self._watcher is not None:
+            self._watcher.abort()
+            self._watcher = None
+        if self._heartbeat is not None:
+            self._heartbeat.stop()
+            self._heartbeat = None
 
     def _base(self, r: int) -> str:
         return f"tierrun/{self.run_id}/static/{r}"
@@ -116,12 +205,14 @@ class ParallelRendezvousHandler(StoreRendezvousHandler):
 
     def num_nodes_waiting(self) -> int:
         """Always 0 (the job is static). Raises ``RendezvousConnectionError`` once the
-        store host is lost."""
+        store host is lost, ``JobStoppedError`` once another node is."""
         self.check_store_host()
+        self._raise_if_failed()
         return 0
 
     def shutdown(self) -> bool:
         self._run_shutdown_hooks()
+        self._stop_watching()
         self.job.stop()
         return True
 
