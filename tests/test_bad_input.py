@@ -101,3 +101,70 @@ def test_client_that_never_reads_replies_is_throttled_not_buffered(store):
 
 def test_sigterm_stops_cleanly(store):
     assert store.stop() == 0
+
+
+def test_five_thousand_idle_connections_do_not_starve_real_clients(store):
+    """A connection flood that sends nothing: the store keeps answering the real clients
+    promptly, and drops nothing of theirs."""
+    idle = []
+    try:
+        for _ in range(5000):
+            idle.append(socket.create_connection(("127.0.0.1", store.port)))
+        with StoreClient(("127.0.0.1", store.port)) as c:
+            t0 = time.monotonic()
+            for i in range(100):
+                assert c.add(b"k", 1) == i + 1
+            assert time.monotonic() - t0 < 5
+    finally:
+        for s in idle:
+            s.close()
+
+
+@pytest.fixture
+def linked_store():
+    import os
+
+    env = dict(os.environ, TIERRUN_TOKEN="bad-input-token")
+    with StoreProcess(host="127.0.0.1", port=0, controlled=True, env=env) as root:
+        with StoreProcess(command="proxy", host="127.0.0.1", port=0, env=env,
+                          extra_args=["--upstream", f"127.0.0.1:{root.port}"]) as proxy:
+            yield root, proxy
+
+
+def _link_frame(ftype: int, payload: bytes) -> bytes:
+    return struct.pack("<IB", len(payload) + 1, ftype) + payload
+
+
+@pytest.mark.parametrize(
+    "payload, reason",
+    [
+        (_link_frame(2, struct.pack("<H", 2) + b"\x00" * 64), "wrong job token"),
+        (_link_frame(2, b"\x00" * 66), "link version 0"),
+        (_link_frame(5, b"\x00" * 8), "expected AUTH"),
+        (struct.pack("<IB", 1 << 30, 2), "frame of 1073741824 bytes"),
+        (struct.pack("<IB", 100_000, 2) + b"\x00" * 1000, "frame of 100000 bytes"),
+        (struct.pack("<IB", 0, 2), "frame of 0 bytes"),
+    ],
+)
+def test_garbage_on_the_link_port_closes_only_that_peer(linked_store, payload, reason):
+    """Before authentication a peer may send only a small AUTH frame: a huge length is
+    refused before anything is buffered for it."""
+    root, proxy = linked_store
+    bad = socket.create_connection(("127.0.0.1", root.port))
+    bad.sendall(b"\xa7" + payload)
+    assert closed_by_server(bad)
+    assert wait_for_log(root, reason)
+    with StoreClient(("127.0.0.1", proxy.port)) as c:  # the real link still works
+        assert c.add(b"k", 1) >= 1
+    assert root.stats()["links"] == 1
+
+
+def test_truncated_link_frame_then_silence_is_dropped_by_the_heartbeat_timeout():
+    import os
+
+    env = dict(os.environ, TIERRUN_TOKEN="t", TIERRUN_LINK_TIMEOUT="1", TIERRUN_LINK_HEARTBEAT="0.2")
+    with StoreProcess(host="127.0.0.1", port=0, controlled=True, env=env) as root:
+        bad = socket.create_connection(("127.0.0.1", root.port))
+        bad.sendall(b"\xa7" + struct.pack("<IB", 67, 2) + b"\x00" * 10)  # AUTH, cut short
+        assert closed_by_server(bad, timeout=5)
+        assert wait_for_log(root, "nothing heard for 1 s")

@@ -26,7 +26,7 @@ from ..core import StoreError, Waiter
 from ..link import auth
 from ..link.config import LinkConfig
 from ..link.frames import (
-    ACK, ERROR, HELLO, LINK_MAGIC, OK, REPLIES, RESUMED, SESSION_ID_BYTES, WELCOME, FrameDecoder,
+    ACK, DEFAULT_MAX_FRAME, ERROR, HANDSHAKE_MAX_FRAME, HELLO, LINK_MAGIC, OK, REPLIES, RESUMED, SESSION_ID_BYTES, WELCOME, FrameDecoder,
     LinkError, decode_count, decode_replies, encode_batch, encode_count, encode_session,
     entry_close, entry_open, entry_request,
 )
@@ -397,7 +397,7 @@ class LinkConnection(asyncio.Protocol):
 
     def __init__(self, link: LinkUpstream) -> None:
         self._link = link
-        self._decoder = FrameDecoder()
+        self._decoder = FrameDecoder(HANDSHAKE_MAX_FRAME)
         self._transport: asyncio.Transport | None = None
         self._client_nonce = b""
         self._server_nonce = b""
@@ -439,6 +439,7 @@ class LinkConnection(asyncio.Protocol):
                     self.write(frame)
                 elif ftype == WELCOME:
                     auth.check_welcome(link._token, self._server_nonce, self._client_nonce, payload)
+                    self._decoder.max_frame = DEFAULT_MAX_FRAME
                     self.write(encode_session(link.session_id, not link._opened, link.replies_received))
                 elif ftype == RESUMED and not self.established.done():
                     link._established(self, decode_count(payload))

@@ -48,6 +48,9 @@ SESSION_ID_BYTES = 16
 
 #: Largest frame accepted: a batch of many maximal requests still fits.
 DEFAULT_MAX_FRAME = 512 * 1024 * 1024
+#: Largest frame accepted before the peer has authenticated (HELLO/AUTH/WELCOME/SESSION/
+#: ERROR): an unauthenticated peer cannot make us buffer more than this.
+HANDSHAKE_MAX_FRAME = 4096
 
 
 class LinkError(Exception):
@@ -63,7 +66,7 @@ class FrameDecoder:
 
     def __init__(self, max_frame: int = DEFAULT_MAX_FRAME) -> None:
         self._buf = bytearray()
-        self._max = max_frame
+        self.max_frame = max_frame
 
     def feed(self, data: bytes) -> list[tuple[int, bytes]]:
         buf = self._buf
@@ -72,8 +75,8 @@ class FrameDecoder:
         pos = 0
         while len(buf) - pos >= 5:
             length, ftype = _hdr.unpack_from(buf, pos)
-            if length == 0 or length > self._max:
-                raise LinkError(f"frame of {length} bytes (limit {self._max})")
+            if length == 0 or length > self.max_frame:
+                raise LinkError(f"frame of {length} bytes (limit {self.max_frame})")
             if len(buf) - pos - 4 < length:
                 break
             out.append((ftype, bytes(buf[pos + 5 : pos + 4 + length])))

@@ -24,7 +24,8 @@ from ..frontend.namespace import NamespacedUpstream
 from ..link import auth
 from ..link.config import LinkConfig
 from ..link.frames import (
-    ACK, AUTH, BATCH, CLOSE, ERROR, FAILED, OK, OPEN, REQUEST, RESUMED, SESSION, FrameDecoder,
+    ACK, AUTH, BATCH, CLOSE, DEFAULT_MAX_FRAME, ERROR, FAILED, HANDSHAKE_MAX_FRAME, OK, OPEN,
+    REQUEST, RESUMED, SESSION, FrameDecoder,
     LinkError, decode_batch, decode_count, decode_session, encode_count, encode_replies,
 )
 from ..link.outbox import Outbox
@@ -234,7 +235,7 @@ class LinkServerConnection(asyncio.Protocol):
     def __init__(self, server: LinkServer, peer: str) -> None:
         self._server = server
         self.peer = peer
-        self._decoder = FrameDecoder()
+        self._decoder = FrameDecoder(HANDSHAKE_MAX_FRAME)
         self._nonce = secrets.token_bytes(auth.NONCE)
         self._authenticated = False
         self._session: Session | None = None
@@ -293,6 +294,7 @@ class LinkServerConnection(asyncio.Protocol):
             raise LinkError("this store accepts no links (it was started without a job token)")
         self.write(auth.check_auth(self._server.token, self._nonce, payload))
         self._authenticated = True
+        self._decoder.max_frame = DEFAULT_MAX_FRAME
 
     def abort(self, reason: str) -> None:
         """Drop the connection now, unsent data included (the peer may not be reading)."""
