@@ -119,6 +119,9 @@ class LinkUpstream:
 
     def _established(self, conn: LinkConnection, batches_received: int) -> None:
         """RESUMED arrived on ``conn``: resend what the core has not executed."""
+        if self.dead is not None:
+            conn.abort(self.dead)
+            return
         missed = self._outbox.since(batches_received)
         self._conn = conn
         self._opened = True
@@ -165,7 +168,7 @@ class LinkUpstream:
         log.warning("%s; reconnecting (for up to %g s)", reason, grace)
         delay = 0.1
         try:
-            while True:
+            while self.dead is None:  # (it may give up meanwhile, e.g. its buffer overflowed)
                 try:
                     await _open(self, self.config.heartbeat_timeout)
                     log.warning("link to the store host resumed after %.1f s", loop.time() - since)
