@@ -37,10 +37,10 @@ class Pipe(asyncio.Transport):
         self._closing = True
 
 
-async def linked(core, server=None):
+async def linked(core):
     """A front-end link to ``core`` through in-memory pipes; returns it and the core's
-    link statistics. Pass ``server`` to link several front-ends to one LinkServer."""
-    server = server or LinkServer(core, b"tok")
+    link statistics."""
+    server = LinkServer(core, b"tok")
     link = LinkUpstream(b"tok", on_lost=lambda reason: None)
     conn = link.connection()
     server_end = server.accept("test")

@@ -100,6 +100,15 @@ async def start_root(port: int = 0):
     return port, stop, task
 
 
+async def relayed_link(port: int):
+    """A front-end link to the root at ``port`` through a new relay: (relay, link, lost
+    reasons)."""
+    relay = Relay(port)
+    lost: list[str] = []
+    link = await connect_link("127.0.0.1", await relay.start(), b"tok", lost.append, 10, FAST)
+    return relay, link, lost
+
+
 async def request(link, req, client=None):
     """Submit one request as ``client``; wait for its reply."""
     client = client or Client()
@@ -135,9 +144,7 @@ def test_link_cut_mid_frame_loses_and_doubles_nothing(cut_at):
 
     async def main():
         port, stop, task = await start_root()
-        relay = Relay(port)
-        lost = []
-        link = await connect_link("127.0.0.1", await relay.start(), b"tok", lost.append, 10, FAST)
+        relay, link, lost = await relayed_link(port)
         waiter = Client()
         link.view("").execute((Op.WAIT, [b"/go"]), waiter)
         relay.cut_at = cut_at
@@ -163,9 +170,7 @@ def test_frozen_link_is_detected_by_heartbeat_and_resumed(caplog):
 
     async def main():
         port, stop, task = await start_root()
-        relay = Relay(port)
-        lost = []
-        link = await connect_link("127.0.0.1", await relay.start(), b"tok", lost.append, 10, FAST)
+        relay, link, lost = await relayed_link(port)
         direct = await connect_link("127.0.0.1", port, b"tok", lost.append, 10, FAST)
         waiter = Client()
         link.view("").execute((Op.WAIT, [b"/k"]), waiter)
@@ -199,9 +204,7 @@ def test_frozen_link_is_detected_by_heartbeat_and_resumed(caplog):
 def test_link_away_past_grace_fails_its_clients_cleanly():
     async def main():
         port, stop, task = await start_root()
-        relay = Relay(port)
-        lost = []
-        link = await connect_link("127.0.0.1", await relay.start(), b"tok", lost.append, 10, FAST)
+        relay, link, lost = await relayed_link(port)
         waiter = Client()
         link.view("").execute((Op.WAIT, [b"/never"]), waiter)
         await request(link, (Op.ADD, b"/n", 1))

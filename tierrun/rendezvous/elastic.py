@@ -53,7 +53,7 @@ from torch.distributed.elastic.rendezvous.utils import (
     parse_rendezvous_endpoint,
 )
 
-from ..client import StoreClient, StoreClientError
+from ..client import StoreClient
 from ..report.progress import Arrivals
 from .handler_base import StoreRendezvousHandler
 from . import liveness
@@ -84,17 +84,12 @@ class ElasticRendezvousHandler(StoreRendezvousHandler):
         self._max = max_nodes
         self._join_timeout = join_timeout
         self._last_call = last_call_timeout
-        self._beat_interval = float(config.get("heartbeat_interval", liveness.DEFAULT_INTERVAL))
-        self._beat_timeout = float(config.get("heartbeat_timeout", liveness.DEFAULT_TIMEOUT))
         self._base = f"tierrun/{run_id}"
         self._round = -1  # last round this node was a member of
         self._index = -1  # its arrival index in that round
         self._rank = -1
         self._members = 0  # nodes in that round
         self._waiting_seen: set[int] = set()  # rounds r whose membership changed
-        self._lock = threading.Lock()
-        self._watcher: StoreClient | None = None
-        self._heartbeat: liveness.Heartbeat | None = None
 
     # -- keys -------------------------------------------------------------------------
 
@@ -105,10 +100,6 @@ class ElasticRendezvousHandler(StoreRendezvousHandler):
 
     def get_backend(self) -> str:
         return "tierrun"
-
-    @property
-    def use_agent_store(self) -> bool:
-        return True
 
     def next_rendezvous(self) -> RendezvousInfo:
         self.job.start()
@@ -129,7 +120,7 @@ class ElasticRendezvousHandler(StoreRendezvousHandler):
             self._index = index
             self._rank = rank
             self._members = n
-        self._watch_round(store, r, index, rank, n)
+        self._watch_members(store, r, index, rank, n)
         log.info("rendezvous '%s' round %d: node %s is rank %d of %d",
                  self.run_id, r, self.node_addr, rank, n)
         return RendezvousInfo(
@@ -267,28 +258,17 @@ class ElasticRendezvousHandler(StoreRendezvousHandler):
             "--rdzv_conf join_timeout=SECONDS."
         )
 
-    def _watch_round(self, store, r: int, index: int, rank: int, n: int) -> None:
-        """While round r runs: a standing WAIT on ``r/changed`` (a node joined round r+1,
-        or a member died), on its own connection, and this member's heartbeat, watching
-        the member of the next rank. Replaces the previous round's."""
-        self._stop_watching()
-        client = StoreClient(self.job.client_address, timeout=365 * 24 * 3600)
-        self._watcher = client
+    def _watch_members(self, store, r: int, index: int, rank: int, n: int) -> None:
+        """While round r runs: wait for ``r/changed`` (a node joined round r+1, or a member
+        died or left), and beat, watching the member of the next rank."""
 
-        def watch() -> None:
-            try:
-                client.wait([("/" + self._k(r, "changed")).encode()])
-            except (OSError, StoreClientError):
-                return  # stopped, or the store is gone
+        def changed(_: StoreClient) -> None:
             with self._lock:
                 self._waiting_seen.add(r)
 
-        threading.Thread(target=watch, daemon=True).start()
         watched = int(store.get(self._k(r, f"member/{(rank + 1) % n}"))) if n > 1 else None
-        self._heartbeat = liveness.Heartbeat(
-            self.job.client_address, lambda name: ("/" + self._k(r, name)).encode(), index, watched,
-            self._beat_interval, self._beat_timeout, lambda dead: self._declare_dead(r, dead),
-        ).start()
+        self._watch_round(lambda name: ("/" + self._k(r, name)).encode(), "changed", changed,
+                          index, watched, lambda dead: self._declare_dead(r, dead))
 
     def _declare_dead(self, r: int, index: int) -> None:
         """Called by the heartbeat thread: member ``index`` of round r went silent."""
@@ -312,14 +292,6 @@ class ElasticRendezvousHandler(StoreRendezvousHandler):
         with StoreClient(self.job.client_address, timeout=10) as store:
             store.multi_set([("/" + self._k(r, f"dead/{index}")).encode(), ("/" + self._k(r, "changed")).encode()],
                             [self.node_addr.encode(), f"left {self.node_addr}: {reason}".encode()])
-
-    def _stop_watching(self) -> None:
-        if self._watcher is not None:
-            self._watcher.abort()
-            self._watcher = None
-        if self._heartbeat is not None:
-            self._heartbeat.stop()
-            self._heartbeat = None
 
     def _agents_store(self) -> tuple[str, int] | None:
         return (self._k(self._round, "agents"), self._members) if self._round >= 0 else None

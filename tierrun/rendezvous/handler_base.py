@@ -6,6 +6,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import socket
+import threading
 from collections.abc import Callable, Iterator
 
 from torch.distributed import PrefixStore
@@ -15,8 +16,9 @@ from torch.distributed.elastic.rendezvous import (
 )
 from torch.distributed.elastic.utils.store import _barrier_nonblocking
 
-from ..client import StoreClient
+from ..client import StoreClient, StoreClientError
 from ..report.progress import MODES, Arrivals, RendezvousProgress
+from . import liveness
 from .job_store import JobStore
 
 log = logging.getLogger("tierrun.rendezvous")
@@ -30,7 +32,8 @@ class JobStoppedError(RendezvousError):
 
 class StoreRendezvousHandler(RendezvousHandler):
     """Base of ``parallel`` and ``tierrun``. ``--rdzv_conf progress=auto|bar|log|off``
-    and ``progress_interval=SECONDS`` set the store host's progress display."""
+    and ``progress_interval=SECONDS`` set the store host's progress display;
+    ``heartbeat_interval`` and ``heartbeat_timeout`` (seconds) the members' liveness."""
 
     def __init__(self, job: JobStore, run_id: str, local_addr: str | None, config: dict) -> None:
         self.job = job
@@ -42,9 +45,48 @@ class StoreRendezvousHandler(RendezvousHandler):
             raise ValueError(f"--rdzv_conf progress={mode}: write one of {', '.join(MODES)}")
         self._progress_mode = mode
         self._progress_interval = float(config.get("progress_interval", DEFAULT_PROGRESS_INTERVAL))
+        self._beat_interval = float(config.get("heartbeat_interval", liveness.DEFAULT_INTERVAL))
+        self._beat_timeout = float(config.get("heartbeat_timeout", liveness.DEFAULT_TIMEOUT))
+        self._lock = threading.Lock()  # state the watch threads set
+        self._watcher: StoreClient | None = None
+        self._heartbeat: liveness.Heartbeat | None = None
 
     def get_run_id(self) -> str:
         return self.run_id
+
+    @property
+    def use_agent_store(self) -> bool:
+        return True
+
+    def _watch_round(self, key: Callable[[str], bytes], signal: str, on_signal: Callable[[StoreClient], None],
+                     index: int, watched: int | None, on_dead: Callable[[int], None]) -> None:
+        """While a round runs: a standing WAIT for the round key ``signal`` on its own
+        connection (then ``on_signal(client)``, from that thread), and this member's
+        heartbeat, watching member ``watched`` (see ``liveness``). ``key(name)`` gives a
+        round key as sent on the wire. Replaces the previous round's."""
+        self._stop_watching()
+        client = StoreClient(self.job.client_address, timeout=365 * 24 * 3600)
+        self._watcher = client
+
+        def watch() -> None:
+            try:
+                client.wait([key(signal)])
+                on_signal(client)
+            except (OSError, StoreClientError):
+                return  # stopped, or the store is gone (reported by check_store_host)
+
+        threading.Thread(target=watch, daemon=True).start()
+        self._heartbeat = liveness.Heartbeat(
+            self.job.client_address, key, index, watched, self._beat_interval, self._beat_timeout, on_dead,
+        ).start()
+
+    def _stop_watching(self) -> None:
+        if self._watcher is not None:
+            self._watcher.abort()
+            self._watcher = None
+        if self._heartbeat is not None:
+            self._heartbeat.stop()
+            self._heartbeat = None
 
     @contextlib.contextmanager
     def _progress(self, title: str, poll: Callable[[StoreClient], Arrivals]) -> Iterator[None]:

@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import json
 import logging
-import threading
 import time
 from datetime import timedelta
 
@@ -30,9 +29,8 @@ from torch.distributed.elastic.rendezvous import (
 )
 from torch.distributed.elastic.rendezvous.utils import parse_rendezvous_endpoint
 
-from ..client import StoreClient, StoreClientError
+from ..client import StoreClient
 from ..report.progress import Arrivals
-from . import liveness
 from .handler_base import JobStoppedError, StoreRendezvousHandler
 from .job_store import JobStore, token_from
 
@@ -55,19 +53,10 @@ class ParallelRendezvousHandler(StoreRendezvousHandler):
         self._world_size = world_size
         self._timeout = timeout
         self._round = -1
-        self._beat_interval = float(config.get("heartbeat_interval", liveness.DEFAULT_INTERVAL))
-        self._beat_timeout = float(config.get("heartbeat_timeout", liveness.DEFAULT_TIMEOUT))
         self._failure: str | None = None  # why the job cannot go on
-        self._lock = threading.Lock()
-        self._watcher: StoreClient | None = None
-        self._heartbeat: liveness.Heartbeat | None = None
 
     def get_backend(self) -> str:
         return "parallel"
-
-    @property
-    def use_agent_store(self) -> bool:
-        return True
 
     def next_rendezvous(self) -> RendezvousInfo:
         self._raise_if_failed()
@@ -87,7 +76,7 @@ class ParallelRendezvousHandler(StoreRendezvousHandler):
             self._wait_for_all(store, keys, base)
         if endpoint is None:
             endpoint = (self.job.host, int(store.get(f"{base}/worker_port")))
-        self._watch_round(base)
+        self._watch_nodes(base)
         return RendezvousInfo(
             PrefixStore(f"{base}/agents", store),
             self._rank,
@@ -110,29 +99,17 @@ class ParallelRendezvousHandler(StoreRendezvousHandler):
                 if time.monotonic() >= deadline:
                     raise RendezvousTimeoutError(self._missing_message(store, base)) from e
 
-    def _watch_round(self, base: str) -> None:
-        """While the round runs: a standing WAIT on ``failed`` on its own connection, and
-        this node's heartbeat, watching the next node rank."""
-        self._stop_watching()
-        key = lambda name: f"/{base}/{name}".encode()  # noqa: E731
-        client = StoreClient(self.job.client_address, timeout=365 * 24 * 3600)
-        self._watcher = client
+    def _watch_nodes(self, base: str) -> None:
+        """While the round runs: wait for ``failed``, and beat, watching the next node rank."""
 
-        def watch() -> None:
-            try:
-                client.wait([key("failed")])
-                reason = client.get(key("failed")).decode()
-            except (OSError, StoreClientError):
-                return  # stopped, or the store is gone (reported by check_store_host)
+        def failed(client: StoreClient) -> None:
+            reason = client.get(f"/{base}/failed".encode()).decode()
             with self._lock:
                 self._failure = reason
 
-        threading.Thread(target=watch, daemon=True).start()
-        if self._world_size > 1:
-            self._heartbeat = liveness.Heartbeat(
-                self.job.client_address, key, self._rank, (self._rank + 1) % self._world_size,
-                self._beat_interval, self._beat_timeout, lambda dead: self._declare_dead(base, dead),
-            ).start()
+        watched = (self._rank + 1) % self._world_size if self._world_size > 1 else None
+        self._watch_round(lambda name: f"/{base}/{name}".encode(), "failed", failed, self._rank,
+                          watched, lambda dead: self._declare_dead(base, dead))
 
     def _declare_dead(self, base: str, rank: int) -> None:
         """Called by the heartbeat thread: node ``rank`` went silent."""
@@ -160,14 +137,6 @@ class ParallelRendezvousHandler(StoreRendezvousHandler):
                 "node's workers were stopped. Restart the job, or run it elastic "
                 "(--nnodes MIN:MAX) to re-form without a lost node."
             )
-
-    def _stop_watching(self) -> None:
-        if self._watcher is not None:
-            self._watcher.abort()
-            self._watcher = None
-        if self._heartbeat is not None:
-            self._heartbeat.stop()
-            self._heartbeat = None
 
     def _base(self, r: int) -> str:
         return f"tierrun/{self.run_id}/static/{r}"
