@@ -13,7 +13,7 @@ from torch.distributed.run import get_args_parser
 
 #: rendezvous backends whose name maps to tierrun's own, unless ``torch-`` is prefixed
 BACKEND_ALIASES = {"c10d": "tierrun", "static": "parallel"}
-TIERRUN_BACKENDS = ("tierrun", "parallel")
+TIERRUN_BACKENDS = ("tierrun", "parallel", "tierrun-etcd")
 TORCH_BACKENDS = ("torch-c10d", "torch-static", "etcd", "etcd-v2")
 
 
@@ -44,6 +44,8 @@ def build_parser() -> argparse.ArgumentParser:
             action.help = (
                 "Rendezvous backend: tierrun (elastic, default; c10d means this too), "
                 "parallel (fixed nodes, node rank given; static means this too), "
+                "tierrun-etcd (elastic, membership in etcd: survives the loss of any node; "
+                "--rdzv_endpoint lists etcd's client URLs), "
                 "torch-c10d or torch-static (torch's own), etcd, etcd-v2."
             )
     parser.add_argument(
@@ -123,6 +125,11 @@ def normalise(args: argparse.Namespace) -> argparse.Namespace:
             raise UsageError(
                 f"--node_rank {args.node_rank} is outside 0..{nmax - 1} for --nnodes {nmax}"
             )
+    if args.rdzv_backend == "tierrun-etcd" and not args.rdzv_endpoint:
+        raise UsageError(
+            "--rdzv_backend tierrun-etcd needs --rdzv_endpoint: etcd's client endpoints, "
+            "comma-separated (HOST:PORT or http(s)://HOST:PORT)"
+        )
     args.tiered = bool(args.tiered or args.enable_tiered_parallel_tcpstore)
     if args.max_restarts < 0:
         raise UsageError(f"--max_restarts {args.max_restarts} is negative: write 0 or more")

@@ -67,7 +67,7 @@ class JobReporting:
             handler.shutdown_hooks.append(self.before_shutdown)
 
     def board(self) -> JobBoard | None:
-        if self._board is None and self.handler is not None:
+        if self._board is None and self.handler is not None and self.handler.job is not None:
             self._board = JobBoard(self.handler.job.client_address, self.run_id, timeout=5.0)
         return self._board
 

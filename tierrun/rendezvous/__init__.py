@@ -25,10 +25,17 @@ def _announced(create: Callable[[RendezvousParameters], RendezvousHandler]):
     return creator
 
 
+def _etcd_handler(params: RendezvousParameters) -> RendezvousHandler:
+    from . import etcd  # needs etcd3gw (the etcd extra): imported only when used
+
+    return etcd.create_handler(params)
+
+
 def register() -> None:
-    """Make ``parallel`` and ``tierrun`` known to ``torch.distributed.elastic``."""
+    """Make ``parallel``, ``tierrun`` and ``tierrun-etcd`` known to ``torch.distributed.elastic``."""
     global _registered
     if not _registered:
         rendezvous_handler_registry.register("parallel", _announced(parallel.create_handler))
         rendezvous_handler_registry.register("tierrun", _announced(elastic.create_handler))
+        rendezvous_handler_registry.register("tierrun-etcd", _announced(_etcd_handler))
         _registered = True

@@ -35,7 +35,7 @@ class StoreRendezvousHandler(RendezvousHandler):
     and ``progress_interval=SECONDS`` set the store host's progress display;
     ``heartbeat_interval`` and ``heartbeat_timeout`` (seconds) the members' liveness."""
 
-    def __init__(self, job: JobStore, run_id: str, local_addr: str | None, config: dict) -> None:
+    def __init__(self, job: JobStore | None, run_id: str, local_addr: str | None, config: dict) -> None:
         self.job = job
         self.run_id = run_id
         self.node_addr = local_addr or socket.gethostname()

@@ -1,0 +1,459 @@
+"""``tierrun-etcd``: elastic rendezvous on etcd, so the job survives the loss of any node.
+
+Membership lives in etcd (a replicated, existing consensus service); the workers' data
+store is still tierrun's, hosted by the node that is rank 0 of the round and started
+afresh on a new host when that node is lost. Round ``r`` of job ``J`` is a few keys
+under ``/tierrun/J/r/<r>/``; every agent does O(1) requests per round:
+
+    TXN  if sig/closed absent: PUT joined/<me> (my lease); COUNT joined/   -> arrival i
+         (else the round closed: try r+1)
+    (i >= max) -> close now;  (i == min) -> close after the last call
+    WATCH sig/ until sig/closed          -> the ranked members (one key, O(n) bytes)
+    rank 0:  host a store, PUT sig/store -> where it is;  others: WATCH sig/ until sig/store
+
+Closing is one TXN: create ``sig/closed`` with the members in rank order (stable: by
+their rank in their previous round, then by arrival), and advance ``/tierrun/J/round``.
+Whoever creates it decides; a node that joined too late sees it is not listed and
+waits for round r+1, whose first arrival sets ``sig/changed`` of round r.
+
+Liveness is etcd's: each agent's keys hang on its lease (TTL ``heartbeat_timeout``,
+kept alive every ``heartbeat_interval``). While round r runs, every member watches the
+``joined`` key of the member of the next rank, in a ring; when that key vanishes (the
+lease expired: the node died; or it left) the watcher creates ``sig/changed``, which
+every member watches, so every agent restarts its workers and re-forms, even when
+those workers are stuck in a collective with the dead node or its store. Nothing of
+round r is read in round r+1: every key, the agents' store prefix and the workers'
+store namespace carry the round.
+
+If etcd itself is unreachable for a while (restarted, a partition), running workers
+are not disturbed (their store is tierrun's); agents keep retrying, and etcd renews
+leases when it comes back.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+import os
+import threading
+import time
+import uuid
+from datetime import timedelta
+
+from torch.distributed import PrefixStore
+from torch.distributed.elastic.rendezvous import (
+    RendezvousClosedError,
+    RendezvousConnectionError,
+    RendezvousHandler,
+    RendezvousInfo,
+    RendezvousParameters,
+    RendezvousStoreInfo,
+    RendezvousTimeoutError,
+)
+
+from .elastic import DEFAULT_JOIN_TIMEOUT, DEFAULT_LAST_CALL_TIMEOUT
+from .etcd_client import Etcd, EtcdOptions, EtcdUnavailable, absent, count, put
+from .handler_base import StoreRendezvousHandler
+from .job_store import JobStore, token_from
+
+log = logging.getLogger("tierrun.rendezvous")
+
+_JOB_CLOSED = b"job-closed"
+#: how long one watch request waits before the waiter re-reads and re-checks
+_WATCH_SLICE = 5.0
+
+
+class EtcdRendezvousHandler(StoreRendezvousHandler):
+    """Elastic rendezvous on etcd, with the round's store on its rank-0 node.
+
+    ``next_rendezvous`` blocks until a round closes with this node as a member and its
+    store is up; raises ``RendezvousTimeoutError`` if fewer than ``min_nodes`` arrive
+    within ``join_timeout``, ``RendezvousClosedError`` once the job is closed, and
+    ``RendezvousConnectionError`` naming the endpoints when etcd cannot be reached.
+    ``num_nodes_waiting`` never raises: while etcd is away, running workers go on.
+    """
+
+    def __init__(self, options: EtcdOptions, run_id: str, min_nodes: int, max_nodes: int,
+                 join_timeout: float, last_call_timeout: float, local_addr: str | None,
+                 config: dict) -> None:
+        super().__init__(None, run_id, local_addr, config)
+        self.options = options
+        self._etcd = Etcd(options)
+        self._min = min_nodes
+        self._max = max_nodes
+        self._join_timeout = join_timeout
+        self._last_call = last_call_timeout
+        self._token = token_from(config)
+        self._store_port = int(config.get("store_port", 0))
+        self._store_timeout = timedelta(seconds=max(join_timeout, 60))
+        self._base = f"/tierrun/{run_id}"
+        self._id = uuid.uuid4().hex
+        self._lease = 0
+        self._lease_ttl = max(2, math.ceil(self._beat_timeout))
+        self._lease_lost = False
+        self._keepalive_stop = threading.Event()
+        self._round = -1  # last round this node was a member of
+        self._rank = -1
+        self._members = 0
+        self._changed: set[int] = set()  # rounds whose membership changed
+        self._round_stop = threading.Event()  # ends the current round's watch threads
+
+    # -- keys -------------------------------------------------------------------------
+
+    def _k(self, r: int, name: str) -> bytes:
+        return f"{self._base}/r/{r}/{name}".encode()
+
+    # -- RendezvousHandler ------------------------------------------------------------
+
+    def get_backend(self) -> str:
+        return "tierrun-etcd"
+
+    def next_rendezvous(self) -> RendezvousInfo:
+        try:
+            return self._next_rendezvous()
+        except EtcdUnavailable as e:
+            raise RendezvousConnectionError(
+                f"node {self.node_addr} cannot reach etcd at {', '.join(self.options.endpoints)}: {e}. "
+                "Check that etcd is running there and that --rdzv_endpoint lists its client URLs "
+                "(comma-separated; TLS: --rdzv_conf protocol=https,cacert=...,cert=...,key=...)."
+            ) from e
+
+    def _next_rendezvous(self) -> RendezvousInfo:
+        self._stop_round_watch()
+        self._ensure_lease()
+        if self.is_closed():
+            raise RendezvousClosedError(f"rendezvous '{self.run_id}' is closed: the job has ended")
+        opened, _ = self._etcd.get(f"{self._base}/round".encode())
+        r = max(self._round + 1, int(opened.value) if opened else 0)
+        deadline = time.monotonic() + self._join_timeout
+        while True:
+            members = self._join(r, deadline)
+            if members is not None:
+                ids, addrs = members
+                rank = ids.index(self._id)
+                endpoint = self._round_store(r, rank, addrs[0])
+                if endpoint is not None:
+                    break
+                log.info("round %d of '%s' changed before its store was up; re-forming", r, self.run_id)
+            r += 1
+        n = len(ids)
+        with self._lock:
+            self._round, self._rank, self._members = r, rank, n
+        self._round_stop = threading.Event()
+        threading.Thread(target=self._watch_changed, args=(r, self._round_stop), daemon=True).start()
+        if n > 1:  # the ring: watch the member of the next rank
+            watched = (rank + 1) % n
+            threading.Thread(target=self._watch_member, args=(r, ids[watched], addrs[watched], self._round_stop),
+                             daemon=True).start()
+        log.info("rendezvous '%s' round %d: node %s is rank %d of %d (store on %s:%d)",
+                 self.run_id, r, self.node_addr, rank, n, self.job.host, self.job.port)
+        return RendezvousInfo(PrefixStore(f"tierrun/{self.run_id}/{r}/agents", self.job.client()),
+                              rank, n, RendezvousStoreInfo(*endpoint))
+
+    def _join(self, r: int, deadline: float) -> tuple[list[str], list[str]] | None:
+        """Join round r; the members' ids and addresses in rank order once it closes with
+        this node, None if it closed without it."""
+        me = json.dumps({"id": self._id, "addr": self.node_addr, "prev_rank": self._rank,
+                         "prev_round": self._round, "pid": os.getpid()}).encode()
+        joined, responses, revision = self._etcd.txn(
+            [absent(self._k(r, "sig/closed"))],
+            [put(self._k(r, f"joined/{self._id}"), me, self._lease), count(self._k(r, "joined/"))],
+        )
+        if not joined:
+            return None
+        index = int(responses[1].get("count", 0))
+        if index == 1 and r > 0:  # the running members restart to admit the waiting nodes
+            self._etcd.create(self._k(r - 1, "sig/changed"), b"joined")
+        if index >= self._max:
+            self._close(self._etcd, r)
+        elif index == self._min:
+            threading.Thread(target=self._last_call_then_close, args=(r,), daemon=True).start()
+        joined_at = time.monotonic()
+        while True:
+            signals = self._wait_signals(r, ("closed",), deadline)
+            if signals is not None:
+                break
+            # the closer may have died: past the last call any waiting member closes
+            if time.monotonic() - joined_at > self._last_call + 2 * self._beat_timeout:
+                self._close(self._etcd, r)
+            if time.monotonic() >= deadline:
+                raise RendezvousTimeoutError(self._timeout_message(r))
+        closed = signals["closed"]
+        if closed == _JOB_CLOSED:
+            raise RendezvousClosedError(f"rendezvous '{self.run_id}' was closed while node {self.node_addr} waited")
+        members = json.loads(closed)
+        if self._id not in members["ids"]:
+            log.info("round %d of '%s' closed with %d nodes before node %s arrived; waiting for the next",
+                     r, self.run_id, len(members["ids"]), self.node_addr)
+            return None
+        return members["ids"], members["addrs"]
+
+    def _wait_signals(self, r: int, names: tuple[str, ...], deadline: float) -> dict[str, bytes] | None:
+        """Round r's signals (``sig/*``) once one of ``names`` is set; None after one
+        watch slice without it (so callers can check their own conditions)."""
+        prefix = self._k(r, "sig/")
+        kvs, revision = self._etcd.range(prefix)
+        signals = {kv.key[len(prefix):].decode(): kv.value for kv in kvs}
+        if any(name in signals for name in names):
+            return signals
+        slice_ = min(_WATCH_SLICE, max(deadline - time.monotonic(), 0.01))
+        self._etcd.watch(prefix, revision + 1, slice_, prefix=True)
+        return None
+
+    def _close(self, etcd: Etcd, r: int) -> bool:
+        """Close round r with the live arrivals (at most max), if at least min; one TXN."""
+        kvs, _ = etcd.range(self._k(r, "joined/"))
+        arrivals = [json.loads(kv.value) for kv in kvs[: self._max]]
+        if len(arrivals) < self._min:
+            return False
+        order = sorted(range(len(arrivals)),
+                       key=lambda j: (arrivals[j]["prev_rank"] if arrivals[j]["prev_rank"] >= 0 else 1 << 30, j))
+        members = json.dumps({"ids": [arrivals[j]["id"] for j in order],
+                              "addrs": [arrivals[j]["addr"] for j in order]}).encode()
+        closed, _, _ = etcd.txn([absent(self._k(r, "sig/closed"))],
+                                [put(self._k(r, "sig/closed"), members),
+                                 put(f"{self._base}/round".encode(), str(r + 1).encode())])
+        if closed:
+            log.info("round %d of '%s' closed with %d nodes", r, self.run_id, len(arrivals))
+        return closed
+
+    def _last_call_then_close(self, r: int) -> None:
+        """Close round r when the last call ends, or as soon as every live member of
+        round r-1 has joined (a re-form after a failure then takes seconds). One range
+        read per poll, on one node."""
+        etcd = self._etcd.clone()
+        try:
+            deadline = time.monotonic() + self._last_call
+            while time.monotonic() < deadline:
+                if r > 0 and self._previous_all_back(etcd, r):
+                    log.info("round %d of '%s': every live member of round %d is back; closing "
+                             "before the last call", r, self.run_id, r - 1)
+                    break
+                time.sleep(0.25)
+            while not self._close(etcd, r):  # below min again: wait until enough are back
+                closed, _ = etcd.get(self._k(r, "sig/closed"))
+                if closed is not None:
+                    return
+                time.sleep(0.5)
+        except Exception:  # etcd unreachable: waiting members close after the last call
+            log.debug("last call of round %d not completed", r, exc_info=True)
+        finally:
+            etcd.close()
+
+    def _previous_all_back(self, etcd: Etcd, r: int) -> bool:
+        joined, _ = etcd.range(self._k(r, "joined/"))
+        if len(joined) < self._min:
+            return False
+        back = {json.loads(kv.value)["id"] for kv in joined}
+        alive, _ = etcd.range(self._k(r - 1, "joined/"))  # expired leases: gone
+        closed, _ = etcd.get(self._k(r - 1, "sig/closed"))
+        if closed is None or closed.value == _JOB_CLOSED:
+            return False
+        members = set(json.loads(closed.value)["ids"])
+        return all(json.loads(kv.value)["id"] in back for kv in alive if json.loads(kv.value)["id"] in members)
+
+    def _timeout_message(self, r: int) -> str:
+        try:
+            kvs, _ = self._etcd.range(self._k(r, "joined/"))
+            arrived = [json.loads(kv.value)["addr"] for kv in kvs]
+        except EtcdUnavailable:
+            arrived = ["(unknown: etcd did not answer)"]
+        return (
+            f"rendezvous '{self.run_id}' timed out after {self._join_timeout:.0f} s on node "
+            f"{self.node_addr}: {len(arrived)} node(s) arrived ({', '.join(arrived)}), "
+            f"at least {self._min} needed (--nnodes {self._min}:{self._max}); "
+            f"{max(self._min - len(arrived), 0)} more missing. Start tierrun on the missing "
+            "nodes with the same --rdzv_endpoint and --rdzv_id, lower --nnodes, or raise "
+            "--rdzv_conf join_timeout=SECONDS."
+        )
+
+    # -- the round's store -------------------------------------------------------------
+
+    def _round_store(self, r: int, rank: int, host_addr: str) -> tuple[str, int] | None:
+        """Rank 0 hosts the round's store (its own from the previous round if it still
+        runs, else a fresh one) and publishes where; the others connect to it. Returns
+        where this node's workers connect, or None if the round changed before its
+        store was up (its host died): the caller re-forms."""
+        namespace = f"{self.run_id}/workers/{r}"
+        if rank == 0:
+            job = self.job
+            if job is None or not job.hosting or job.lost() is not None:
+                self._use_store(JobStore(self.node_addr, self._store_port, hosting=True,
+                                         timeout=self._store_timeout, token=self._token))
+            endpoint = self.job.worker_endpoint(namespace)
+            assert endpoint is not None
+            # flat, the other nodes' workers connect to this namespace listener too
+            where = {"host": self.node_addr, "port": self.job.port, "worker_port": endpoint[1]}
+            self._etcd.put(self._k(r, "sig/store"), json.dumps(where).encode(), self._lease)
+            return endpoint
+        store_deadline = time.monotonic() + self._store_timeout.total_seconds()
+        while (signals := self._wait_signals(r, ("store", "changed"), store_deadline)) is None:
+            if time.monotonic() >= store_deadline:
+                raise RendezvousTimeoutError(
+                    f"rendezvous '{self.run_id}' round {r}: the rank-0 node {host_addr} did not "
+                    f"start the round's store within {self._store_timeout.total_seconds():.0f} s")
+        if "store" not in signals:
+            return None
+        where = json.loads(signals["store"])
+        job = self.job
+        if job is None or (job.host, job.port) != (where["host"], where["port"]) or job.lost() is not None:
+            self._use_store(JobStore(where["host"], where["port"], hosting=False,
+                                     timeout=self._store_timeout, token=self._token))
+        return self.job.worker_endpoint(namespace) or (where["host"], where["worker_port"])
+
+    def _use_store(self, job: JobStore) -> None:
+        if self.job is not None:
+            self.job.stop()
+        self.job = None
+        job.start()
+        job.client()
+        self.job = job
+
+    # -- while a round runs ------------------------------------------------------------
+
+    def _ensure_lease(self) -> None:
+        if self._lease and not self._lease_lost:
+            return
+        self._keepalive_stop.set()
+        self._lease = self._etcd.grant(self._lease_ttl)
+        self._lease_lost = False
+        self._keepalive_stop = threading.Event()
+        threading.Thread(target=self._keep_alive, args=(self._lease, self._keepalive_stop),
+                         name="tierrun-etcd-lease", daemon=True).start()
+
+    def _keep_alive(self, lease: int, stop: threading.Event) -> None:
+        """Renew the lease every heartbeat interval. etcd away: retry quietly (etcd renews
+        leases when it is back); the lease expired: re-form with a new one."""
+        etcd = self._etcd.clone()
+        away_since: float | None = None
+        while not stop.wait(self._beat_interval):
+            try:
+                if not etcd.keepalive(lease):
+                    log.warning("node %s's etcd lease expired; the others re-formed without it. "
+                                "Rejoining.", self.node_addr)
+                    with self._lock:
+                        self._lease_lost = True
+                    return
+                if away_since is not None:
+                    log.warning("etcd is back after %.0f s", time.monotonic() - away_since)
+                    away_since = None
+            except EtcdUnavailable as e:
+                if away_since is None:
+                    away_since = time.monotonic()
+                    log.warning("node %s cannot reach etcd (%s); the workers go on, retrying", self.node_addr, e)
+        etcd.close()
+
+    def _watch_changed(self, r: int, stop: threading.Event) -> None:
+        etcd = self._etcd.clone()
+        key = self._k(r, "sig/changed")
+        while not stop.is_set():
+            try:
+                kv, revision = etcd.get(key)
+                if kv is not None:
+                    with self._lock:
+                        self._changed.add(r)
+                    log.info("round %d of '%s' changed: %s", r, self.run_id, kv.value.decode())
+                    break
+                etcd.watch(key, revision + 1, _WATCH_SLICE)
+            except EtcdUnavailable:
+                stop.wait(1.0)
+        etcd.close()
+
+    def _watch_member(self, r: int, member: str, addr: str, stop: threading.Event) -> None:
+        """Mark round r changed once ``member``'s key is gone (its lease ended)."""
+        etcd = self._etcd.clone()
+        key = self._k(r, f"joined/{member}")
+        while not stop.is_set():
+            try:
+                kv, revision = etcd.get(key)
+                if kv is None:
+                    if not stop.is_set():
+                        log.warning("rendezvous '%s' round %d: node %s is gone (its etcd lease "
+                                    "ended); re-forming the job without it", self.run_id, r, addr)
+                        etcd.create(self._k(r, "sig/changed"), f"dead {addr}".encode())
+                    break
+                etcd.watch(key, revision + 1, _WATCH_SLICE)
+            except EtcdUnavailable:
+                stop.wait(1.0)
+        etcd.close()
+
+    def _stop_round_watch(self) -> None:
+        self._round_stop.set()
+
+    def num_nodes_waiting(self) -> int:
+        """Nodes waiting for the next round, or 1 when a member died or left, this node's
+        lease expired or it lost the round's store: any of these re-forms the job.
+        Never raises; one count request only after a change."""
+        with self._lock:
+            r = self._round
+            changed = r in self._changed or self._lease_lost
+        if self.job is not None and (lost := self.job.lost()) is not None:
+            log.warning("node %s lost round %d's store on %s (%s); re-forming", self.node_addr, r, self.job.host, lost)
+            return 1
+        if not changed:
+            return 0
+        try:
+            return max(self._etcd.count(self._k(r + 1, "joined/")), 1)
+        except EtcdUnavailable:
+            return 1
+
+    def _announce_leaving(self, reason: str) -> None:
+        """Tell the others at once (``sig/changed``) and drop this node's keys (revoke
+        its lease), rather than let them wait for the lease to expire."""
+        with self._lock:
+            r = self._round
+        self._stop_round_watch()
+        self._keepalive_stop.set()
+        if r >= 0:
+            log.warning("rendezvous '%s' round %d: node %s is leaving (%s)", self.run_id, r, self.node_addr, reason)
+            self._etcd.create(self._k(r, "sig/changed"), f"left {self.node_addr}: {reason}".encode())
+        if self._lease:
+            self._etcd.revoke(self._lease)
+            self._lease = 0
+
+    def _agents_store(self) -> tuple[str, int] | None:
+        if self._round < 0 or self.job is None:
+            return None
+        return f"tierrun/{self.run_id}/{self._round}/agents", self._members
+
+    def is_closed(self) -> bool:
+        kv, _ = self._etcd.get(f"{self._base}/closed".encode())
+        return kv is not None
+
+    def set_closed(self) -> None:
+        self._etcd.put(f"{self._base}/closed".encode(), b"1")
+        opened, _ = self._etcd.get(f"{self._base}/round".encode())
+        for r in {int(opened.value) if opened else 0, self._round + 1}:  # release waiting nodes
+            self._etcd.create(self._k(r, "sig/closed"), _JOB_CLOSED)
+
+    def shutdown(self) -> bool:
+        self._run_shutdown_hooks()
+        self._stop_round_watch()
+        try:
+            self.set_closed()
+        except EtcdUnavailable:
+            log.warning("could not mark rendezvous '%s' closed: etcd unreachable", self.run_id)
+        if self.job is not None:
+            if self.job.hosting:
+                time.sleep(0.5)  # let the other agents finish with the store
+            self.job.stop()
+        self._keepalive_stop.set()
+        if self._lease:
+            try:
+                self._etcd.revoke(self._lease)
+            except EtcdUnavailable:
+                pass  # the lease expires on its own
+            self._lease = 0
+        self._etcd.close()
+        return True
+
+
+def create_handler(params: RendezvousParameters) -> RendezvousHandler:
+    options = EtcdOptions.parse(params.endpoint, params.config, os.environ.get("TIERRUN_ETCD_PASSWORD"))
+    return EtcdRendezvousHandler(
+        options, params.run_id, params.min_nodes, params.max_nodes,
+        float(params.config.get("join_timeout", DEFAULT_JOIN_TIMEOUT)),
+        float(params.config.get("last_call_timeout", DEFAULT_LAST_CALL_TIMEOUT)),
+        params.local_addr, params.config,
+    )
