@@ -49,9 +49,11 @@ class EtcdServer:
         self.stop()
         raise RuntimeError(f"etcd did not become healthy on {client}:\n{self.log.read_text()[-2000:]}")
 
-    def stop(self) -> None:
+    def stop(self, kill: bool = False) -> None:
+        """Terminate etcd (``kill``: SIGKILL, no clean shutdown); its data stays, so
+        ``start`` brings the same cluster back on the same ports."""
         if self.proc is not None:
-            self.proc.terminate()
+            self.proc.kill() if kill else self.proc.terminate()
             try:
                 self.proc.wait(10)
             except subprocess.TimeoutExpired:
