@@ -7,10 +7,15 @@ import signal
 import threading
 import time
 
-import pytest
-from torch.distributed.elastic.rendezvous import RendezvousClosedError, RendezvousParameters
+import base64
 
-from etcd_server import EtcdServer
+import pytest
+import requests
+from torch.distributed.elastic.rendezvous import (
+    RendezvousClosedError, RendezvousConnectionError, RendezvousParameters,
+)
+
+from etcd_server import Certificates, EtcdServer
 from launch import SCRIPTS, finish, free_port, kill_tree, results, tierrun
 from tierrun.rendezvous.etcd import create_handler
 from tierrun.rendezvous.etcd_client import EtcdOptions
@@ -40,9 +45,9 @@ def test_endpoint_lists_schemes_and_tls_options_are_parsed():
     assert EtcdOptions.parse("e1", {"username": "u"}, password="p").password == "p"
 
 
-def _handler(etcd, run_id, addr, nnodes=(2, 4), **conf):
+def _handler(etcd, run_id, addr, nnodes=(2, 4), endpoint=None, **conf):
     config = {"last_call_timeout": "1", "progress": "off", **conf}
-    return create_handler(RendezvousParameters("tierrun-etcd", etcd.endpoint, run_id, *nnodes,
+    return create_handler(RendezvousParameters("tierrun-etcd", endpoint or etcd.endpoint, run_id, *nnodes,
                                                local_addr=addr, **config))
 
 
@@ -122,7 +127,7 @@ def test_etcd_unreachable_at_start_is_a_clear_error(tmp_path):
 
 def _three_nodes(tmp_path, etcd, run_id, *extra):
     logs = [tmp_path / f"node{k}.log" for k in range(3)]
-    procs = [tierrun(*COMMON, *extra, "--nnodes", "2:3", "--rdzv_endpoint", etcd.endpoint, "--rdzv_id", run_id,
+    procs = [tierrun(*COMMON, *extra, "--nnodes", "2:3", "--rdzv_conf", "heartbeat_timeout=3", "--rdzv_endpoint", etcd.endpoint, "--rdzv_id", run_id,
                      "--local_addr", f"127.0.1.{k + 1}", SCRIPTS / "heartbeat_worker.py", "--want", 2,
                      log=logs[k], env={"TIERRUN_LOG_LEVEL": "INFO"}) for k in range(3)]
     deadline = time.time() + 90
@@ -165,7 +170,8 @@ def test_etcd_restarted_mid_job_the_job_goes_on(tmp_path, etcd):
     """etcd killed and back after longer than a lease TTL: the workers (whose store is
     tierrun's) never notice, no node is declared dead, no restart."""
     logs = [tmp_path / f"node{k}.log" for k in range(2)]
-    procs = [tierrun(*COMMON, "--nnodes", "2", "--rdzv_endpoint", etcd.endpoint, "--rdzv_id", "restart",
+    procs = [tierrun(*COMMON, "--nnodes", "2", "--rdzv_conf", "heartbeat_timeout=3",
+                     "--rdzv_endpoint", etcd.endpoint, "--rdzv_id", "restart",
                      "--local_addr", f"127.0.1.{k + 1}", SCRIPTS / "steady_worker.py", "--seconds", 15,
                      log=logs[k]) for k in range(2)]
     deadline = time.time() + 60
@@ -179,3 +185,48 @@ def test_etcd_restarted_mid_job_the_job_goes_on(tmp_path, etcd):
     assert sorted(int(r["rank"]) for r in rows) == [0, 1]
     assert {r["restart"] for r in rows} == {"0"} and {r["sum"] for r in rows} == {"3"}
     assert "cannot reach etcd" in logs[0].read_text() + logs[1].read_text()
+
+
+def _pair_rendezvous(etcd, run_id, **conf):
+    pair = [_handler(etcd, run_id, f"127.0.1.{k}", nnodes=(2, 2), **conf) for k in (1, 2)]
+    try:
+        infos = _rendezvous_all(pair)
+        assert sorted(i.rank for i in infos) == [0, 1]
+    finally:
+        for h in pair:
+            h.shutdown()
+
+
+def test_tls_options_are_passed_through(tmp_path):
+    """etcd serving https only and requiring client certificates: the rendezvous works
+    with cacert/cert/key, and without the client certificate fails naming the endpoint."""
+    certs = Certificates(tmp_path / "certs")
+    server = EtcdServer(tmp_path / "etcd-data", tls=certs).start()
+    try:
+        _pair_rendezvous(server, "tls", cacert=str(certs.ca), cert=str(certs.client_cert), key=str(certs.client_key))
+        lone = _handler(server, "tls-no-cert", "127.0.1.1", nnodes=(1, 1), cacert=str(certs.ca))
+        with pytest.raises(RendezvousConnectionError, match=f"cannot reach etcd at https://127.0.0.1:{server.port}"):
+            lone.next_rendezvous()
+    finally:
+        server.stop()
+
+
+def test_etcd_authentication_with_a_password_from_the_environment(tmp_path, etcd, monkeypatch):
+    url = f"http://{etcd.endpoint}/v3"
+    b64 = lambda s: base64.b64encode(s.encode()).decode()  # noqa: E731
+    for path, body in [("/auth/user/add", {"name": "root", "password": "rootpw"}),
+                       ("/auth/role/add", {"name": "root"}),
+                       ("/auth/user/grant", {"user": "root", "role": "root"}),
+                       ("/auth/user/add", {"name": "trainer", "password": "s3cret"}),
+                       ("/auth/role/add", {"name": "jobs"}),
+                       ("/auth/role/grant", {"name": "jobs", "perm": {"permType": "READWRITE",
+                                             "key": b64("/tierrun/"), "range_end": b64("/tierrun0")}}),
+                       ("/auth/user/grant", {"user": "trainer", "role": "jobs"}),
+                       ("/auth/enable", {})]:
+        reply = requests.post(url + path, json=body, timeout=5)
+        assert reply.status_code == 200, (path, reply.text)
+    monkeypatch.setenv("TIERRUN_ETCD_PASSWORD", "s3cret")
+    _pair_rendezvous(etcd, "auth", username="trainer")
+    monkeypatch.setenv("TIERRUN_ETCD_PASSWORD", "wrong")
+    with pytest.raises(RendezvousConnectionError, match="refused user 'trainer': .*authentication failed"):
+        _handler(etcd, "auth-wrong", "127.0.1.1", nnodes=(1, 1), username="trainer").next_rendezvous()

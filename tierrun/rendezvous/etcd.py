@@ -17,7 +17,8 @@ Whoever creates it decides; a node that joined too late sees it is not listed an
 waits for round r+1, whose first arrival sets ``sig/changed`` of round r.
 
 Liveness is etcd's: each agent's keys hang on its lease (TTL ``heartbeat_timeout``,
-kept alive every ``heartbeat_interval``). While round r runs, every member watches the
+10 s, kept alive every ``heartbeat_interval``, 1 s; a killed store host is noticed
+sooner, when its connections close). While round r runs, every member watches the
 ``joined`` key of the member of the next rank, in a ring; when that key vanishes (the
 lease expired: the node died; or it left) the watcher creates ``sig/changed``, which
 every member watches, so every agent restarts its workers and re-forms, even when
@@ -53,7 +54,7 @@ from torch.distributed.elastic.rendezvous import (
 )
 
 from .elastic import DEFAULT_JOIN_TIMEOUT, DEFAULT_LAST_CALL_TIMEOUT
-from .etcd_client import Etcd, EtcdOptions, EtcdUnavailable, absent, count, put
+from .etcd_client import Etcd, EtcdAuthError, EtcdOptions, EtcdUnavailable, absent, count, put
 from .handler_base import StoreRendezvousHandler
 from .job_store import JobStore, token_from
 
@@ -62,6 +63,8 @@ log = logging.getLogger("tierrun.rendezvous")
 _JOB_CLOSED = b"job-closed"
 #: how long one watch request waits before the waiter re-reads and re-checks
 _WATCH_SLICE = 5.0
+#: seconds a silent node keeps its membership (its lease's TTL): ``heartbeat_timeout``
+DEFAULT_LEASE_TTL = 10.0
 
 
 class EtcdRendezvousHandler(StoreRendezvousHandler):
@@ -90,6 +93,8 @@ class EtcdRendezvousHandler(StoreRendezvousHandler):
         self._base = f"/tierrun/{run_id}"
         self._id = uuid.uuid4().hex
         self._lease = 0
+        # a lease outlives a few late renewals: etcd answers keep-alives late under load
+        self._beat_timeout = float(config.get("heartbeat_timeout", DEFAULT_LEASE_TTL))
         self._lease_ttl = max(2, math.ceil(self._beat_timeout))
         self._lease_lost = False
         self._keepalive_stop = threading.Event()
@@ -117,6 +122,11 @@ class EtcdRendezvousHandler(StoreRendezvousHandler):
                 f"node {self.node_addr} cannot reach etcd at {', '.join(self.options.endpoints)}: {e}. "
                 "Check that etcd is running there and that --rdzv_endpoint lists its client URLs "
                 "(comma-separated; TLS: --rdzv_conf protocol=https,cacert=...,cert=...,key=...)."
+            ) from e
+        except EtcdAuthError as e:
+            raise RendezvousConnectionError(
+                f"node {self.node_addr}: {e}. Check --rdzv_conf username= and the password in "
+                "TIERRUN_ETCD_PASSWORD."
             ) from e
 
     def _next_rendezvous(self) -> RendezvousInfo:
@@ -174,6 +184,9 @@ class EtcdRendezvousHandler(StoreRendezvousHandler):
             signals = self._wait_signals(r, ("closed",), deadline)
             if signals is not None:
                 break
+            if self._lease_lost:  # renewals were late: join again with a new lease
+                self._ensure_lease()
+                self._etcd.txn([absent(self._k(r, "sig/closed"))], [put(self._k(r, f"joined/{self._id}"), me, self._lease)])
             # the closer may have died: past the last call any waiting member closes
             if time.monotonic() - joined_at > self._last_call + 2 * self._beat_timeout:
                 self._close(self._etcd, r)
@@ -330,6 +343,8 @@ class EtcdRendezvousHandler(StoreRendezvousHandler):
         while not stop.wait(self._beat_interval):
             try:
                 if not etcd.keepalive(lease):
+                    if stop.is_set():
+                        break  # revoked: this node is leaving
                     log.warning("node %s's etcd lease expired; the others re-formed without it. "
                                 "Rejoining.", self.node_addr)
                     with self._lock:

@@ -37,6 +37,10 @@ class EtcdUnavailable(Exception):
     """No endpoint answered: the message names every endpoint and the last error."""
 
 
+class EtcdAuthError(Exception):
+    """etcd refused the user name or password."""
+
+
 @dataclass(frozen=True)
 class EtcdOptions:
     """Where etcd is and how to talk to it. ``endpoints`` are URLs (``http://host:port``).
@@ -148,11 +152,22 @@ class Etcd:
     def _connect(self, endpoint: str) -> Etcd3Client:
         url = urlsplit(endpoint)
         o = self.options
+        session = _Session()
+        if o.cacert:
+            session.verify = o.cacert
+        if o.cert and o.key:
+            session.cert = (o.cert, o.key)
         client = Etcd3Client(host=url.hostname or "", port=url.port or DEFAULT_PORT, protocol=url.scheme,
-                             ca_cert=o.cacert, cert_key=o.key, cert_cert=o.cert, timeout=o.timeout,
-                             api_path="/v3/")
+                             timeout=o.timeout, api_path="/v3/", session=session)
         if o.username:
-            reply = client.post(client.get_url("/auth/authenticate"), json={"name": o.username, "password": o.password})
+            try:
+                reply = client.post(client.get_url("/auth/authenticate"),
+                                    json={"name": o.username, "password": o.password})
+            except etcd_errors.Etcd3Exception as e:
+                if isinstance(e, (etcd_errors.ConnectionFailedError, etcd_errors.ConnectionTimeoutError)):
+                    raise
+                detail = (e.detail_text or str(e))[:300]
+                raise EtcdAuthError(f"etcd at {endpoint} refused user '{o.username}': {detail}") from None
             client.session.headers["Authorization"] = reply["token"]
         return client
 
@@ -259,6 +274,17 @@ class Etcd:
             self.close()
             self._current = (self._current + 1) % len(self.options.endpoints)
         return []
+
+
+class _Session(requests.Session):
+    """A session whose CA file (``cacert``) wins over REQUESTS_CA_BUNDLE and
+    CURL_CA_BUNDLE in the environment, which plain ``requests`` lets override it."""
+
+    def merge_environment_settings(self, url, proxies, stream, verify, cert):  # type: ignore[override]
+        settings = super().merge_environment_settings(url, proxies, stream, verify, cert)
+        if isinstance(self.verify, str):
+            settings["verify"] = self.verify
+        return settings
 
 
 def _kvs(reply: dict) -> list[KeyValue]:
