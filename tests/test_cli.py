@@ -48,6 +48,7 @@ def test_tiered_flag_spellings(monkeypatch):
     "argv, message",
     [
         (["--rdzv_backend", "parallel", "--nnodes", "2:3"], "write --nnodes 3"),
+        (["--rdzv_backend", "tierrun-etcd", "--nnodes", "2:3"], "tierrun-etcd needs --rdzv_endpoint: etcd's"),
         (["--nnodes", "3:2"], "0 < MIN <= MAX"),
         (["--nnodes", "x"], "is not a number"),
         (["--rdzv_backend", "zookeeper"], "write one of"),

@@ -101,7 +101,9 @@ class EtcdRendezvousHandler(StoreRendezvousHandler):
         self._round = -1  # last round this node was a member of
         self._rank = -1
         self._members = 0
+        self._host_id = ""  # the id of that round's store host
         self._changed: set[int] = set()  # rounds whose membership changed
+        self._lost_reported: set[int] = set()  # rounds whose store host this node marked lost
         self._round_stop = threading.Event()  # ends the current round's watch threads
 
     # -- keys -------------------------------------------------------------------------
@@ -150,6 +152,7 @@ class EtcdRendezvousHandler(StoreRendezvousHandler):
         n = len(ids)
         with self._lock:
             self._round, self._rank, self._members = r, rank, n
+            self._host_id = ids[0]
         self._round_stop = threading.Event()
         threading.Thread(target=self._watch_changed, args=(r, self._round_stop), daemon=True).start()
         if n > 1:  # the ring: watch the member of the next rank
@@ -263,7 +266,8 @@ class EtcdRendezvousHandler(StoreRendezvousHandler):
         closed, _ = etcd.get(self._k(r - 1, "sig/closed"))
         if closed is None or closed.value == _JOB_CLOSED:
             return False
-        members = set(json.loads(closed.value)["ids"])
+        lost, _ = etcd.range(self._k(r - 1, "lost/"))  # a store host the others lost: gone
+        members = set(json.loads(closed.value)["ids"]) - {kv.key.rsplit(b"/", 1)[1].decode() for kv in lost}
         return all(json.loads(kv.value)["id"] in back for kv in alive if json.loads(kv.value)["id"] in members)
 
     def _timeout_message(self, r: int) -> str:
@@ -405,6 +409,7 @@ class EtcdRendezvousHandler(StoreRendezvousHandler):
             changed = r in self._changed or self._lease_lost
         if self.job is not None and (lost := self.job.lost()) is not None:
             log.warning("node %s lost round %d's store on %s (%s); re-forming", self.node_addr, r, self.job.host, lost)
+            self._report_store_lost(r, lost)
             return 1
         if not changed:
             return 0
@@ -412,6 +417,19 @@ class EtcdRendezvousHandler(StoreRendezvousHandler):
             return max(self._etcd.count(self._k(r + 1, "joined/")), 1)
         except EtcdUnavailable:
             return 1
+
+    def _report_store_lost(self, r: int, reason: str) -> None:
+        """Mark round r's store host lost, so the next round's last call does not wait
+        for it until its lease ends (if it is alive after all, it re-joins: one more
+        re-form). Best effort, once per round; two create-only requests."""
+        if r in self._lost_reported:
+            return
+        self._lost_reported.add(r)
+        try:
+            self._etcd.create(self._k(r, f"lost/{self._host_id}"), reason.encode())
+            self._etcd.create(self._k(r, "sig/changed"), f"store host {self.job.host} lost".encode())
+        except EtcdUnavailable:
+            pass
 
     def _announce_leaving(self, reason: str) -> None:
         """Tell the others at once (``sig/changed``) and drop this node's keys (revoke
