@@ -129,7 +129,7 @@ def tierrun_handlers(indices: list[int], k: int, port: int) -> tuple[list, int]:
         if job.root is not None:
             port, server_pid = job.port, job.root.pid
         job.client()  # connect now, as an agent does before it rendezvous
-        handlers.append(ElasticRendezvousHandler(job, "bench", k, k, 3600, 30, f"node{i}"))
+        handlers.append(ElasticRendezvousHandler(job, "bench", k, k, 3600, 30, f"node{i}", {"progress": "off"}))
     return handlers, server_pid
 
 
@@ -143,7 +143,7 @@ def rendezvous_child(launcher: str, k: int, procs: int, index: int, port: int) -
         handlers, counters = torch_handlers(mine, k, port)
     else:
         handlers, server_pid = tierrun_handlers(mine, k, port)
-        port = handlers[0]._job.port
+        port = handlers[0].job.port
     ranks = [-1] * len(handlers)
 
     def agent(j: int) -> None:
@@ -159,7 +159,7 @@ def rendezvous_child(launcher: str, k: int, procs: int, index: int, port: int) -
     print(json.dumps({"ranks": ranks, "ops": sum(c.ops for c in counters)}), flush=True)
     if server_pid:  # asked once every process is done: what the store host counted
         sys.stdin.readline()
-        root = handlers[0]._job.root
+        root = handlers[0].job.root
         print(json.dumps({"ops": root.stats()["operations"]}), flush=True)
     os._exit(0)  # handlers' background threads (keep-alives, watchers) end with us
 
