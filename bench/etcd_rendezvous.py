@@ -5,8 +5,8 @@ K rendezvous handlers (as K agents would have), one thread each, spread over --p
 processes, min = max = K; the time from all calling ``next_rendezvous()`` to the last
 one returning, every measurement in fresh processes.
 
-  tierrun       ``ElasticRendezvousHandler``; handler 0 hosts the store and every
-                handler is connected before the start, as agents are.
+  tierrun       ``ElasticRendezvousHandler`` as in ``launch.py``: handler 0 hosts the
+                store and every handler is connected before the start, as agents are.
   tierrun-etcd  ``EtcdRendezvousHandler`` on a real etcd (Debian's etcd-server, one
                 member, on loopback, a fresh job id per run). Its time includes what
                 the design adds: each agent's lease, and the rank-0 node starting the
@@ -29,13 +29,12 @@ import statistics
 import subprocess
 import sys
 import tempfile
-import threading
 import time
 import urllib.request
-from datetime import timedelta
 from pathlib import Path
 
-from report import raise_fd_limit, write_json, write_section
+from launch import tierrun_handlers
+from report import raise_fd_limit, rendezvous_all, write_json, write_section
 from servers import process_cpu_seconds
 
 BACKENDS = ("tierrun", "tierrun-etcd")
@@ -82,26 +81,14 @@ class Etcd:
 def handlers_for(backend: str, indices: list[int], k: int, endpoint: str, run_id: str) -> tuple[list, int]:
     """The handlers of this process; for ``tierrun``, handler 0 hosts the store (its pid
     is returned; 0 otherwise)."""
+    if backend == "tierrun":
+        return tierrun_handlers(indices, k, int(endpoint.rsplit(":", 1)[1]))
     from torch.distributed.elastic.rendezvous import RendezvousParameters
 
-    if backend == "tierrun-etcd":
-        from tierrun.rendezvous.etcd import create_handler
+    from tierrun.rendezvous.etcd import create_handler
 
-        return [create_handler(RendezvousParameters(backend, endpoint, run_id, k, k, local_addr="127.0.0.1",
-                                                    progress="off", join_timeout=3600)) for _ in indices], 0
-    from tierrun.rendezvous.elastic import ElasticRendezvousHandler
-    from tierrun.rendezvous.job_store import JobStore
-
-    handlers, pid = [], 0
-    host, port = endpoint.split(":")
-    for i in indices:
-        job = JobStore(host, int(port), hosting=(i == 0), timeout=timedelta(seconds=3600))
-        job.start()
-        if job.root is not None:
-            port, pid = str(job.port), job.root.pid
-        job.client()  # connected before the start, as an agent is
-        handlers.append(ElasticRendezvousHandler(job, run_id, k, k, 3600, 30, "127.0.0.1", {"progress": "off"}))
-    return handlers, pid
+    return [create_handler(RendezvousParameters(backend, endpoint, run_id, k, k, local_addr="127.0.0.1",
+                                                progress="off", join_timeout=3600)) for _ in indices], 0
 
 
 def child(backend: str, k: int, procs: int, index: int, endpoint: str, run_id: str) -> None:
@@ -110,19 +97,9 @@ def child(backend: str, k: int, procs: int, index: int, endpoint: str, run_id: s
     handlers, pid = handlers_for(backend, list(range(index, k, procs)), k, endpoint, run_id)
     if pid:
         endpoint = f"127.0.0.1:{handlers[0].job.port}"
-    ranks = [-1] * len(handlers)
-
-    def agent(j: int) -> None:
-        ranks[j] = handlers[j].next_rendezvous().rank
-
     print(f"ready {endpoint} {pid}", flush=True)
     sys.stdin.readline()
-    threads = [threading.Thread(target=agent, args=(j,), daemon=True) for j in range(len(handlers))]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
-    print(json.dumps({"ranks": ranks}), flush=True)
+    print(json.dumps({"ranks": rendezvous_all(handlers)}), flush=True)
     if pid:  # asked once every process is done: what the store counted
         sys.stdin.readline()
         print(json.dumps({"ops": handlers[0].job.root.stats()["operations"]}), flush=True)

@@ -35,7 +35,7 @@ import time
 from datetime import timedelta
 from pathlib import Path
 
-from report import raise_fd_limit, write_json, write_section
+from report import raise_fd_limit, rendezvous_all, write_json, write_section
 from servers import process_cpu_seconds, start_torch
 
 HERE = Path(__file__).resolve().parent
@@ -144,18 +144,9 @@ def rendezvous_child(launcher: str, k: int, procs: int, index: int, port: int) -
     else:
         handlers, server_pid = tierrun_handlers(mine, k, port)
         port = handlers[0].job.port
-    ranks = [-1] * len(handlers)
-
-    def agent(j: int) -> None:
-        ranks[j] = handlers[j].next_rendezvous().rank
-
     print(f"ready {port} {server_pid}", flush=True)
     sys.stdin.readline()
-    threads = [threading.Thread(target=agent, args=(j,), daemon=True) for j in range(len(handlers))]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
+    ranks = rendezvous_all(handlers)
     print(json.dumps({"ranks": ranks, "ops": sum(c.ops for c in counters)}), flush=True)
     if server_pid:  # asked once every process is done: what the store host counted
         sys.stdin.readline()

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import resource
+import threading
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -32,3 +33,19 @@ def write_section(name: str, body: str) -> None:
     else:
         text += f"\n{block}\n"
     doc.write_text(text)
+
+
+def rendezvous_all(handlers: list) -> list[int]:
+    """Call every handler's ``next_rendezvous()`` at once, one thread each (as that many
+    agents would); their ranks, once all have returned."""
+    ranks = [-1] * len(handlers)
+
+    def agent(j: int) -> None:
+        ranks[j] = handlers[j].next_rendezvous().rank
+
+    threads = [threading.Thread(target=agent, args=(j,), daemon=True) for j in range(len(handlers))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    return ranks

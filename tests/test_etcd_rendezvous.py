@@ -111,6 +111,17 @@ def test_rounds_stable_ranks_waiting_nodes_and_closing(etcd):
     waiting.shutdown()
 
 
+def test_too_few_nodes_time_out_naming_who_arrived(etcd):
+    from torch.distributed.elastic.rendezvous import RendezvousTimeoutError
+
+    lone = _handler(etcd, "too-few", "127.0.1.1", nnodes=(2, 2), join_timeout="2")
+    t0 = time.monotonic()
+    with pytest.raises(RendezvousTimeoutError, match=r"1 node\(s\) arrived \(127.0.1.1\), at least 2 needed"):
+        lone.next_rendezvous()
+    assert time.monotonic() - t0 < 10
+    lone.shutdown()
+
+
 def test_etcd_unreachable_at_start_is_a_clear_error(tmp_path):
     ports = free_port(), free_port()
     log = tmp_path / "node.log"

@@ -249,14 +249,7 @@ class ElasticRendezvousHandler(StoreRendezvousHandler):
             arrived = [json.loads(v)["addr"] for v in store.multi_get(keys)] if n else []
         except Exception:
             arrived = ["(unknown: the store did not answer)"]
-        return (
-            f"rendezvous '{self.run_id}' timed out after {self._join_timeout:.0f} s on node "
-            f"{self.node_addr}: {len(arrived)} node(s) arrived ({', '.join(arrived)}), "
-            f"at least {self._min} needed (--nnodes {self._min}:{self._max}); "
-            f"{max(self._min - len(arrived), 0)} more missing. Start tierrun on the missing "
-            "nodes with the same --rdzv_endpoint and --rdzv_id, lower --nnodes, or raise "
-            "--rdzv_conf join_timeout=SECONDS."
-        )
+        return join_timeout_message(self.run_id, self.node_addr, self._join_timeout, arrived, self._min, self._max)
 
     def _watch_members(self, store, r: int, index: int, rank: int, n: int) -> None:
         """While round r runs: wait for ``r/changed`` (a node joined round r+1, or a member
@@ -330,6 +323,19 @@ class ElasticRendezvousHandler(StoreRendezvousHandler):
             time.sleep(0.5)  # let the other agents read the closed flag
         self.job.stop()
         return True
+
+
+def join_timeout_message(run_id: str, node_addr: str, join_timeout: float, arrived: list[str],
+                         min_nodes: int, max_nodes: int) -> str:
+    """What a node that waited ``join_timeout`` for too few ``arrived`` nodes reports."""
+    return (
+        f"rendezvous '{run_id}' timed out after {join_timeout:.0f} s on node "
+        f"{node_addr}: {len(arrived)} node(s) arrived ({', '.join(arrived)}), "
+        f"at least {min_nodes} needed (--nnodes {min_nodes}:{max_nodes}); "
+        f"{max(min_nodes - len(arrived), 0)} more missing. Start tierrun on the missing "
+        "nodes with the same --rdzv_endpoint and --rdzv_id, lower --nnodes, or raise "
+        "--rdzv_conf join_timeout=SECONDS."
+    )
 
 
 def _hosts_store(host: str, local_addr: str | None) -> bool:

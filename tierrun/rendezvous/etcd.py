@@ -53,7 +53,7 @@ from torch.distributed.elastic.rendezvous import (
     RendezvousTimeoutError,
 )
 
-from .elastic import DEFAULT_JOIN_TIMEOUT, DEFAULT_LAST_CALL_TIMEOUT
+from .elastic import DEFAULT_JOIN_TIMEOUT, DEFAULT_LAST_CALL_TIMEOUT, join_timeout_message
 from .etcd_client import Etcd, EtcdAuthError, EtcdOptions, EtcdUnavailable, absent, count, put
 from .handler_base import StoreRendezvousHandler
 from .job_store import JobStore, token_from
@@ -236,13 +236,14 @@ class EtcdRendezvousHandler(StoreRendezvousHandler):
 
     def _last_call_then_close(self, r: int) -> None:
         """Close round r when the last call ends, or as soon as every live member of
-        round r-1 has joined (a re-form after a failure then takes seconds). One range
-        read per poll, on one node."""
+        round r-1 has joined (a re-form after a failure then takes seconds). Three range
+        reads per poll, on one node."""
         etcd = self._etcd.clone()
         try:
             deadline = time.monotonic() + self._last_call
+            previous = self._members_of(etcd, r - 1) if r > 0 else set()
             while time.monotonic() < deadline:
-                if r > 0 and self._previous_all_back(etcd, r):
+                if previous and self._previous_all_back(etcd, r, previous):
                     log.info("round %d of '%s': every live member of round %d is back; closing "
                              "before the last call", r, self.run_id, r - 1)
                     break
@@ -257,18 +258,23 @@ class EtcdRendezvousHandler(StoreRendezvousHandler):
         finally:
             etcd.close()
 
-    def _previous_all_back(self, etcd: Etcd, r: int) -> bool:
-        joined, _ = etcd.range(self._k(r, "joined/"))
-        if len(joined) < self._min:
+    def _members_of(self, etcd: Etcd, r: int) -> set[str]:
+        closed, _ = etcd.get(self._k(r, "sig/closed"))
+        return set() if closed is None or closed.value == _JOB_CLOSED else set(json.loads(closed.value)["ids"])
+
+    def _ids(self, etcd: Etcd, r: int, name: str) -> set[str]:
+        """The node ids under round r's ``name/`` (the last part of each key)."""
+        kvs, _ = etcd.range(self._k(r, f"{name}/"))
+        return {kv.key.rsplit(b"/", 1)[1].decode() for kv in kvs}
+
+    def _previous_all_back(self, etcd: Etcd, r: int, previous: set[str]) -> bool:
+        """Every member of round r-1 that is still alive (its key not expired, not
+        marked lost) has joined round r, and round r has at least min nodes."""
+        back = self._ids(etcd, r, "joined")
+        if len(back) < self._min:
             return False
-        back = {json.loads(kv.value)["id"] for kv in joined}
-        alive, _ = etcd.range(self._k(r - 1, "joined/"))  # expired leases: gone
-        closed, _ = etcd.get(self._k(r - 1, "sig/closed"))
-        if closed is None or closed.value == _JOB_CLOSED:
-            return False
-        lost, _ = etcd.range(self._k(r - 1, "lost/"))  # a store host the others lost: gone
-        members = set(json.loads(closed.value)["ids"]) - {kv.key.rsplit(b"/", 1)[1].decode() for kv in lost}
-        return all(json.loads(kv.value)["id"] in back for kv in alive if json.loads(kv.value)["id"] in members)
+        alive = (self._ids(etcd, r - 1, "joined") & previous) - self._ids(etcd, r - 1, "lost")
+        return alive <= back
 
     def _timeout_message(self, r: int) -> str:
         try:
@@ -276,14 +282,7 @@ class EtcdRendezvousHandler(StoreRendezvousHandler):
             arrived = [json.loads(kv.value)["addr"] for kv in kvs]
         except EtcdUnavailable:
             arrived = ["(unknown: etcd did not answer)"]
-        return (
-            f"rendezvous '{self.run_id}' timed out after {self._join_timeout:.0f} s on node "
-            f"{self.node_addr}: {len(arrived)} node(s) arrived ({', '.join(arrived)}), "
-            f"at least {self._min} needed (--nnodes {self._min}:{self._max}); "
-            f"{max(self._min - len(arrived), 0)} more missing. Start tierrun on the missing "
-            "nodes with the same --rdzv_endpoint and --rdzv_id, lower --nnodes, or raise "
-            "--rdzv_conf join_timeout=SECONDS."
-        )
+        return join_timeout_message(self.run_id, self.node_addr, self._join_timeout, arrived, self._min, self._max)
 
     # -- the round's store -------------------------------------------------------------
 
