@@ -54,6 +54,8 @@ def test_tiered_flag_spellings(monkeypatch):
         (["--rdzv_backend", "zookeeper"], "write one of"),
         (["--standalone", "--nnodes", "2"], "drop --standalone"),
         (["--rdzv_backend", "parallel", "--nnodes", "2", "--node_rank", "2"], "outside 0..1"),
+        (["--store-workers", "0"], "write 1 or more"),
+        (["--rdzv_backend", "torch-c10d", "--store_workers", "2"], "needs a tierrun rendezvous backend"),
     ],
 )
 def test_contradictions_say_what_to_write(argv, message):

@@ -2,10 +2,22 @@
 
 import threading
 import time
+import uuid
 from datetime import timedelta
 
 import pytest
 import torch.distributed as dist
+
+from tierrun.server import StoreProcess
+
+
+@pytest.fixture(params=[1, 2], ids=["one-process", "two-front-end-processes"])
+def store(request):
+    """The store in one process, and with two front-end processes sharing its ports
+    (``--workers 2``): torch's client must see no difference."""
+    with StoreProcess(host="127.0.0.1", port=0, unix=f"@tierrun-test-{uuid.uuid4().hex}",
+                      extra_args=["--workers", str(request.param)]) as sp:
+        yield sp
 
 
 def test_set_get(torch_client):

@@ -95,11 +95,8 @@ class ClientConnection(asyncio.Protocol):
         assert acceptor is not None and self._transport is not None
         self._frontend.release(self)
         self._frontend.accepted -= 1  # counted as a link, not as a client
-        link = acceptor(self.peer)
-        self._transport.set_protocol(link)
-        link.connection_made(self._transport)
-        if rest:
-            link.data_received(rest)
+        self.closed = True
+        acceptor(self._transport, self.peer, rest)
 
     def _write(self, out: list[bytes]) -> None:
         if out and not self.closed:

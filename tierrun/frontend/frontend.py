@@ -30,6 +30,9 @@ class Upstream(Protocol):
         """The waiter's connection closed: drop whatever it was waiting for."""
 
 
+LinkAcceptor = Callable[[asyncio.Transport, str, bytes], None]
+
+
 @dataclass
 class FrontEndConfig:
     limits: Limits = field(default_factory=Limits)
@@ -44,10 +47,11 @@ class FrontEnd:
         self,
         upstream: Upstream,
         config: FrontEndConfig | None = None,
-        link_acceptor: Callable[[str], asyncio.Protocol] | None = None,
+        link_acceptor: LinkAcceptor | None = None,
     ) -> None:
-        """``link_acceptor(peer)``, if given, makes the protocol for a front-end's link
-        that arrives on this front-end's port (the store host's public port)."""
+        """``link_acceptor(transport, peer, rest)``, if given, takes over a connection
+        that turned out to be a front-end's link (on the store host's public port);
+        ``rest`` is what was read after the link's first byte."""
         self.upstream = upstream
         self.link_acceptor = link_acceptor
         self.config = config or FrontEndConfig()

@@ -64,6 +64,18 @@ def build_parser() -> argparse.ArgumentParser:
         "node to authenticate the links.",
     )
     parser.add_argument(
+        "--store-workers",
+        "--store_workers",
+        action=env,
+        type=int,
+        default=1,
+        help="Flat wire-up: N front-end processes on the store host serve the training "
+        "workers' store connections (sharing each port with SO_REUSEPORT), so their "
+        "requests are parsed on several cores; the agents stay on the store's own process. "
+        "Default 1: one process does everything. No effect with --tiered (workers talk to "
+        "their node's proxy).",
+    )
+    parser.add_argument(
         "--progress",
         action=env,
         default="auto",
@@ -131,6 +143,12 @@ def normalise(args: argparse.Namespace) -> argparse.Namespace:
             "comma-separated (HOST:PORT or http(s)://HOST:PORT)"
         )
     args.tiered = bool(args.tiered or args.enable_tiered_parallel_tcpstore)
+    if args.store_workers < 1:
+        raise UsageError(f"--store-workers {args.store_workers}: write 1 or more")
+    if args.store_workers > 1 and args.rdzv_backend not in TIERRUN_BACKENDS:
+        raise UsageError(
+            f"--store-workers needs a tierrun rendezvous backend, not --rdzv_backend {backend}"
+        )
     if args.max_restarts < 0:
         raise UsageError(f"--max_restarts {args.max_restarts} is negative: write 0 or more")
     return args

@@ -60,10 +60,14 @@ def prepare(argv: list[str]):
                     "which stops mistakes, not attackers. Set TIERRUN_TOKEN to the same secret "
                     "on every node (or TIERRUN_TOKEN_FILE) to authenticate them."
                 )
+        if args.store_workers > 1:
+            log.warning("--store-workers has no effect with tiered wire-up: the store host sees "
+                        "only the nodes' links")
         conf = "tiered=1"
         args.rdzv_conf = f"{args.rdzv_conf},{conf}" if args.rdzv_conf else conf
     if args.rdzv_backend in TIERRUN_BACKENDS:
-        conf = f"progress={args.progress},progress_interval={args.progress_interval}"
+        conf = (f"progress={args.progress},progress_interval={args.progress_interval},"
+                f"store_workers={args.store_workers}")
         args.rdzv_conf = f"{args.rdzv_conf},{conf}" if args.rdzv_conf else conf
     elif args.timeline:
         log.warning("--timeline needs a tierrun rendezvous backend (tierrun or parallel); "

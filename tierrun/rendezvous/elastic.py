@@ -57,7 +57,7 @@ from ..client import StoreClient
 from ..report.progress import Arrivals
 from .handler_base import StoreRendezvousHandler
 from . import liveness
-from .job_store import JobStore, token_from
+from .job_store import JobStore, store_workers_from, token_from
 
 log = logging.getLogger("tierrun.rendezvous")
 
@@ -350,6 +350,6 @@ def create_handler(params: RendezvousParameters) -> RendezvousHandler:
     last_call = float(params.config.get("last_call_timeout", DEFAULT_LAST_CALL_TIMEOUT))
     timeout = timedelta(seconds=max(join_timeout, 60))
     job = JobStore(host, port, hosting=_hosts_store(host, params.local_addr), timeout=timeout,
-                   token=token_from(params.config))
+                   token=token_from(params.config), store_workers=store_workers_from(params.config))
     return ElasticRendezvousHandler(job, params.run_id, params.min_nodes, params.max_nodes,
                                     join_timeout, last_call, params.local_addr, params.config)

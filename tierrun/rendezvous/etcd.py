@@ -56,7 +56,7 @@ from torch.distributed.elastic.rendezvous import (
 from .elastic import DEFAULT_JOIN_TIMEOUT, DEFAULT_LAST_CALL_TIMEOUT, join_timeout_message
 from .etcd_client import Etcd, EtcdAuthError, EtcdOptions, EtcdUnavailable, absent, count, put
 from .handler_base import StoreRendezvousHandler
-from .job_store import JobStore, token_from
+from .job_store import JobStore, store_workers_from, token_from
 
 log = logging.getLogger("tierrun.rendezvous")
 
@@ -89,6 +89,7 @@ class EtcdRendezvousHandler(StoreRendezvousHandler):
         self._last_call = last_call_timeout
         self._token = token_from(config)
         self._store_port = int(config.get("store_port", 0))
+        self._store_workers = store_workers_from(config)
         self._store_timeout = timedelta(seconds=max(join_timeout, 60))
         self._base = f"/tierrun/{run_id}"
         self._id = uuid.uuid4().hex
@@ -296,7 +297,8 @@ class EtcdRendezvousHandler(StoreRendezvousHandler):
             job = self.job
             if job is None or not job.hosting or job.lost() is not None:
                 self._use_store(JobStore(self.node_addr, self._store_port, hosting=True,
-                                         timeout=self._store_timeout, token=self._token))
+                                         timeout=self._store_timeout, token=self._token,
+                                         store_workers=self._store_workers))
             endpoint = self.job.worker_endpoint(namespace)
             assert endpoint is not None
             # flat, the other nodes' workers connect to this namespace listener too

@@ -34,12 +34,13 @@ class JobStore:
     does not within ``timeout``)."""
 
     def __init__(self, host: str, port: int, hosting: bool, timeout: timedelta,
-                 token: str | None = None) -> None:
+                 token: str | None = None, store_workers: int = 1) -> None:
         self.host = host
         self.port = port
         self.hosting = hosting
         self.timeout = timeout
         self.token = token
+        self.store_workers = store_workers
         self.root: StoreProcess | None = None
         self.proxy: StoreProcess | None = None
         self._client: TCPStore | None = None
@@ -89,8 +90,16 @@ class JobStore:
             return "the store host closed this node's connection"
         return None
 
+    def _store_args(self) -> list[str]:
+        """Front-end processes for the workers' connections: flat only (tiered, workers
+        talk to their node's proxy and the store host sees only links)."""
+        if self.store_workers == 1 or self.tiered:
+            return []
+        return ["--workers", str(self.store_workers), "--workers-for", "namespaces"]
+
     def _start_root(self) -> None:
-        proc = StoreProcess(host=None, port=self.port, controlled=True, env=self._env())
+        proc = StoreProcess(host=None, port=self.port, controlled=True, env=self._env(),
+                            extra_args=self._store_args())
         try:
             self.port = proc.start()
         except StoreStartError as e:
@@ -158,6 +167,15 @@ def token_from(config: dict) -> str | None:
     if token is None:
         raise ValueError("tiered wire-up needs a job token: set TIERRUN_TOKEN on every node")
     return token.decode()
+
+
+def store_workers_from(config: dict) -> int:
+    """``--rdzv_conf store_workers=N`` (set by ``--store-workers N``): front-end
+    processes of the store host. Raises ValueError."""
+    n = int(config.get("store_workers", 1))
+    if n < 1:
+        raise ValueError(f"store_workers={n}: write 1 or more")
+    return n
 
 
 def _watch_connection(host: str, port: int, timeout: float) -> socket.socket | None:

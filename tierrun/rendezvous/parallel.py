@@ -32,7 +32,7 @@ from torch.distributed.elastic.rendezvous.utils import parse_rendezvous_endpoint
 from ..client import StoreClient
 from ..report.progress import Arrivals
 from .handler_base import JobStoppedError, StoreRendezvousHandler
-from .job_store import JobStore, token_from
+from .job_store import JobStore, store_workers_from, token_from
 
 log = logging.getLogger("tierrun.rendezvous")
 
@@ -202,6 +202,7 @@ def create_handler(params: RendezvousParameters) -> RendezvousHandler:
     if port < 0:
         raise ValueError(f"no port in '{params.endpoint}': add --master_port PORT")
     timeout = timedelta(seconds=int(params.config.get("timeout", DEFAULT_TIMEOUT)))
-    store = JobStore(host, port, hosting=rank == 0, timeout=timeout, token=token_from(params.config))
+    store = JobStore(host, port, hosting=rank == 0, timeout=timeout, token=token_from(params.config),
+                     store_workers=store_workers_from(params.config))
     return ParallelRendezvousHandler(store, rank, params.max_nodes, params.run_id, timeout,
                                      params.local_addr, params.config)

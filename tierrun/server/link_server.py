@@ -18,13 +18,14 @@ from __future__ import annotations
 import asyncio
 import logging
 import secrets
+from collections.abc import Callable
 
 from ..core import StoreCore, StoreError
 from ..frontend.namespace import NamespacedUpstream
 from ..link import auth
 from ..link.config import LinkConfig
 from ..link.frames import (
-    ACK, AUTH, BATCH, CLOSE, DEFAULT_MAX_FRAME, ERROR, FAILED, HANDSHAKE_MAX_FRAME, OK, OPEN,
+    ACK, AUTH, BATCH, CLOSE, DEFAULT_MAX_FRAME, ERROR, FAILED, HANDSHAKE_MAX_FRAME, LINK_MAGIC, OK, OPEN,
     REQUEST, RESUMED, SESSION, FrameDecoder,
     LinkError, decode_batch, decode_count, decode_session, encode_count, encode_replies,
 )
@@ -148,10 +149,22 @@ class LinkServer:
         self.connections: set[LinkServerConnection] = set()
         self._watchdog: asyncio.TimerHandle | None = None
 
-    def accept(self, peer: str) -> LinkServerConnection:
+    def accept(self, peer: str, initial: bytes = b"", token: bytes | None = None,
+               resumable: bool = True) -> LinkServerConnection:
+        """The protocol for a new link connection. ``initial``: bytes already read from
+        it (after the first byte); ``token``: the one this connection must prove, instead
+        of the job token (the store host's own front-end processes have their own);
+        ``resumable=False``: its session ends with the connection (no grace period),
+        and the link's first byte is still to come (nobody sniffed the connection)."""
         if self._watchdog is None:
             self._schedule_watchdog()
-        return LinkServerConnection(self, peer)
+        return LinkServerConnection(self, peer, initial, token or self.token, resumable)
+
+    def take(self, transport: asyncio.Transport, peer: str, initial: bytes) -> None:
+        """Adopt a connection a front-end accepted and recognised as a link."""
+        conn = self.accept(peer, initial)
+        transport.set_protocol(conn)
+        conn.connection_made(transport)
 
     def _schedule_watchdog(self) -> None:
         loop = asyncio.get_running_loop()
@@ -177,7 +190,7 @@ class LinkServer:
                     f"{self.config.grace:g} s grace period"
                 )
             session = self.sessions[sid] = Session(self, sid, conn.peer)
-            self.stats.links_accepted += 1
+            self.stats.links_accepted += conn.resumable
             log.info("link from %s: new session", conn.peer)
         else:
             old = session.conn
@@ -193,7 +206,7 @@ class LinkServer:
         missed = session.outbox.since(replies_received)
         session.conn = conn
         session.peer = conn.peer
-        self.stats.links += 1
+        self.stats.links += conn.resumable  # (node links, not the host's own front-ends)
         conn.write(encode_count(RESUMED, session.received) + b"".join(missed))
         return session
 
@@ -232,9 +245,16 @@ class LinkServer:
 class LinkServerConnection(asyncio.Protocol):
     """One connection from a front-end: handshake, then its session's frames."""
 
-    def __init__(self, server: LinkServer, peer: str) -> None:
+    def __init__(self, server: LinkServer, peer: str, initial: bytes, token: bytes | None,
+                 resumable: bool) -> None:
         self._server = server
         self.peer = peer
+        self._initial = initial
+        self._token = token
+        self.resumable = resumable
+        self._first_byte = not resumable
+        #: Called once the connection is gone.
+        self.on_lost: Callable[[], None] | None = None
         self._decoder = FrameDecoder(HANDSHAKE_MAX_FRAME)
         self._nonce = secrets.token_bytes(auth.NONCE)
         self._authenticated = False
@@ -247,6 +267,9 @@ class LinkServerConnection(asyncio.Protocol):
         self._transport = transport
         self._server.connections.add(self)
         transport.write(auth.hello(self._nonce))
+        if self._initial:
+            initial, self._initial = self._initial, b""
+            self.data_received(initial)
 
     def write(self, data: bytes) -> None:
         assert self._transport is not None
@@ -255,6 +278,12 @@ class LinkServerConnection(asyncio.Protocol):
 
     def data_received(self, data: bytes) -> None:
         self.last_rx = asyncio.get_running_loop().time()
+        if self._first_byte:
+            self._first_byte = False
+            if data[0] != LINK_MAGIC:
+                self.abort("not a link")
+                return
+            data = data[1:]
         try:
             for ftype, payload in self._decoder.feed(data):
                 session = self._session
@@ -290,16 +319,16 @@ class LinkServerConnection(asyncio.Protocol):
     def _authenticate(self, ftype: int, payload: bytes) -> None:
         if ftype != AUTH:
             raise LinkError("expected AUTH")
-        if self._server.token is None:
+        if self._token is None:
             raise LinkError("this store accepts no links (it was started without a job token)")
-        self.write(auth.check_auth(self._server.token, self._nonce, payload))
+        self.write(auth.check_auth(self._token, self._nonce, payload))
         self._authenticated = True
         self._decoder.max_frame = DEFAULT_MAX_FRAME
 
     def abort(self, reason: str) -> None:
         """Drop the connection now, unsent data included (the peer may not be reading)."""
         if self._transport is not None and not self._transport.is_closing():
-            log.warning("closing link from %s: %s", self.peer, reason)
+            (log.warning if self.resumable else log.info)("closing link from %s: %s", self.peer, reason)
             self._transport.abort()
 
     def release_session(self) -> None:
@@ -309,4 +338,10 @@ class LinkServerConnection(asyncio.Protocol):
         self._server.connections.discard(self)
         session, self._session = self._session, None
         if session is not None and session.conn is self:
-            self._server.detach(session)
+            if self.resumable:
+                self._server.detach(session)
+            else:
+                session.conn = None
+                self._server.expire(session, "its connection closed", quiet=True)
+        if self.on_lost is not None:
+            self.on_lost()

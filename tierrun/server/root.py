@@ -1,5 +1,6 @@
-"""The root store: the core, its front-end on the public port, and the links of node
-front-ends (which arrive on the same port and are told apart by their first byte)."""
+"""The root store: the core, its front-end on the public port (or, with ``workers`` > 1,
+a pool of front-end processes sharing it), and the links of node front-ends (which
+arrive on the same port and are told apart by their first byte)."""
 
 from __future__ import annotations
 
@@ -10,6 +11,7 @@ from ..core import StoreCore
 from ..frontend import Upstream
 from ..frontend.namespace import NamespacedUpstream
 from ..link.config import LinkConfig
+from .frontend_pool import FrontEndPool
 from .link_server import LinkServer
 from .service import Service, ServiceConfig
 
@@ -43,9 +45,10 @@ async def serve_root(
                 "sessions_expired": st.sessions_expired, "link_batches": st.batches,
                 "link_operations": st.operations}
 
+    pool = FrontEndPool(config.workers, links, config.frontend) if config.workers > 1 else None
     service = Service(
         config, make_upstream, stats, on_listening or (lambda line: None),
-        link_acceptor=links.accept,
+        link_acceptor=links.take, pool=pool,
     )
     try:
         await service.serve(stop)

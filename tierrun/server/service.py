@@ -15,12 +15,16 @@ import asyncio
 import json
 import logging
 import signal
+import socket
 import sys
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from ..frontend import FrontEnd, FrontEndConfig, Upstream
+from ..frontend.frontend import LinkAcceptor
 from ..frontend.listen import DEFAULT_BACKLOG, describe, tcp_listen_socket, unix_listen_socket
+
+from .frontend_pool import FrontEndPool, Listener
 
 log = logging.getLogger("tierrun.store")
 
@@ -36,6 +40,13 @@ class ServiceConfig:
     frontend: FrontEndConfig = field(default_factory=FrontEndConfig)
     #: Read control commands from stdin; stop when it closes.
     control_stdin: bool = False
+    #: Front-end processes on the public port (root store only); 1: this process serves
+    #: clients itself; N > 1: N child processes do, sharing the port (SO_REUSEPORT).
+    workers: int = 1
+    #: With ``workers`` > 1: this process keeps serving the public port itself, the
+    #: worker processes serve only namespace listeners (the launcher's choice: its agents
+    #: and node links stay on the core process, its training workers are spread).
+    workers_for_namespaces_only: bool = False
 
 
 class Service:
@@ -45,8 +56,11 @@ class Service:
         make_upstream: Callable[[str], Upstream],
         stats: Callable[[], dict],
         announce: Callable[[str], None],
-        link_acceptor: Callable[[str], asyncio.Protocol] | None = None,
+        link_acceptor: LinkAcceptor | None = None,
+        pool: FrontEndPool | None = None,
     ) -> None:
+        """With ``pool``, the pool's processes serve the listeners; this one only
+        adopts the links they hand over."""
         self.config = config
         self.make_upstream = make_upstream
         self.stats = stats
@@ -54,48 +68,75 @@ class Service:
         self.main = FrontEnd(make_upstream(""), config.frontend, link_acceptor)
         self.frontends = [self.main]
         self.namespaces: dict[str, int] = {}
+        self.pool = pool
 
     async def serve(self, stop: asyncio.Event | None = None) -> None:
         """Listen, then serve until ``stop`` is set (or SIGINT/SIGTERM when it is None)."""
         config = self.config
-        sockets = [tcp_listen_socket(config.host, config.port, config.backlog)]
+        pool = self.pool
+        pooled = pool is not None and not config.workers_for_namespaces_only
+        sockets = [tcp_listen_socket(config.host, config.port, config.backlog, reuse_port=pooled)]
         if config.unix:
             sockets.append(unix_listen_socket(config.unix, config.backlog))
-        for sock in sockets:
-            await self.main.listen(sock, config.backlog)
+        described = [describe(sock) for sock in sockets]
+        if pooled:
+            await pool.start([self._pool_listener("", s) for s in sockets])
+        else:
+            for sock in sockets:
+                await self.main.listen(sock, config.backlog)
+            if pool is not None:
+                await pool.start([])
         if stop is None:
             stop = asyncio.Event()
         loop = asyncio.get_running_loop()
         for sig in (signal.SIGINT, signal.SIGTERM):
             loop.add_signal_handler(sig, stop.set)
-        for sock in sockets:
-            self.announce(f"listening on {describe(sock)}")
+        for line in described:
+            self.announce(f"listening on {line}")
         control = asyncio.ensure_future(self._read_control(stop)) if config.control_stdin else None
         try:
             await stop.wait()
         finally:
             if control is not None:
                 control.cancel()
-            final = {**self.client_stats(), **self.stats()}
+            final = await self.all_stats()
             for frontend in self.frontends:
                 await frontend.close()
+            if pool is not None:
+                await pool.close()
             self.announce("stats " + json.dumps(final))
 
     async def open_namespace(self, name: str) -> int:
         if name not in self.namespaces:
-            frontend = FrontEnd(self.make_upstream(name), self.config.frontend)
-            sock = tcp_listen_socket(self.config.host, 0, self.config.backlog)
-            await frontend.listen(sock, self.config.backlog)
-            self.frontends.append(frontend)
+            config = self.config
+            sock = tcp_listen_socket(config.host, 0, config.backlog, reuse_port=self.pool is not None)
             self.namespaces[name] = sock.getsockname()[1]
+            if self.pool is not None:
+                self.pool.listen(self._pool_listener(name, sock))
+            else:
+                frontend = FrontEnd(self.make_upstream(name), config.frontend)
+                await frontend.listen(sock, config.backlog)
+                self.frontends.append(frontend)
         return self.namespaces[name]
 
-    def client_stats(self) -> dict:
-        return {
+    def _pool_listener(self, namespace: str, first: socket.socket) -> Listener:
+        """``first`` goes to the first process; later ones get new sockets on its port."""
+        if first.family == socket.AF_UNIX:
+            return Listener(namespace, lambda: first, shared=True)
+        spare = [first]
+        host, port = self.config.host, first.getsockname()[1]
+        return Listener(namespace, lambda: spare.pop() if spare else
+                        tcp_listen_socket(host, port, self.config.backlog, reuse_port=True))
+
+    async def all_stats(self) -> dict:
+        clients = {
             "clients_accepted": sum(f.accepted for f in self.frontends),
             "clients_open": sum(len(f.connections) for f in self.frontends),
             "clients_refused": sum(f.refused for f in self.frontends),
         }
+        if self.pool is not None:
+            clients = await self.pool.stats()
+        return {**clients, **self.stats()}
 
     async def _read_control(self, stop: asyncio.Event) -> None:
         loop = asyncio.get_running_loop()
@@ -107,7 +148,7 @@ class Service:
                 port = await self.open_namespace(words[1])
                 self.announce(f"namespace {words[1]} listening on tcp port {port}")
             elif words == ["stats"]:
-                self.announce("stats " + json.dumps({**self.client_stats(), **self.stats()}))
+                self.announce("stats " + json.dumps(await self.all_stats()))
             elif words:
                 log.warning("unknown control command %r", line.decode().strip())
         stop.set()  # the supervising agent is gone

@@ -34,17 +34,21 @@ def build_parser(prog: str, description: str, default_host: str | None, default_
     return p
 
 
-def _config(args: argparse.Namespace) -> ServiceConfig:
+def frontend_config(args: argparse.Namespace) -> FrontEndConfig:
     limits = Limits(
         max_key_bytes=args.max_key_bytes,
         max_value_bytes=args.max_value_bytes,
         max_keys_per_request=args.max_keys_per_request,
         max_request_bytes=args.max_request_bytes,
     )
+    return FrontEndConfig(limits=limits, max_connections=args.max_connections)
+
+
+def _config(args: argparse.Namespace) -> ServiceConfig:
     return ServiceConfig(
-        host=args.host, port=args.port, unix=args.unix,
-        frontend=FrontEndConfig(limits=limits, max_connections=args.max_connections),
-        control_stdin=args.control_stdin,
+        host=args.host, port=args.port, unix=args.unix, frontend=frontend_config(args),
+        control_stdin=args.control_stdin, workers=getattr(args, "workers", 1),
+        workers_for_namespaces_only=getattr(args, "workers_for", "all") == "namespaces",
     )
 
 
@@ -59,7 +63,15 @@ def store_main(argv: list[str]) -> int:
     p = build_parser("tierrun store", "Run a key-value store that torch's TCPStore clients can use. "
                      "Node proxies link to it when it has a job token ($TIERRUN_TOKEN or $TIERRUN_TOKEN_FILE).",
                      None, 29500)
+    p.add_argument("--workers", type=int, default=1,
+                   help="front-end processes that parse client requests, sharing the port "
+                   "(SO_REUSEPORT); with more than 1 the store's state lives in one more process")
+    p.add_argument("--workers-for", choices=("all", "namespaces"), default="all",
+                   help="what the --workers processes serve: every listener (default), or only "
+                   "the namespace listeners opened through --control-stdin")
     args = p.parse_args(argv)
+    if args.workers < 1:
+        p.error(f"--workers {args.workers}: write 1 or more")
     logging.basicConfig(level=args.log_level.upper(), format="[tierrun store] %(levelname)s %(message)s")
     try:
         run(serve_root(_config(args), on_listening=_announcer("store"), token=load_token(),

@@ -1,0 +1,132 @@
+"""One of the store host's front-end processes (``tierrun store --workers N``, N > 1).
+
+It parses torch clients on listening sockets the core process hands it (its own
+SO_REUSEPORT socket on the public port, so the kernel spreads new connections over the
+processes) and forwards their requests in coalesced batches over a link to the core,
+like a node proxy. A node's link that lands on it is handed to the core process,
+connection and all, so links never depend on a front-end process.
+
+It talks to the core process over two socket pairs it inherits:
+
+- the *link*: a link session (link/frames.py) authenticated with a token of its own,
+  from $TIERRUN_FRONTEND_TOKEN;
+- the *channel* (SOCK_SEQPACKET, one message per datagram, file descriptors attached):
+    core -> here   ``L`` + namespace, with a listening socket: serve it
+                   ``S``: send your counters
+    here -> core   ``H`` + bytes read after the link's first byte, with the connection
+                   ``S`` + JSON counters
+
+It exits when the channel or the link closes (the core process is gone or stopping);
+SIGINT is ignored (a Ctrl-C at a terminal reaches the core process, which stops it).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import os
+import signal
+import socket
+import sys
+
+from ..frontend import FrontEnd, FrontEndConfig
+from ..frontend.link_upstream import LinkUpstream
+from ..frontend.listen import DEFAULT_BACKLOG
+from ..link.config import LinkConfig
+from .eventloop import run
+
+log = logging.getLogger("tierrun.store")
+
+LISTEN, STATS, HAND_OFF = b"L", b"S", b"H"
+#: Largest channel message (the bytes a link sent before its handshake are tiny).
+MAX_MESSAGE = 1 << 16
+TOKEN_ENV = "TIERRUN_FRONTEND_TOKEN"
+
+
+async def serve_frontend_process(channel: socket.socket, link_sock: socket.socket, token: bytes,
+                                 config: FrontEndConfig, link_config: LinkConfig) -> int:
+    """Serve until the core process closes the channel (0) or the link is lost (3)."""
+    loop = asyncio.get_running_loop()
+    stop = asyncio.Event()
+    lost: list[str] = []
+
+    def on_lost(reason: str) -> None:
+        lost.append(reason)
+        stop.set()
+
+    link = LinkUpstream(token, on_lost, link_config)  # no address: a lost link is not retried
+    await loop.create_connection(link.connection, sock=link_sock)
+    await asyncio.wait_for(link.ready, link_config.heartbeat_timeout)
+    frontends: list[FrontEnd] = []
+
+    def hand_off(transport: asyncio.Transport, peer: str, rest: bytes) -> None:
+        sock = transport.get_extra_info("socket")
+        try:  # the kernel passes the connection itself; closing ours leaves it open
+            socket.send_fds(channel, [HAND_OFF + rest], [sock.fileno()])
+        except OSError as e:
+            log.warning("could not hand the link from %s to the core process: %s", peer, e)
+        transport.abort()
+
+    def on_channel() -> None:
+        try:
+            msg, fds, _, _ = socket.recv_fds(channel, MAX_MESSAGE, 1)
+        except BlockingIOError:
+            return
+        except OSError:
+            msg, fds = b"", []
+        if not msg:
+            stop.set()
+            return
+        kind, body = msg[:1], msg[1:]
+        if kind == LISTEN and fds:
+            frontend = FrontEnd(link.view(body.decode()), config, None if body else hand_off)
+            frontends.append(frontend)
+            asyncio.ensure_future(frontend.listen(socket.socket(fileno=fds[0]), DEFAULT_BACKLOG))
+        elif kind == STATS:
+            counters = {
+                "clients_accepted": sum(f.accepted for f in frontends),
+                "clients_open": sum(len(f.connections) for f in frontends),
+                "clients_refused": sum(f.refused for f in frontends),
+                **link.stats.as_dict(),
+            }
+            channel.send(STATS + json.dumps(counters).encode())
+        else:
+            for fd in fds:
+                os.close(fd)
+
+    channel.setblocking(False)
+    loop.add_reader(channel.fileno(), on_channel)
+    try:
+        await stop.wait()
+    finally:
+        loop.remove_reader(channel.fileno())
+        for frontend in frontends:
+            await frontend.close()
+        link.close()
+    if lost:
+        log.error("store front-end process %d: link to the core process lost: %s", os.getpid(), lost[0])
+        return 3
+    return 0
+
+
+def main(argv: list[str]) -> int:
+    from .store_cli import build_parser, frontend_config  # (store_cli imports this module)
+
+    p = build_parser("tierrun store-frontend", "internal: a front-end process of `tierrun store "
+                     "--workers N`", None, 0)
+    p.add_argument("--channel-fd", type=int, required=True)
+    p.add_argument("--link-fd", type=int, required=True)
+    args = p.parse_args(argv)
+    logging.basicConfig(level=args.log_level.upper(),
+                        format=f"[tierrun store front-end {os.getpid()}] %(levelname)s %(message)s")
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    token = bytes.fromhex(os.environ.pop(TOKEN_ENV, ""))
+    if not token:
+        print(f"tierrun store-frontend: no ${TOKEN_ENV}; this process is started by `tierrun store`",
+              file=sys.stderr)
+        return 2
+    channel = socket.socket(fileno=args.channel_fd)
+    link_sock = socket.socket(fileno=args.link_fd)
+    return run(serve_frontend_process(channel, link_sock, token, frontend_config(args),
+                                      LinkConfig.from_env()))
