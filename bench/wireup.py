@@ -8,6 +8,10 @@ tests/fixtures and read from torch's sources) against three set-ups, in the same
   tiered        tierrun's store with a node front-end per simulated node (the proxy's own
                 components: FrontEnd + LinkUpstream): agents and ranks connect to their
                 node's front-end on loopback; only the K front-ends link to node 0
+  tree          tiered, with front-ends stacked (--store-fanout F, default 8): nodes 0..F-1
+                link to node 0's store, node n >= F to the front-end of node n // F - 1
+                (which also accepts links: LinkServer over its own upstream), so node 0
+                sees F links
 
 Per agent (one per node): connect, VALIDATE+PING, ADD init/, SET role_info/<node>;
 node 0's agent WAITs for and MULTI_GETs every role_info, MULTI_SETs every node's
@@ -37,6 +41,7 @@ import asyncio
 import json
 import os
 import secrets
+import socket
 import statistics
 import struct
 import subprocess
@@ -51,7 +56,7 @@ from tierrun.protocol.opcodes import NO_REPLY_OPS, VALIDATION_MAGIC
 from tierrun.protocol.requests import encode_request
 from tierrun.server import StoreProcess
 
-SETUPS = ("torch", "tierrun-flat", "tiered")
+SETUPS = ("torch", "tierrun-flat", "tiered", "tree")
 _u32 = struct.Struct("<I").unpack_from
 _i64 = struct.Struct("<q").unpack_from
 _u64 = struct.Struct("<Q").unpack_from
@@ -143,17 +148,23 @@ async def connect(host: str, port: int) -> SimClient:
 
 class Cluster:
     def __init__(self, k: int, p: int, traffic: str, heartbeats: int, root: tuple[str, int],
-                 tiered: bool) -> None:
+                 tiered: bool, fanout: int = 0, tree_port: int = 0) -> None:
         self.k, self.p, self.w = k, p, k * p
         self.traffic = traffic
         self.heartbeats = heartbeats
         self.root = root
         self.tiered = tiered
+        self.fanout = fanout
+        self.tree_port = tree_port
+
+    def tree_address(self, n: int) -> tuple[str, int]:
+        """Where node n's front-end takes its children's links (a loopback address per node)."""
+        return f"127.3.{n // 250}.{n % 250 + 1}", self.tree_port
 
     async def node(self, n: int) -> None:
         target = self.root
         if self.tiered:
-            target = await self.front_end()
+            target = await self.front_end(n)
         agent = await connect(*target)
         await agent.call(Op.ADD, b"init/", 1)
         await agent.call(Op.SET, f"/torchelastic/role_info/{n}".encode(),
@@ -176,16 +187,24 @@ class Cluster:
         await agent.call(Op.WAIT, (last,))
         agent.transport.close()
 
-    async def front_end(self) -> tuple[str, int]:
+    async def front_end(self, n: int) -> tuple[str, int]:
         from tierrun.frontend import FrontEnd
         from tierrun.frontend.link_upstream import connect_link
         from tierrun.frontend.listen import tcp_listen_socket
+        from tierrun.server.link_server import LinkServer
 
         def lost(reason: str) -> None:
             print(f"simulated node {os.getpid()}: link lost: {reason}", file=sys.stderr, flush=True)
             os._exit(1)  # the parent sees EOF and reports the failure
 
-        link = await connect_link(*self.root, os.environ["TIERRUN_TOKEN"].encode(), lost, 120)
+        token = os.environ["TIERRUN_TOKEN"].encode()
+        f = self.fanout
+        upstream = self.root if not f or n < f else self.tree_address(n // f - 1)
+        if f and (n + 1) * f < self.k:  # it has children: take their links
+            links = LinkServer(lambda ns: link.view(ns.decode()), token)
+            await asyncio.get_running_loop().create_server(
+                lambda: links.accept(sniffed=False), *self.tree_address(n))
+        link = await connect_link(*upstream, token, lost, 120)
         frontend = FrontEnd(link.view(""))
         sock = tcp_listen_socket("127.0.0.1", 0)
         await frontend.listen(sock)
@@ -219,12 +238,13 @@ class Cluster:
 
 
 def sim_child(setup: str, k: int, p: int, procs: int, index: int, port: int, traffic: str,
-              heartbeats: int) -> None:
+              heartbeats: int, fanout: int, tree_port: int) -> None:
     """Simulate nodes index, index + procs, ...; start when told on stdin."""
     from tierrun.server.eventloop import run
 
     raise_fd_limit()
-    cluster = Cluster(k, p, traffic, heartbeats, ("127.0.0.1", port), setup == "tiered")
+    cluster = Cluster(k, p, traffic, heartbeats, ("127.0.0.1", port), setup in ("tiered", "tree"),
+                      fanout if setup == "tree" else 0, tree_port)
     print("ready", flush=True)
     sys.stdin.readline()
 
@@ -238,6 +258,12 @@ def sim_child(setup: str, k: int, p: int, procs: int, index: int, port: int, tra
 # -- one measurement ----------------------------------------------------------------------
 
 
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.3.0.1", 0))
+        return s.getsockname()[1]
+
+
 def measure(setup: str, k: int, p: int, args) -> dict:
     env = dict(os.environ, TIERRUN_TOKEN=secrets.token_hex(16))
     store = None
@@ -248,8 +274,10 @@ def measure(setup: str, k: int, p: int, args) -> dict:
         store = StoreProcess(host="127.0.0.1", port=0, controlled=True, env=env)
         port = store.start()
         pid = store.pid
+    tree_port = free_port()
     sims = [subprocess.Popen([sys.executable, __file__, "--sim-child", setup, str(k), str(p), str(args.procs),
-                              str(i), str(port), args.traffic, str(args.heartbeats)],
+                              str(i), str(port), args.traffic, str(args.heartbeats),
+                              str(args.fanout), str(tree_port)],
                              stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, env=env)
             for i in range(args.procs)]
     try:
@@ -271,7 +299,7 @@ def measure(setup: str, k: int, p: int, args) -> dict:
             result = {"connections": k * (p + 1), "requests": requests, "frames": requests}
         else:
             st = store.stats()
-            if setup == "tiered":
+            if setup in ("tiered", "tree"):
                 result = {"connections": st["clients_accepted"] + st["links_accepted"],
                           "requests": st["link_operations"], "frames": st["link_batches"]}
             else:
@@ -319,11 +347,13 @@ def main() -> None:
     p.add_argument("--procs", type=int, default=2, help="simulator processes")
     p.add_argument("--traffic", choices=("nccl", "gloo"), default="nccl")
     p.add_argument("--heartbeats", type=int, default=3)
-    p.add_argument("--sim-child", nargs=8, help=argparse.SUPPRESS)
+    p.add_argument("--fanout", type=int, default=8, help="links per front-end in the tree set-up")
+    p.add_argument("--sim-child", nargs=10, help=argparse.SUPPRESS)
     args = p.parse_args()
     if args.sim_child:
-        setup, k, pp, procs, index, port, traffic, hb = args.sim_child
-        sim_child(setup, int(k), int(pp), int(procs), int(index), int(port), traffic, int(hb))
+        setup, k, pp, procs, index, port, traffic, hb, fanout, tree_port = args.sim_child
+        sim_child(setup, int(k), int(pp), int(procs), int(index), int(port), traffic, int(hb),
+                  int(fanout), int(tree_port))
         return
     raise_fd_limit()
     sizes = [tuple(map(int, s.split("x"))) for s in args.sizes]

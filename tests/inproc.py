@@ -5,7 +5,7 @@ deterministically."""
 import asyncio
 
 from tierrun.frontend.link_upstream import LinkUpstream
-from tierrun.server.link_server import LinkServer
+from tierrun.server.link_server import LinkServer, core_upstreams
 
 
 class Client:
@@ -37,10 +37,14 @@ class Pipe(asyncio.Transport):
         self._closing = True
 
 
-async def linked(core):
-    """A front-end link to ``core`` through in-memory pipes; returns it and the core's
-    link statistics."""
-    server = LinkServer(core, b"tok")
+async def linked(upstream):
+    """A front-end link to ``upstream`` through in-memory pipes; returns it and the
+    upstream's link statistics. ``upstream``: a core, or another front-end's link (a
+    stacked front-end, as in a deeper tree)."""
+    if isinstance(upstream, LinkUpstream):
+        server = LinkServer(lambda ns: upstream.view(ns.decode()), b"tok")
+    else:
+        server = LinkServer(core_upstreams(upstream), b"tok")
     link = LinkUpstream(b"tok", on_lost=lambda reason: None)
     conn = link.connection()
     server_end = server.accept("test")

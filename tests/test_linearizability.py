@@ -1,7 +1,8 @@
 """Linearizability of the tiered store, checked with hypothesis.
 
 Several clients, each on one of several front-ends (two node front-ends linked to the
-root core, and the root's own front-end, i.e. the core directly), issue random
+root core, a third stacked on one of them as in a deeper tree, and the root's own
+front-end, i.e. the core directly), issue random
 operations one at a time, as torch's client does, while the event loop runs for random
 stretches in between, so requests meet in batches, get merged, and race across links.
 Every history is checked against a sequential model of the store (Wing & Gong's
@@ -229,7 +230,8 @@ async def run_history(scripts: list[list[tuple]], where: list[int], schedule: li
         core.execute((Op.SET, k, b"0"), None)
     link1, _ = await linked(core)
     link2, _ = await linked(core)
-    upstreams = [core, link1.view(), link2.view()]
+    link3, _ = await linked(link1)
+    upstreams = [core, link1.view(), link2.view(), link3.view()]
     clock = [0]
     calls: list[Call] = []
     clients = [SimClient(i, upstreams[where[i]], clock, calls, deque(s)) for i, s in enumerate(scripts)]
@@ -262,7 +264,7 @@ def client_scripts(draw) -> list[list[tuple]]:
 @given(
     scripts=client_scripts(),
     # mostly node front-ends (where batches form), mostly no loop turn between requests
-    where=st.lists(st.sampled_from([0, 1, 1, 1, 2]), min_size=4, max_size=4),
+    where=st.lists(st.sampled_from([0, 1, 1, 1, 2, 3, 3]), min_size=4, max_size=4),
     schedule=st.lists(st.tuples(st.permutations(range(4)), st.sampled_from([0, 1, 4])), min_size=1, max_size=8),
 )
 def test_every_history_is_linearizable(scripts, where, schedule):

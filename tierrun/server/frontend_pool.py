@@ -140,7 +140,7 @@ class FrontEndPool:
             child_link.close()
         peer = f"store front-end process {p.index} (pid {p.proc.pid})"
         _, conn = await loop.connect_accepted_socket(
-            lambda: self.links.accept(peer, token=token, resumable=False), sock=link)
+            lambda: self.links.accept(peer, token=token, resumable=False, sniffed=False), sock=link)
         conn.on_lost = lambda proc=p.proc: self._link_lost(proc, peer)
         channel.setblocking(False)
         p.channel = channel

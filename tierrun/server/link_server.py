@@ -18,9 +18,11 @@ from __future__ import annotations
 import asyncio
 import logging
 import secrets
+from collections import deque
 from collections.abc import Callable
 
 from ..core import StoreCore, StoreError
+from ..frontend import Upstream
 from ..frontend.namespace import NamespacedUpstream
 from ..link import auth
 from ..link.config import LinkConfig
@@ -37,17 +39,24 @@ log = logging.getLogger("tierrun.store")
 
 
 class RemoteClient:
-    """A client of a front-end, as the core sees it: the waiter of its deferred replies."""
+    """A client of a front-end, as its upstream sees it: the waiter of its deferred
+    replies. The core defers only a WAIT (one at a time per client); a front-end's link
+    upstream (a stacked front-end) defers every answer, delivered in request order."""
 
-    __slots__ = ("session", "upstream", "pending_rid")
+    __slots__ = ("session", "upstream", "pending")
 
-    def __init__(self, session: Session, upstream) -> None:
+    def __init__(self, session: Session, upstream: Upstream) -> None:
         self.session = session
         self.upstream = upstream
-        self.pending_rid = 0
+        self.pending: deque[int] = deque()  # request ids of deferred answers
 
     def wake(self, reply: bytes) -> None:
-        self.session.queue_wake(self.pending_rid, reply)
+        self.session.queue_reply(self.pending.popleft(), OK, reply)
+
+    def drop(self, reason: str) -> None:
+        """The request failed upstream (or the upstream link is gone)."""
+        if self.pending:
+            self.session.queue_reply(self.pending.popleft(), FAILED, reason.encode())
 
 
 class LinkStats:
@@ -98,12 +107,9 @@ class Session:
                 if reply is not None:
                     replies.append((e.rid, OK, reply))
                 elif req[0] not in NO_REPLY_OPS:
-                    client.pending_rid = e.rid
+                    client.pending.append(e.rid)
             elif e.kind == OPEN:
-                ns = e.data
-                core = self.server.core
-                upstream = NamespacedUpstream(core, ns + b"/") if ns else core
-                clients[e.client] = RemoteClient(self, upstream)
+                clients[e.client] = RemoteClient(self, self.server.upstream_for(e.data))
             elif e.kind == CLOSE:
                 client = clients.pop(e.client, None)
                 if client is not None:
@@ -121,10 +127,11 @@ class Session:
         if self.conn is not None:
             self.conn.write(data)
 
-    def queue_wake(self, rid: int, reply: bytes) -> None:
+    def queue_reply(self, rid: int, status: int, reply: bytes) -> None:
+        """A deferred answer: those queued in one loop iteration leave in one frame."""
         if not self._wakes:
             asyncio.get_running_loop().call_soon(self._flush_wakes)
-        self._wakes.append((rid, OK, reply))
+        self._wakes.append((rid, status, reply))
 
     def _flush_wakes(self) -> None:
         wakes, self._wakes = self._wakes, []
@@ -137,11 +144,19 @@ class Session:
         self.clients.clear()
 
 
-class LinkServer:
-    """Every link and session of one core."""
+def core_upstreams(core: StoreCore) -> Callable[[bytes], Upstream]:
+    """Namespace -> the core as a front-end's clients in it see it."""
+    return lambda ns: NamespacedUpstream(core, ns + b"/") if ns else core
 
-    def __init__(self, core: StoreCore, token: bytes | None, config: LinkConfig | None = None) -> None:
-        self.core = core
+
+class LinkServer:
+    """Every link and session of one upstream: the core (the store host), or a
+    front-end's own link upstream (a front-end that takes other front-ends' links)."""
+
+    def __init__(self, upstream_for: Callable[[bytes], Upstream], token: bytes | None,
+                 config: LinkConfig | None = None) -> None:
+        """``upstream_for(namespace)``: where a link client's requests go."""
+        self.upstream_for = upstream_for
         self.token = token
         self.config = config or LinkConfig()
         self.stats = LinkStats()
@@ -149,16 +164,17 @@ class LinkServer:
         self.connections: set[LinkServerConnection] = set()
         self._watchdog: asyncio.TimerHandle | None = None
 
-    def accept(self, peer: str, initial: bytes = b"", token: bytes | None = None,
-               resumable: bool = True) -> LinkServerConnection:
-        """The protocol for a new link connection. ``initial``: bytes already read from
-        it (after the first byte); ``token``: the one this connection must prove, instead
-        of the job token (the store host's own front-end processes have their own);
-        ``resumable=False``: its session ends with the connection (no grace period),
-        and the link's first byte is still to come (nobody sniffed the connection)."""
+    def accept(self, peer: str = "", initial: bytes = b"", token: bytes | None = None,
+               resumable: bool = True, sniffed: bool = True) -> LinkServerConnection:
+        """The protocol for a new link connection. ``peer``: its name in logs (default:
+        its address); ``initial``: bytes already read from it (after the first byte);
+        ``token``: the one this connection must prove, instead of the job token (the
+        store host's own front-end processes have their own); ``resumable=False``: its
+        session ends with the connection (no grace period); ``sniffed=False``: the link's
+        first byte is still to come (a listener that takes only links)."""
         if self._watchdog is None:
             self._schedule_watchdog()
-        return LinkServerConnection(self, peer, initial, token or self.token, resumable)
+        return LinkServerConnection(self, peer, initial, token or self.token, resumable, sniffed)
 
     def take(self, transport: asyncio.Transport, peer: str, initial: bytes) -> None:
         """Adopt a connection a front-end accepted and recognised as a link."""
@@ -246,13 +262,13 @@ class LinkServerConnection(asyncio.Protocol):
     """One connection from a front-end: handshake, then its session's frames."""
 
     def __init__(self, server: LinkServer, peer: str, initial: bytes, token: bytes | None,
-                 resumable: bool) -> None:
+                 resumable: bool, sniffed: bool) -> None:
         self._server = server
         self.peer = peer
         self._initial = initial
         self._token = token
         self.resumable = resumable
-        self._first_byte = not resumable
+        self._first_byte = not sniffed
         #: Called once the connection is gone.
         self.on_lost: Callable[[], None] | None = None
         self._decoder = FrameDecoder(HANDSHAKE_MAX_FRAME)
@@ -265,6 +281,9 @@ class LinkServerConnection(asyncio.Protocol):
 
     def connection_made(self, transport) -> None:  # type: ignore[override]
         self._transport = transport
+        if not self.peer:
+            address = transport.get_extra_info("peername")
+            self.peer = f"{address[0]}:{address[1]}" if isinstance(address, tuple) else "?"
         self._server.connections.add(self)
         transport.write(auth.hello(self._nonce))
         if self._initial:

@@ -16,6 +16,7 @@ from collections.abc import Sequence
 
 _LISTENING = re.compile(r"^tierrun (?:store|proxy) listening on tcp \[?([^\]]*?)\]?:(\d+)$")
 _NAMESPACE = re.compile(r"^tierrun (?:store|proxy) namespace (\S+) listening on tcp port (\d+)$")
+_LINKS = re.compile(r"^tierrun proxy taking links on tcp \[?([^\]]*?)\]?:(\d+)$")
 _STATS = re.compile(r"^tierrun (?:store|proxy) stats (\{.*\})$")
 
 
@@ -55,6 +56,8 @@ class StoreProcess:
         self._pump_thread: threading.Thread | None = None
         self._changed = threading.Condition()
         self.port: int | None = None
+        #: Where a proxy started with ``--link-listen`` takes other front-ends' links.
+        self.link_port: int | None = None
         self.proc: subprocess.Popen[str] | None = None
         self._output: list[str] = []
 
@@ -103,6 +106,9 @@ class StoreProcess:
             if m and self.port is None:
                 self.port = int(m.group(2))
                 ready.set()
+            m = _LINKS.search(line.rstrip())
+            if m:
+                self.link_port = int(m.group(2))
             m = _NAMESPACE.search(line.rstrip())
             if m:
                 with self._changed:

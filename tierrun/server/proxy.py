@@ -14,7 +14,9 @@ import logging
 from collections.abc import Callable
 
 from ..frontend.link_upstream import connect_link
+from ..frontend.listen import describe, tcp_listen_socket
 from ..link.config import LinkConfig
+from .link_server import LinkServer
 from .service import Service, ServiceConfig
 
 log = logging.getLogger("tierrun.proxy")
@@ -28,9 +30,15 @@ async def serve_proxy(
     on_listening: Callable[[str], None] | None = None,
     connect_timeout: float = 60.0,
     link_config: LinkConfig | None = None,
+    link_listen: tuple[str, int] | None = None,
 ) -> int:
+    """Serve until the link is lost past its grace period (returns 3) or until stopped
+    (0). With ``link_listen`` (host, port), other front-ends may link to this one there
+    (a deeper tree): their sessions are served like the core serves links, their
+    requests forwarded over this proxy's own link, merged with its local clients'."""
     stop = asyncio.Event()
     lost: list[str] = []
+    announce = on_listening or (lambda line: None)
 
     def on_lost(reason: str) -> None:
         if not lost:
@@ -39,9 +47,26 @@ async def serve_proxy(
         stop.set()
 
     link = await connect_link(upstream_host, upstream_port, token, on_lost, connect_timeout, link_config)
-    service = Service(config, link.view, link.stats.as_dict, on_listening or (lambda line: None))
+    links: LinkServer | None = None
+    stats = link.stats.as_dict
+    if link_listen is not None:
+        links = LinkServer(lambda ns: link.view(ns.decode()), token, link_config)
+        sock = tcp_listen_socket(*link_listen, config.backlog)
+        await asyncio.get_running_loop().create_server(
+            lambda: links.accept(sniffed=False), sock=sock, backlog=config.backlog)
+        announce(f"taking links on {describe(sock)}")
+
+        def stats() -> dict:
+            st = links.stats
+            return {**link.stats.as_dict(), "links": st.links, "links_accepted": st.links_accepted,
+                    "link_resumes": st.link_resumes, "link_batches": st.batches,
+                    "link_operations": st.operations}
+
+    service = Service(config, link.view, stats, announce)
     try:
         await service.serve(stop)
     finally:
+        if links is not None:
+            links.close()
         link.close()
     return 3 if lost else 0

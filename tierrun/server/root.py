@@ -12,7 +12,7 @@ from ..frontend import Upstream
 from ..frontend.namespace import NamespacedUpstream
 from ..link.config import LinkConfig
 from .frontend_pool import FrontEndPool
-from .link_server import LinkServer
+from .link_server import LinkServer, core_upstreams
 from .service import Service, ServiceConfig
 
 RootConfig = ServiceConfig
@@ -32,7 +32,7 @@ async def serve_root(
     ``OSError`` if a bind fails.
     """
     core = StoreCore()
-    links = LinkServer(core, token, link_config)
+    links = LinkServer(core_upstreams(core), token, link_config)
 
     def make_upstream(namespace: str) -> Upstream:
         return NamespacedUpstream(core, namespace.encode() + b"/") if namespace else core

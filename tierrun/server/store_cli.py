@@ -89,6 +89,9 @@ def proxy_main(argv: list[str]) -> int:
                      "$TIERRUN_TOKEN_FILE.", "127.0.0.1", 0)
     p.add_argument("--upstream", required=True, help="the store host, HOST:PORT")
     p.add_argument("--connect-timeout", type=float, default=60.0)
+    p.add_argument("--link-listen", default=None, metavar="HOST:PORT",
+                   help="also take other front-ends' links here (a deeper tree: they link to this "
+                   "proxy instead of the store host); HOST is an address of this node")
     args = p.parse_args(argv)
     logging.basicConfig(level=args.log_level.upper(), format="[tierrun proxy] %(levelname)s %(message)s")
     token = load_token()
@@ -97,10 +100,14 @@ def proxy_main(argv: list[str]) -> int:
               "the store host was started with", file=sys.stderr)
         return 2
     host, _, port = args.upstream.rpartition(":")
+    link_listen = None
+    if args.link_listen:
+        lhost, _, lport = args.link_listen.rpartition(":")
+        link_listen = (lhost.strip("[]"), int(lport))
     try:
         return run(serve_proxy(_config(args), host.strip("[]"), int(port), token,
                                on_listening=_announcer("proxy"), connect_timeout=args.connect_timeout,
-                               link_config=LinkConfig.from_env()))
+                               link_config=LinkConfig.from_env(), link_listen=link_listen))
     except Exception as e:  # one line for any start failure (refused, token, timeout)
         print(f"tierrun proxy: cannot link to the store host {args.upstream}: {e}", file=sys.stderr)
         return 1

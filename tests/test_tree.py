@@ -1,0 +1,93 @@
+"""Deeper trees: node proxies that take other proxies' links (``tierrun proxy
+--link-listen``), so the store host sees only the top of the tree. Real processes,
+torch's own client."""
+
+from __future__ import annotations
+
+import os
+import socket
+import threading
+import time
+from datetime import timedelta
+
+import pytest
+import torch.distributed as dist
+
+from tierrun.server import StoreProcess
+
+ENV = dict(os.environ, TIERRUN_TOKEN="tree-test")
+
+
+def proxy(upstream_port: int, takes_links: bool = False, env=ENV) -> StoreProcess:
+    extra = ["--upstream", f"127.0.0.1:{upstream_port}", "--connect-timeout", "10"]
+    if takes_links:
+        extra += ["--link-listen", "127.0.0.1:0"]
+    p = StoreProcess(host="127.0.0.1", port=0, command="proxy", controlled=True, env=env, extra_args=extra)
+    p.start()
+    return p
+
+
+def client(port: int) -> dist.TCPStore:
+    return dist.TCPStore("127.0.0.1", port, is_master=False, timeout=timedelta(seconds=10))
+
+
+@pytest.fixture
+def tree():
+    """root <- a <- {b <- d, c}: three levels under the store host."""
+    with StoreProcess(port=0, controlled=True, env=ENV) as root:
+        a = proxy(root.port, takes_links=True)
+        b = proxy(a.link_port, takes_links=True)
+        c = proxy(a.link_port)
+        d = proxy(b.link_port)
+        try:
+            yield root, {"a": a, "b": b, "c": c, "d": d}
+        finally:
+            for p in (d, c, b, a):
+                p.stop()
+
+
+def test_every_level_sees_one_store_and_the_root_one_link(tree):
+    root, proxies = tree
+    clients = {name: [client(p.port) for _ in range(3)] for name, p in proxies.items()}
+    everyone = [c for cs in clients.values() for c in cs]
+    assert sorted(c.add("n", 1) for c in everyone) == list(range(1, 13))
+    clients["d"][0].set("k", "from d")
+    assert {c.get("k") for c in everyone} == {b"from d"}
+    woken = []
+    waiters = [threading.Thread(target=lambda c=c: (c.wait(["go"]), woken.append(1))) for c in everyone[:-1]]
+    for t in waiters:
+        t.start()
+    time.sleep(0.3)
+    everyone[-1].set("go", "1")
+    for t in waiters:
+        t.join(10)
+    assert len(woken) == 11
+    assert root.stats()["links"] == 1  # only a links to the store host
+    assert proxies["a"].stats()["links"] == 2 and proxies["b"].stats()["links"] == 1
+
+
+def test_a_failed_request_deep_in_the_tree_fails_that_client_only(tree):
+    _, proxies = tree
+    bad, good = client(proxies["d"].port), client(proxies["d"].port)
+    bad.set("text", "hello")
+    with pytest.raises(dist.DistError):
+        bad.add("text", 1)
+    assert good.add("counter", 1) == 1
+    deadline = time.monotonic() + 5
+    while "not a number" not in proxies["d"].output and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert "not a number" in proxies["d"].output  # the reason travelled down two links
+
+
+def test_the_link_port_takes_only_authenticated_links(tree):
+    root, proxies = tree
+    port = proxies["a"].link_port
+    with socket.create_connection(("127.0.0.1", port), timeout=5) as s:  # a torch client, say
+        s.sendall(b"\x0f\x00\x00\x00\x00")
+        while s.recv(100):  # the link handshake's HELLO, then the connection closes
+            pass
+    wrong = dict(ENV, TIERRUN_TOKEN="not-the-token")
+    with pytest.raises(Exception, match="wrong job token|does not know the job token"):
+        proxy(port, env=wrong)
+    assert client(proxies["c"].port).add("still", 1) == 1
+    assert proxies["a"].stats()["links"] == 2
