@@ -200,11 +200,11 @@ class Cluster:
         token = os.environ["TIERRUN_TOKEN"].encode()
         f = self.fanout
         upstream = self.root if not f or n < f else self.tree_address(n // f - 1)
+        link = await connect_link(*upstream, token, lost, 120)
         if f and (n + 1) * f < self.k:  # it has children: take their links
             links = LinkServer(lambda ns: link.view(ns.decode()), token)
             await asyncio.get_running_loop().create_server(
                 lambda: links.accept(sniffed=False), *self.tree_address(n))
-        link = await connect_link(*upstream, token, lost, 120)
         frontend = FrontEnd(link.view(""))
         sock = tcp_listen_socket("127.0.0.1", 0)
         await frontend.listen(sock)
@@ -250,9 +250,12 @@ def sim_child(setup: str, k: int, p: int, procs: int, index: int, port: int, tra
 
     async def main() -> None:
         await asyncio.gather(*(cluster.node(n) for n in range(index, k, procs)))
+        print(json.dumps({"requests": SimClient.requests}), flush=True)
+        # in a tree, other processes' nodes may still be linked through ours: serve
+        # until the parent says everyone is done (stdin closes)
+        await asyncio.get_running_loop().run_in_executor(None, sys.stdin.readline)
 
     run(main())
-    print(json.dumps({"requests": SimClient.requests}), flush=True)
 
 
 # -- one measurement ----------------------------------------------------------------------

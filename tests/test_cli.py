@@ -55,6 +55,9 @@ def test_tiered_flag_spellings(monkeypatch):
         (["--standalone", "--nnodes", "2"], "drop --standalone"),
         (["--rdzv_backend", "parallel", "--nnodes", "2", "--node_rank", "2"], "outside 0..1"),
         (["--store-workers", "0"], "write 1 or more"),
+        (["--store-fanout", "4", "--tiered"], "add --rdzv_backend parallel"),
+        (["--rdzv_backend", "parallel", "--nnodes", "4", "--store-fanout", "4"], "and --tiered"),
+        (["--store-fanout", "1"], "write 2 or more"),
         (["--rdzv_backend", "torch-c10d", "--store_workers", "2"], "needs a tierrun rendezvous backend"),
     ],
 )

@@ -13,6 +13,8 @@ from datetime import timedelta
 import pytest
 import torch.distributed as dist
 
+from launch import SCRIPTS, finish, free_port, results, tierrun
+from test_launcher import check_world, served_by_store_host
 from tierrun.server import StoreProcess
 
 ENV = dict(os.environ, TIERRUN_TOKEN="tree-test")
@@ -91,3 +93,20 @@ def test_the_link_port_takes_only_authenticated_links(tree):
         proxy(port, env=wrong)
     assert client(proxies["c"].port).add("still", 1) == 1
     assert proxies["a"].stats()["links"] == 2
+
+
+def test_static_job_with_store_fanout_node0_sees_fanout_links(tmp_path):
+    """5 nodes, --store-fanout 2: nodes 0 and 1 link to the store host, nodes 2 and 3 to
+    node 0's proxy, node 4 to node 1's."""
+    port = free_port()
+    logs = [tmp_path / f"node{k}.log" for k in range(5)]
+    env = {"TIERRUN_TOKEN": "tree-job-token", "TIERRUN_LOG_LEVEL": "INFO"}
+    procs = [tierrun("--nnodes", 5, "--rdzv_backend", "parallel", "--master_addr", "127.0.1.1",
+                     "--master_port", port, "--node_rank", k, "--tiered", "--store-fanout", 2,
+                     "--nproc_per_node", 1, "--local_addr", f"127.0.1.{k + 1}",
+                     SCRIPTS / "collectives.py", log=logs[k], env=env) for k in range(5)]
+    assert finish(procs) == [0] * 5, logs[4].read_text()[-3000:]
+    check_world(results(*logs), 5, 15)
+    served = served_by_store_host(logs[0])
+    # 2 links; nodes 2, 3 and 4 each looked up their parent once over a plain connection
+    assert served["links_accepted"] == 2 and served["clients_accepted"] == 3

@@ -76,6 +76,17 @@ def build_parser() -> argparse.ArgumentParser:
         "their node's proxy).",
     )
     parser.add_argument(
+        "--store-fanout",
+        "--store_fanout",
+        action=env,
+        type=int,
+        default=0,
+        help="Tiered static jobs (--rdzv_backend parallel): stack the node proxies in a tree "
+        "with at most F links per proxy, so the store host sees F links instead of one per "
+        "node. A node with children takes their links on its --local_addr (or its host "
+        "name's address). Default 0: every proxy links to the store host.",
+    )
+    parser.add_argument(
         "--progress",
         action=env,
         default="auto",
@@ -149,6 +160,14 @@ def normalise(args: argparse.Namespace) -> argparse.Namespace:
         raise UsageError(
             f"--store-workers needs a tierrun rendezvous backend, not --rdzv_backend {backend}"
         )
+    if args.store_fanout:
+        if args.store_fanout < 2:
+            raise UsageError(f"--store-fanout {args.store_fanout}: write 2 or more (or 0: no tree)")
+        if args.rdzv_backend != "parallel" or not args.tiered:
+            raise UsageError(
+                "--store-fanout needs node ranks known in advance and node proxies: add "
+                "--rdzv_backend parallel (with --node_rank) and --tiered"
+            )
     if args.max_restarts < 0:
         raise UsageError(f"--max_restarts {args.max_restarts} is negative: write 0 or more")
     return args

@@ -63,7 +63,7 @@ def prepare(argv: list[str]):
         if args.store_workers > 1:
             log.warning("--store-workers has no effect with tiered wire-up: the store host sees "
                         "only the nodes' links")
-        conf = "tiered=1"
+        conf = f"tiered=1,store_fanout={args.store_fanout}"
         args.rdzv_conf = f"{args.rdzv_conf},{conf}" if args.rdzv_conf else conf
     if args.rdzv_backend in TIERRUN_BACKENDS:
         conf = (f"progress={args.progress},progress_interval={args.progress_interval},"

@@ -15,10 +15,13 @@ import json
 import logging
 import os
 import socket
+import time
+from dataclasses import dataclass
 from datetime import timedelta
 
 from torch.distributed import TCPStore
 
+from ..client import StoreClient, StoreClientError
 from ..link.auth import load_token
 from ..server import StoreProcess, StoreStartError
 
@@ -34,13 +37,15 @@ class JobStore:
     does not within ``timeout``)."""
 
     def __init__(self, host: str, port: int, hosting: bool, timeout: timedelta,
-                 token: str | None = None, store_workers: int = 1) -> None:
+                 token: str | None = None, store_workers: int = 1,
+                 tree: TreePlace | None = None) -> None:
         self.host = host
         self.port = port
         self.hosting = hosting
         self.timeout = timeout
         self.token = token
         self.store_workers = store_workers
+        self.tree = tree if token is not None else None
         self.root: StoreProcess | None = None
         self.proxy: StoreProcess | None = None
         self._client: TCPStore | None = None
@@ -60,20 +65,57 @@ class JobStore:
         if self.hosting and self.root is None:
             self._start_root()
         if self.tiered and self.proxy is None:
+            tree = self.tree
+            upstream = f"{self.host}:{self.port}"
+            extra = []
+            if tree is not None and tree.parent is not None:
+                upstream = self._parent_address(tree)
+            if tree is not None and tree.has_children:
+                extra = ["--link-listen", f"{_bracket(tree.addr)}:0"]
             proxy = StoreProcess(
                 host=PROXY_HOST, port=0, controlled=True, command="proxy", env=self._env(),
-                extra_args=["--upstream", f"{self.host}:{self.port}",
-                            "--connect-timeout", str(self.timeout.total_seconds())],
+                extra_args=["--upstream", upstream,
+                            "--connect-timeout", str(self.timeout.total_seconds()), *extra],
                 start_timeout=self.timeout.total_seconds() + 10,
             )
             try:
                 proxy.start()
             except StoreStartError as e:
                 raise RuntimeError(
-                    f"this node's store proxy could not link to the store host "
-                    f"{self.host}:{self.port}: {e}"
+                    f"this node's store proxy could not link to {upstream} "
+                    f"({'the store host' if upstream.endswith(f':{self.port}') else 'its parent node in the store tree'}): {e}"
                 ) from e
             self.proxy = proxy
+            if tree is not None and tree.has_children:  # tell the children where to link
+                self.client().set(tree.key(tree.rank), f"{_bracket(tree.addr)}:{proxy.link_port}")
+
+    def _parent_address(self, tree: TreePlace) -> str:
+        """Where the parent node's proxy takes links, as it published it: one plain
+        connection to the store host (WAIT + GET), closed at once. Blocks up to the
+        store timeout; raises RuntimeError naming the parent."""
+        key = ("/" + tree.key(tree.parent)).encode()  # (torch's client adds the "/")
+        deadline = time.monotonic() + self.timeout.total_seconds()
+        delay = 0.1
+        try:
+            while True:  # the store host may not be up yet
+                try:
+                    store = StoreClient((self.host, self.port), timeout=self.timeout.total_seconds())
+                    break
+                except OSError:
+                    if time.monotonic() + delay > deadline:
+                        raise
+                    time.sleep(delay)
+                    delay = min(2 * delay, 2.0)
+            with store:
+                store.wait([key], timeout=max(deadline - time.monotonic(), 1.0))
+                return store.get(key).decode()
+        except (OSError, TimeoutError, StoreClientError) as e:
+            raise RuntimeError(
+                f"node rank {tree.rank} did not learn where its parent in the store tree, node "
+                f"rank {tree.parent}, takes links within {self.timeout.total_seconds():.0f} s "
+                f"({type(e).__name__}: {e}). Is node rank {tree.parent} running, with the same "
+                "--store-fanout?"
+            ) from e
 
     def lost(self) -> str | None:
         """Why this node has lost the job's store, or None while it has not. O(1) and no
@@ -169,6 +211,43 @@ def token_from(config: dict) -> str | None:
     return token.decode()
 
 
+@dataclass(frozen=True)
+class TreePlace:
+    """This node's place in a tree of node proxies (``--store-fanout F``, static jobs).
+
+    Nodes 0..F-1 link to the store host; node r >= F links to the proxy of node
+    r // F - 1, which takes links on ``addr`` and publishes where under ``key``. So
+    every proxy, the store host's core included, has at most F links.
+    """
+
+    rank: int
+    nodes: int
+    fanout: int
+    #: This node's address, where its proxy takes its children's links.
+    addr: str
+    run_id: str
+
+    @property
+    def parent(self) -> int | None:
+        return None if self.rank < self.fanout else self.rank // self.fanout - 1
+
+    @property
+    def has_children(self) -> bool:
+        return (self.rank + 1) * self.fanout < self.nodes
+
+    def key(self, rank: int) -> str:
+        return f"tierrun/{self.run_id}/tree/{rank}"
+
+
+def store_fanout_from(config: dict) -> int:
+    """``--rdzv_conf store_fanout=F`` (set by ``--store-fanout F``); 0: no tree.
+    Raises ValueError."""
+    f = int(config.get("store_fanout", 0))
+    if f < 0 or f == 1:
+        raise ValueError(f"store_fanout={f}: write 0 (no tree) or 2 or more")
+    return f
+
+
 def store_workers_from(config: dict) -> int:
     """``--rdzv_conf store_workers=N`` (set by ``--store-workers N``): front-end
     processes of the store host. Raises ValueError."""
@@ -176,6 +255,10 @@ def store_workers_from(config: dict) -> int:
     if n < 1:
         raise ValueError(f"store_workers={n}: write 1 or more")
     return n
+
+
+def _bracket(addr: str) -> str:
+    return f"[{addr}]" if ":" in addr else addr
 
 
 def _watch_connection(host: str, port: int, timeout: float) -> socket.socket | None:

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import json
 import logging
+import socket
 import time
 from datetime import timedelta
 
@@ -32,7 +33,7 @@ from torch.distributed.elastic.rendezvous.utils import parse_rendezvous_endpoint
 from ..client import StoreClient
 from ..report.progress import Arrivals
 from .handler_base import JobStoppedError, StoreRendezvousHandler
-from .job_store import JobStore, store_workers_from, token_from
+from .job_store import JobStore, TreePlace, store_fanout_from, store_workers_from, token_from
 
 log = logging.getLogger("tierrun.rendezvous")
 
@@ -202,7 +203,12 @@ def create_handler(params: RendezvousParameters) -> RendezvousHandler:
     if port < 0:
         raise ValueError(f"no port in '{params.endpoint}': add --master_port PORT")
     timeout = timedelta(seconds=int(params.config.get("timeout", DEFAULT_TIMEOUT)))
+    fanout = store_fanout_from(params.config)
+    tree = None
+    if fanout:
+        tree = TreePlace(rank, params.max_nodes, fanout, params.local_addr or socket.gethostname(),
+                         params.run_id)
     store = JobStore(host, port, hosting=rank == 0, timeout=timeout, token=token_from(params.config),
-                     store_workers=store_workers_from(params.config))
+                     store_workers=store_workers_from(params.config), tree=tree)
     return ParallelRendezvousHandler(store, rank, params.max_nodes, params.run_id, timeout,
                                      params.local_addr, params.config)
