@@ -330,10 +330,10 @@ def plot(sizes: list[tuple[int, int]], med: dict, path) -> None:
     labels = [f"{k}x{p}" for k, p in sizes]
     fig, axes = plt.subplots(1, 2, figsize=(10, 4))
     for ax, metric, title in ((axes[0], "cpu_s", "node 0 CPU seconds"), (axes[1], "requests", "node 0 requests")):
-        width = 0.27
+        width = 0.8 / len(SETUPS)
         for i, setup in enumerate(SETUPS):
-            ax.bar([x + (i - 1) * width for x in range(len(sizes))], [med[s][setup][metric] for s in labels],
-                   width, label=setup)
+            ax.bar([x + (i - (len(SETUPS) - 1) / 2) * width for x in range(len(sizes))],
+                   [med[s][setup][metric] for s in labels], width, label=setup)
         ax.set_xticks(range(len(sizes)), labels)
         ax.set_yscale("log")
         ax.set_title(title)
@@ -377,13 +377,15 @@ def main() -> None:
         for setup, m in by.items():
             lines.append(f"| {size} | {setup} | {m['connections']:,.0f} | {m['requests']:,.0f} | "
                          f"{m['frames']:,.0f} | {m['cpu_s']:.2f} | {m['wall_s']:.2f} |")
-    lines += ["", "Ratios torch / tiered (higher: tiered cheaper):", "",
-              "| K x P | connections | requests | frames | node-0 CPU | wall |", "|---|---:|---:|---:|---:|---:|"]
+    lines += ["", f"Ratios torch / tiered and torch / tree (fanout {args.fanout}; higher: tierrun cheaper):", "",
+              "| K x P | set-up | connections | requests | frames | node-0 CPU | wall |",
+              "|---|---|---:|---:|---:|---:|---:|"]
     for size, by in med.items():
-        t, c = by["torch"], by["tiered"]
-        q = {m: t[m] / c[m] if c[m] else float("inf") for m in t}
-        lines.append(f"| {size} | {q['connections']:.0f}x | {q['requests']:.1f}x | {q['frames']:.1f}x | "
-                     f"{q['cpu_s']:.1f}x | {q['wall_s']:.2f}x |")
+        for setup in ("tiered", "tree"):
+            t, c = by["torch"], by[setup]
+            q = {m: t[m] / c[m] if c[m] else float("inf") for m in t}
+            lines.append(f"| {size} | {setup} | {q['connections']:.0f}x | {q['requests']:.1f}x | "
+                         f"{q['frames']:.1f}x | {q['cpu_s']:.1f}x | {q['wall_s']:.2f}x |")
     table = "\n".join(lines)
     print(table)
     name = "wireup" if args.traffic == "nccl" else "wireup_gloo"
