@@ -60,3 +60,25 @@ def test_filesystem_socket_is_owner_only(tmp_path):
         with StoreClient(path) as c:
             c.set(b"k", b"v")
             assert c.get(b"k") == b"v"
+
+
+def test_a_tiered_agent_talks_to_its_node_proxy_over_a_unix_socket():
+    """torch's client needs TCP (the agent's TCPStore and the workers use loopback); the
+    agent's own tierrun clients (heartbeats, progress, reports) use the proxy's Unix socket."""
+    import os
+    from datetime import timedelta
+
+    from tierrun.client import StoreClient
+    from tierrun.rendezvous.job_store import JobStore
+    from tierrun.server import StoreProcess
+
+    with StoreProcess(host="127.0.0.1", port=0, env=dict(os.environ, TIERRUN_TOKEN="unix-tok")) as root:
+        job = JobStore("127.0.0.1", root.port, hosting=False, timeout=timedelta(seconds=20), token="unix-tok")
+        job.start()
+        try:
+            assert isinstance(job.agent_address, str) and job.agent_address.startswith("@tierrun-proxy-")
+            with StoreClient(job.agent_address) as c:
+                c.set(b"/via-unix", b"1")
+            assert job.client().get("via-unix") == b"1"  # torch's client, over loopback TCP
+        finally:
+            job.stop()

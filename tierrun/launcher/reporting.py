@@ -68,7 +68,7 @@ class JobReporting:
 
     def board(self) -> JobBoard | None:
         if self._board is None and self.handler is not None and self.handler.job is not None:
-            self._board = JobBoard(self.handler.job.client_address, self.run_id, timeout=5.0)
+            self._board = JobBoard(self.handler.job.agent_address, self.run_id, timeout=5.0)
         return self._board
 
     def before_shutdown(self) -> None:

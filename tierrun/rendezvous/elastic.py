@@ -265,7 +265,7 @@ class ElasticRendezvousHandler(StoreRendezvousHandler):
 
     def _declare_dead(self, r: int, index: int) -> None:
         """Called by the heartbeat thread: member ``index`` of round r went silent."""
-        with StoreClient(self.job.client_address, timeout=10) as store:
+        with StoreClient(self.job.agent_address, timeout=10) as store:
             raw = store.multi_get([("/" + self._k(r, f"node/{index}")).encode()])[0]
             addr = json.loads(raw)["addr"] if raw else f"arrival {index}"
             log.warning("rendezvous '%s' round %d: node %s has not answered for %.0f s; "
@@ -282,7 +282,7 @@ class ElasticRendezvousHandler(StoreRendezvousHandler):
         if r < 0:
             return
         log.warning("rendezvous '%s' round %d: node %s is leaving (%s)", self.run_id, r, self.node_addr, reason)
-        with StoreClient(self.job.client_address, timeout=10) as store:
+        with StoreClient(self.job.agent_address, timeout=10) as store:
             store.multi_set([("/" + self._k(r, f"dead/{index}")).encode(), ("/" + self._k(r, "changed")).encode()],
                             [self.node_addr.encode(), f"left {self.node_addr}: {reason}".encode()])
 

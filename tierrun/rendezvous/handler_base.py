@@ -65,7 +65,7 @@ class StoreRendezvousHandler(RendezvousHandler):
         heartbeat, watching member ``watched`` (see ``liveness``). ``key(name)`` gives a
         round key as sent on the wire. Replaces the previous round's."""
         self._stop_watching()
-        client = StoreClient(self.job.client_address, timeout=365 * 24 * 3600)
+        client = StoreClient(self.job.agent_address, timeout=365 * 24 * 3600)
         self._watcher = client
 
         def watch() -> None:
@@ -77,7 +77,7 @@ class StoreRendezvousHandler(RendezvousHandler):
 
         threading.Thread(target=watch, daemon=True).start()
         self._heartbeat = liveness.Heartbeat(
-            self.job.client_address, key, index, watched, self._beat_interval, self._beat_timeout, on_dead,
+            self.job.agent_address, key, index, watched, self._beat_interval, self._beat_timeout, on_dead,
         ).start()
 
     def _stop_watching(self) -> None:
@@ -94,7 +94,7 @@ class StoreRendezvousHandler(RendezvousHandler):
         if not self.job.hosting or self._progress_mode == "off":
             yield
             return
-        progress = RendezvousProgress(title, self.job.client_address, poll,
+        progress = RendezvousProgress(title, self.job.agent_address, poll,
                                       self._progress_mode, self._progress_interval).start()
         try:
             yield

@@ -14,6 +14,7 @@ import errno
 import json
 import logging
 import os
+import secrets
 import socket
 import time
 from dataclasses import dataclass
@@ -73,7 +74,8 @@ class JobStore:
             if tree is not None and tree.has_children:
                 extra = ["--link-listen", f"{_bracket(tree.addr)}:0"]
             proxy = StoreProcess(
-                host=PROXY_HOST, port=0, controlled=True, command="proxy", env=self._env(),
+                host=PROXY_HOST, port=0, unix=f"@tierrun-proxy-{os.getpid()}-{secrets.token_hex(4)}",
+                controlled=True, command="proxy", env=self._env(),
                 extra_args=["--upstream", upstream,
                             "--connect-timeout", str(self.timeout.total_seconds()), *extra],
                 start_timeout=self.timeout.total_seconds() + 10,
@@ -162,6 +164,14 @@ class JobStore:
             assert self.proxy.port is not None
             return PROXY_HOST, self.proxy.port
         return self.host, self.port
+
+    @property
+    def agent_address(self) -> tuple[str, int] | str:
+        """Where this agent's own tierrun clients (heartbeats, progress, reports)
+        connect: the node proxy's Unix socket when tiered, else the store's TCP port."""
+        if self.proxy is not None and self.proxy.unix:
+            return self.proxy.unix
+        return self.client_address
 
     def client(self) -> TCPStore:
         if self._client is None:

@@ -54,7 +54,7 @@ class Heartbeat:
     away is reported by the rendezvous itself.
     """
 
-    def __init__(self, address: tuple[str, int], key: Callable[[str], bytes], index: int,
+    def __init__(self, address: tuple[str, int] | str, key: Callable[[str], bytes], index: int,
                  watched: int | None, interval: float, timeout: float,
                  on_dead: Callable[[int], None]) -> None:
         self._address = address

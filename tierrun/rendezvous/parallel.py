@@ -114,7 +114,7 @@ class ParallelRendezvousHandler(StoreRendezvousHandler):
 
     def _declare_dead(self, base: str, rank: int) -> None:
         """Called by the heartbeat thread: node ``rank`` went silent."""
-        with StoreClient(self.job.client_address, timeout=10) as store:
+        with StoreClient(self.job.agent_address, timeout=10) as store:
             addr = json.loads(store.get(f"/{base}/node/{rank}".encode()))["addr"]
             reason = f"node rank {rank} ({addr}) has not answered for {self._beat_timeout:.0f} s"
             log.warning("rendezvous '%s': %s; stopping the job", self.run_id, reason)
@@ -124,7 +124,7 @@ class ParallelRendezvousHandler(StoreRendezvousHandler):
         self._stop_watching()
         if self._round < 0:
             return
-        with StoreClient(self.job.client_address, timeout=10) as store:
+        with StoreClient(self.job.agent_address, timeout=10) as store:
             store.set(f"/{self._base(self._round)}/failed".encode(),
                       f"node rank {self._rank} ({self.node_addr}) left: {reason}".encode())
 

@@ -79,7 +79,7 @@ class JobBoard:
     and raise ``OSError`` or ``StoreClientError`` when the store is gone. Thread-safe.
     """
 
-    def __init__(self, address: tuple[str, int], run_id: str, timeout: float = 10.0) -> None:
+    def __init__(self, address: tuple[str, int] | str, run_id: str, timeout: float = 10.0) -> None:
         self._address = address
         self._base = f"/tierrun/{run_id}/report"
         self._timeout = timeout

@@ -48,7 +48,7 @@ def arrivals_line(a: Arrivals) -> str:
 class RendezvousProgress:
     """``start()`` returns at once; ``stop()`` ends the display (blocks up to one poll)."""
 
-    def __init__(self, title: str, address: tuple[str, int], poll: Callable[[StoreClient], Arrivals],
+    def __init__(self, title: str, address: tuple[str, int] | str, poll: Callable[[StoreClient], Arrivals],
                  mode: str = "auto", interval: float = 5.0) -> None:
         if mode == "auto":
             mode = "bar" if sys.stderr.isatty() else "log"
