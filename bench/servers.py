@@ -6,6 +6,7 @@ from __future__ import annotations
 import subprocess
 import sys
 from dataclasses import dataclass
+from pathlib import Path
 
 from tierrun.server import StoreProcess
 
@@ -25,22 +26,41 @@ def process_cpu_seconds(pid: int) -> float:
     return (int(fields[11]) + int(fields[12])) / 100.0
 
 
+def child_pids(pid: int) -> list[int]:
+    out = []
+    for task in Path(f"/proc/{pid}/task").glob("*"):
+        try:
+            out += [int(c) for c in (task / "children").read_text().split()]
+        except OSError:
+            pass
+    return out
+
+
 @dataclass
 class ServerHandle:
+    """A server; with ``with_children``, its child processes count as part of it (the
+    front-end processes of ``tierrun store --workers N``)."""
+
     name: str
     port: int
     pid: int
     _stop: object
+    with_children: bool = False
+
+    def pids(self) -> list[int]:
+        return [self.pid] + (child_pids(self.pid) if self.with_children else [])
 
     def cpu_seconds(self) -> float:
-        return process_cpu_seconds(self.pid)
+        return sum(process_cpu_seconds(p) for p in self.pids())
 
     def peak_rss_mb(self) -> float:
-        with open(f"/proc/{self.pid}/status") as f:
-            for line in f:
-                if line.startswith("VmHWM:"):
-                    return int(line.split()[1]) / 1024
-        return float("nan")
+        total = 0.0
+        for pid in self.pids():
+            with open(f"/proc/{pid}/status") as f:
+                for line in f:
+                    if line.startswith("VmHWM:"):
+                        total += int(line.split()[1]) / 1024
+        return total
 
     def stop(self) -> None:
         self._stop()  # type: ignore[operator]
@@ -65,4 +85,11 @@ def start_tierrun() -> ServerHandle:
     return ServerHandle("tierrun", sp.port, sp.pid, sp.stop)
 
 
-SERVERS = {"torch": start_torch, "tierrun": start_tierrun}
+def start_tierrun_workers(n: int) -> ServerHandle:
+    """``tierrun store --workers n``: n front-end processes and the core's process."""
+    sp = StoreProcess(host="127.0.0.1", port=0, extra_args=["--workers", str(n)])
+    sp.start()
+    return ServerHandle(f"tierrun --workers {n}", sp.port, sp.pid, sp.stop, with_children=True)
+
+
+SERVERS = {"torch": start_torch, "tierrun": start_tierrun, "tierrun-w2": lambda: start_tierrun_workers(2)}
