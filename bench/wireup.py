@@ -12,6 +12,9 @@ tests/fixtures and read from torch's sources) against three set-ups, in the same
                 link to node 0's store, node n >= F to the front-end of node n // F - 1
                 (which also accepts links: LinkServer over its own upstream), so node 0
                 sees F links
+  tree-10ms     tree, every front-end keeping its batch open 10 ms
+                (TIERRUN_LINK_BATCH_WINDOW=0.01): fewer, larger batches, 10 ms more
+                latency per level
 
 Per agent (one per node): connect, VALIDATE+PING, ADD init/, SET role_info/<node>;
 node 0's agent WAITs for and MULTI_GETs every role_info, MULTI_SETs every node's
@@ -56,7 +59,10 @@ from tierrun.protocol.opcodes import NO_REPLY_OPS, VALIDATION_MAGIC
 from tierrun.protocol.requests import encode_request
 from tierrun.server import StoreProcess
 
-SETUPS = ("torch", "tierrun-flat", "tiered", "tree")
+SETUPS = ("torch", "tierrun-flat", "tiered", "tree", "tree-10ms")
+#: The tiered set-ups (node front-ends) and those stacked in a tree.
+TIERED = ("tiered", "tree", "tree-10ms")
+TREES = ("tree", "tree-10ms")
 _u32 = struct.Struct("<I").unpack_from
 _i64 = struct.Struct("<q").unpack_from
 _u64 = struct.Struct("<Q").unpack_from
@@ -191,6 +197,7 @@ class Cluster:
         from tierrun.frontend import FrontEnd
         from tierrun.frontend.link_upstream import connect_link
         from tierrun.frontend.listen import tcp_listen_socket
+        from tierrun.link.config import LinkConfig
         from tierrun.server.link_server import LinkServer
 
         def lost(reason: str) -> None:
@@ -200,7 +207,7 @@ class Cluster:
         token = os.environ["TIERRUN_TOKEN"].encode()
         f = self.fanout
         upstream = self.root if not f or n < f else self.tree_address(n // f - 1)
-        link = await connect_link(*upstream, token, lost, 120)
+        link = await connect_link(*upstream, token, lost, 120, LinkConfig.from_env())
         if f and (n + 1) * f < self.k:  # it has children: take their links
             links = LinkServer(lambda ns: link.view(ns.decode()), token)
             await asyncio.get_running_loop().create_server(
@@ -243,8 +250,8 @@ def sim_child(setup: str, k: int, p: int, procs: int, index: int, port: int, tra
     from tierrun.server.eventloop import run
 
     raise_fd_limit()
-    cluster = Cluster(k, p, traffic, heartbeats, ("127.0.0.1", port), setup in ("tiered", "tree"),
-                      fanout if setup == "tree" else 0, tree_port)
+    cluster = Cluster(k, p, traffic, heartbeats, ("127.0.0.1", port), setup in TIERED,
+                      fanout if setup in TREES else 0, tree_port)
     print("ready", flush=True)
     sys.stdin.readline()
 
@@ -269,6 +276,8 @@ def free_port() -> int:
 
 def measure(setup: str, k: int, p: int, args) -> dict:
     env = dict(os.environ, TIERRUN_TOKEN=secrets.token_hex(16))
+    if setup == "tree-10ms":  # (read by the simulated front-ends' LinkConfig.from_env)
+        env["TIERRUN_LINK_BATCH_WINDOW"] = "0.01"
     store = None
     if setup == "torch":
         server = start_torch()
@@ -302,7 +311,7 @@ def measure(setup: str, k: int, p: int, args) -> dict:
             result = {"connections": k * (p + 1), "requests": requests, "frames": requests}
         else:
             st = store.stats()
-            if setup in ("tiered", "tree"):
+            if setup in TIERED:
                 result = {"connections": st["clients_accepted"] + st["links_accepted"],
                           "requests": st["link_operations"], "frames": st["link_batches"]}
             else:
@@ -377,11 +386,11 @@ def main() -> None:
         for setup, m in by.items():
             lines.append(f"| {size} | {setup} | {m['connections']:,.0f} | {m['requests']:,.0f} | "
                          f"{m['frames']:,.0f} | {m['cpu_s']:.2f} | {m['wall_s']:.2f} |")
-    lines += ["", f"Ratios torch / tiered and torch / tree (fanout {args.fanout}; higher: tierrun cheaper):", "",
+    lines += ["", f"Ratios torch / tierrun's tiered set-ups (tree fanout {args.fanout}; higher: tierrun cheaper):", "",
               "| K x P | set-up | connections | requests | frames | node-0 CPU | wall |",
               "|---|---|---:|---:|---:|---:|---:|"]
     for size, by in med.items():
-        for setup in ("tiered", "tree"):
+        for setup in TIERED:
             t, c = by["torch"], by[setup]
             q = {m: t[m] / c[m] if c[m] else float("inf") for m in t}
             lines.append(f"| {size} | {setup} | {q['connections']:.0f}x | {q['requests']:.1f}x | "

@@ -37,7 +37,7 @@ class Pipe(asyncio.Transport):
         self._closing = True
 
 
-async def linked(upstream):
+async def linked(upstream, config=None):
     """A front-end link to ``upstream`` through in-memory pipes; returns it and the
     upstream's link statistics. ``upstream``: a core, or another front-end's link (a
     stacked front-end, as in a deeper tree)."""
@@ -45,7 +45,7 @@ async def linked(upstream):
         server = LinkServer(lambda ns: upstream.view(ns.decode()), b"tok")
     else:
         server = LinkServer(core_upstreams(upstream), b"tok")
-    link = LinkUpstream(b"tok", on_lost=lambda reason: None)
+    link = LinkUpstream(b"tok", on_lost=lambda reason: None, config=config)
     conn = link.connection()
     server_end = server.accept("test")
     server_end.connection_made(Pipe(lambda: conn))

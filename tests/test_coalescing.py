@@ -10,6 +10,7 @@ import pytest
 from inproc import Client, linked, settle
 
 from tierrun.core import StoreCore
+from tierrun.link.config import LinkConfig
 from tierrun.protocol import Op
 
 
@@ -123,5 +124,24 @@ def test_add_on_a_non_number_fails_every_merged_caller():
         await settle()
         assert a.replies[0][0] == "dropped" and b.replies[0][0] == "dropped"
         assert core.snapshot()[b"/t"] == b"text"
+
+    run(main())
+
+
+def test_a_batch_window_merges_requests_from_several_loop_iterations():
+    """batch_window keeps a batch open after its first request: ADDs issued in
+    different loop iterations within it still reach the core as one."""
+    async def main():
+        core = StoreCore()
+        link, stats = await linked(core, LinkConfig(batch_window=0.05))
+        view = link.view()
+        clients = [Client() for _ in range(3)]
+        for c in clients:
+            view.execute((Op.ADD, b"/w", 1), c)
+            await asyncio.sleep(0)  # a new loop iteration each time
+        await asyncio.sleep(0.1)
+        await settle()
+        assert sorted(struct.unpack("<q", c.replies[0])[0] for c in clients) == [1, 2, 3]
+        assert stats.operations == 1 and stats.batches == 1
 
     run(main())

@@ -245,8 +245,8 @@ class LinkUpstream:
                 if group is not None:
                     self._leave_group(group, waiter)
                 return WAIT_CANCELED
-        if not self._pending:
-            asyncio.get_running_loop().call_soon(self._flush)
+        if not self._pending and not self._extra:
+            self._schedule_flush()
         self._pending.append((waiter, ns, req))
         self.stats.requests += 1
         return None
@@ -267,8 +267,17 @@ class LinkUpstream:
 
     def _queue_extra(self, entry: bytes) -> None:
         if not self._pending and not self._extra:
-            asyncio.get_running_loop().call_soon(self._flush)
+            self._schedule_flush()
         self._extra.append(entry)
+
+    def _schedule_flush(self) -> None:
+        """A batch closes at the end of this loop iteration, or ``batch_window`` seconds
+        after its first request: a longer batch merges more, for that much latency."""
+        loop = asyncio.get_running_loop()
+        if self.config.batch_window:
+            loop.call_later(self.config.batch_window, self._flush)
+        else:
+            loop.call_soon(self._flush)
 
     def _new_id(self) -> int:
         n = self._next_id

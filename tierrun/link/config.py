@@ -21,14 +21,19 @@ class LinkConfig:
     max_unacked_bytes: int = 256 * 1024 * 1024
     #: Acknowledge after this many frames even before the next heartbeat.
     ack_every: int = 64
+    #: A front-end's batch stays open this long (seconds) after its first request;
+    #: 0 closes it at the end of the event-loop iteration.
+    batch_window: float = 0.0
 
     @classmethod
     def from_env(cls) -> LinkConfig:
-        """Defaults, overridden by $TIERRUN_LINK_HEARTBEAT, $TIERRUN_LINK_TIMEOUT and
-        $TIERRUN_LINK_GRACE (seconds), which the launcher passes to every store process."""
+        """Defaults, overridden by $TIERRUN_LINK_HEARTBEAT, $TIERRUN_LINK_TIMEOUT,
+        $TIERRUN_LINK_GRACE and $TIERRUN_LINK_BATCH_WINDOW (seconds), which the launcher
+        passes to every store process."""
         d = cls()
         return cls(
             heartbeat_interval=float(os.environ.get("TIERRUN_LINK_HEARTBEAT", d.heartbeat_interval)),
             heartbeat_timeout=float(os.environ.get("TIERRUN_LINK_TIMEOUT", d.heartbeat_timeout)),
             grace=float(os.environ.get("TIERRUN_LINK_GRACE", d.grace)),
+            batch_window=float(os.environ.get("TIERRUN_LINK_BATCH_WINDOW", d.batch_window)),
         )
