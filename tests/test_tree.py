@@ -110,3 +110,14 @@ def test_static_job_with_store_fanout_node0_sees_fanout_links(tmp_path):
     served = served_by_store_host(logs[0])
     # 2 links; nodes 2, 3 and 4 each looked up their parent once over a plain connection
     assert served["links_accepted"] == 2 and served["clients_accepted"] == 3
+
+
+def test_a_node_whose_tree_parent_never_comes_says_so_in_one_line(tmp_path):
+    log = tmp_path / "node2.log"
+    p = tierrun("--nnodes", 3, "--rdzv_backend", "parallel", "--master_addr", "127.0.1.1",
+                "--master_port", free_port(), "--node_rank", 2, "--tiered", "--store-fanout", 2,
+                "--local_addr", "127.0.1.3", "--rdzv_conf", "timeout=3", SCRIPTS / "collectives.py",
+                log=log, env={"TIERRUN_TOKEN": "tree-job-token"})
+    assert finish([p], 60) == [1]
+    assert ("tierrun: error: node rank 2 did not learn where its parent in the store tree, node rank 0, "
+            "takes links within 3 s") in log.read_text()

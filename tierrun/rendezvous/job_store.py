@@ -21,6 +21,7 @@ from dataclasses import dataclass
 from datetime import timedelta
 
 from torch.distributed import TCPStore
+from torch.distributed.elastic.rendezvous import RendezvousConnectionError
 
 from ..client import StoreClient, StoreClientError
 from ..link.auth import load_token
@@ -34,8 +35,8 @@ PROXY_HOST = "127.0.0.1"
 
 class JobStore:
     """``start`` blocks until the processes this agent runs accept connections;
-    ``client`` until the store answers (``RuntimeError`` naming the address if it
-    does not within ``timeout``)."""
+    ``client`` until the store answers. Both raise ``RendezvousConnectionError``
+    saying what is unreachable (the launcher prints it as one line)."""
 
     def __init__(self, host: str, port: int, hosting: bool, timeout: timedelta,
                  token: str | None = None, store_workers: int = 1,
@@ -83,7 +84,7 @@ class JobStore:
             try:
                 proxy.start()
             except StoreStartError as e:
-                raise RuntimeError(
+                raise RendezvousConnectionError(
                     f"this node's store proxy could not link to {upstream} "
                     f"({'the store host' if upstream.endswith(f':{self.port}') else 'its parent node in the store tree'}): {e}"
                 ) from e
@@ -94,7 +95,7 @@ class JobStore:
     def _parent_address(self, tree: TreePlace) -> str:
         """Where the parent node's proxy takes links, as it published it: one plain
         connection to the store host (WAIT + GET), closed at once. Blocks up to the
-        store timeout; raises RuntimeError naming the parent."""
+        store timeout; raises RendezvousConnectionError naming the parent."""
         key = ("/" + tree.key(tree.parent)).encode()  # (torch's client adds the "/")
         deadline = time.monotonic() + self.timeout.total_seconds()
         delay = 0.1
@@ -112,7 +113,7 @@ class JobStore:
                 store.wait([key], timeout=max(deadline - time.monotonic(), 1.0))
                 return store.get(key).decode()
         except (OSError, TimeoutError, StoreClientError) as e:
-            raise RuntimeError(
+            raise RendezvousConnectionError(
                 f"node rank {tree.rank} did not learn where its parent in the store tree, node "
                 f"rank {tree.parent}, takes links within {self.timeout.total_seconds():.0f} s "
                 f"({type(e).__name__}: {e}). Is node rank {tree.parent} running, with the same "
@@ -151,7 +152,7 @@ class JobStore:
                 log.info("port %d is taken; using the store there instead", self.port)
                 self.hosting = False
                 return
-            raise RuntimeError(
+            raise RendezvousConnectionError(
                 f"could not start the job's store on port {self.port}: {e}. "
                 "Pick a free port with --master_port or --rdzv_endpoint HOST:PORT."
             ) from e
@@ -180,7 +181,7 @@ class JobStore:
                 self._client = TCPStore(host, port, is_master=False, timeout=self.timeout,
                                         wait_for_workers=False)
             except Exception as e:
-                raise RuntimeError(
+                raise RendezvousConnectionError(
                     f"cannot reach the job's store at {host}:{port} within "
                     f"{self.timeout.total_seconds():.0f} s ({type(e).__name__}). Check that the "
                     "store host (node rank 0 / the --rdzv_endpoint host) is running and that "
