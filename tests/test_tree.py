@@ -5,6 +5,7 @@ torch's own client."""
 from __future__ import annotations
 
 import os
+import signal
 import socket
 import threading
 import time
@@ -13,7 +14,7 @@ from datetime import timedelta
 import pytest
 import torch.distributed as dist
 
-from launch import SCRIPTS, finish, free_port, results, tierrun
+from launch import SCRIPTS, children, finish, free_port, results, tierrun
 from test_launcher import check_world, served_by_store_host
 from tierrun.server import StoreProcess
 
@@ -121,3 +122,30 @@ def test_a_node_whose_tree_parent_never_comes_says_so_in_one_line(tmp_path):
     assert finish([p], 60) == [1]
     assert ("tierrun: error: node rank 2 did not learn where its parent in the store tree, node rank 0, "
             "takes links within 3 s") in log.read_text()
+
+
+def test_a_dead_proxy_in_the_tree_stops_the_static_job_with_a_message(tmp_path):
+    """Node 1's proxy carries node 4's link (--store-fanout 2). Killed: node 1 reports
+    its lost store, the others' ring sees node 1 stop and the job stops, no hang."""
+    port = free_port()
+    logs = [tmp_path / f"node{k}.log" for k in range(5)]
+    procs = [tierrun("--nnodes", 5, "--rdzv_backend", "parallel", "--master_addr", "127.0.1.1",
+                     "--master_port", port, "--node_rank", k, "--tiered", "--store-fanout", 2,
+                     "--nproc_per_node", 1, "--local_addr", f"127.0.1.{k + 1}",
+                     SCRIPTS / "steady_worker.py", "--seconds", 60, log=logs[k],
+                     env={"TIERRUN_TOKEN": "tree-job-token"}) for k in range(5)]
+    try:
+        deadline = time.monotonic() + 90
+        while len(results(*logs, tag="UP")) < 5 and time.monotonic() < deadline:
+            time.sleep(0.2)
+        assert len(results(*logs, tag="UP")) == 5, logs[4].read_text()[-3000:]
+        proxy = next(c for c in children(procs[1].pid)
+                     if b"tierrun\0proxy" in open(f"/proc/{c}/cmdline", "rb").read())
+        os.kill(proxy, signal.SIGKILL)
+        killed = time.monotonic()
+        codes = finish(procs, 60)
+    finally:
+        finish(procs, 1)
+    assert all(c != 0 for c in codes) and time.monotonic() - killed < 40, codes
+    assert "this node's store proxy exited" in logs[1].read_text()
+    assert "node rank 1 (127.0.1.2) has not answered" in logs[0].read_text()
