@@ -75,6 +75,23 @@ def test_failure_report_names_the_earliest_failure_in_the_job():
     assert report.phases == {"agent start": 4.0, "rendezvous": 1.0, "worker start": 1.0, "run": 39.0}
 
 
+def test_failure_report_puts_the_crashed_rank_before_those_the_agent_stopped():
+    # what torch's agent reports when one worker aborts and it stops the others: every
+    # failure at once, none with an error file ({"message": "<NONE>"}), rank 0 first
+    r = recorder("10.0.0.1")
+    r.on_event(agent_event("RENDEZVOUS", duration_ms=1000), 10.0)
+    r.on_event(worker_event("START", 0, 0, group_rank=0), 11.0)
+    no_file = json.dumps({"message": "<NONE>"})
+    for rank, code in ((0, -15), (1, -6), (2, -15), (3, -15)):
+        r.on_event(worker_event("FAILED", rank, rank, group_rank=0, exit_code=code, raw_error=no_file), 20.0)
+    report = FailureReport.build("job", r.node, [])
+    assert [fr.failure.global_rank for fr in report.failed] == [1, 0, 2, 3]
+    text = report.render()
+    assert "first failure: rank 1 (local rank 1) on node 10.0.0.1 (node rank 0) at " in text
+    assert text.splitlines()[1].endswith(": killed by signal SIGABRT")
+    assert "<NONE>" not in text
+
+
 def test_timeline_orders_nodes_by_rank_and_phases_by_time():
     a, b = recorder("10.0.0.1"), recorder("10.0.0.2")
     b.node.started = 104.0

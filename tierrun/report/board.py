@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import json
 import logging
+import signal
 import threading
 from dataclasses import asdict, dataclass, field
 
@@ -31,6 +32,13 @@ class Failure:
     time: float
     message: str
     traceback: str = ""
+
+    @property
+    def stopped_by_agent(self) -> bool:
+        """SIGTERM and no error file: usually the agent stopping the rest of a failed
+        group. torch stamps every failure of one group with the same time, so this is
+        what tells the rank that failed first from the ones stopped because of it."""
+        return self.exitcode == -signal.SIGTERM and not self.traceback
 
 
 @dataclass

@@ -29,7 +29,8 @@ class FailureReport:
     run_id: str
     reporter: str  # the node writing the report
     first: FailedRank | None  # earliest failure seen anywhere in the job
-    failed: list[FailedRank]  # every failure seen, earliest first
+    failed: list[FailedRank]  # every failure seen, earliest first; workers the agent
+    # stopped (SIGTERM, no error file) after a failure come after every other failure
     restarts: int  # restarts this node used
     phases: dict[str, float]  # seconds per phase of this node's last attempt
     nodes_seen: int  # how many agents' records the report was built from
@@ -41,7 +42,7 @@ class FailureReport:
         failed = sorted(
             (FailedRank(r.node, r.addr, a.group_rank, f)
              for r in records.values() for a in r.attempts for f in a.failures),
-            key=lambda fr: fr.failure.time,
+            key=lambda fr: (fr.failure.stopped_by_agent, fr.failure.time),
         )
         last = mine.attempts[-1] if mine.attempts else None
         return FailureReport(

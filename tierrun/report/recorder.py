@@ -124,10 +124,14 @@ def _first(value):
     return value[0] if isinstance(value, (list, tuple)) else value
 
 
+# What torch's agent reports for a worker that left no error file (a signal, a crash).
+NO_ERROR_FILE = {"message": "<NONE>"}
+
+
 def _error_details(raw_error, exitcode: int | None, now: float) -> tuple[str, str, float]:
     """(message, traceback, time) from a worker's error file, or from its exit code."""
-    if raw_error:
-        data = json.loads(raw_error) if isinstance(raw_error, str) else raw_error
+    data = json.loads(raw_error) if isinstance(raw_error, str) else raw_error
+    if data and data != NO_ERROR_FILE:
         msg = data.get("message", data)
         if isinstance(msg, dict):
             info = msg.get("extraInfo", {})
