@@ -30,7 +30,7 @@ def test_frames_round_trip_at_any_split():
         frames = d.feed(data[:cut]) + d.feed(data[cut:])
         assert [f[0] for f in frames] == [BATCH, 6]
     batch = decode_batch(frames[0][1])
-    assert [(e.kind, e.client, e.rid, e.data) for e in batch] == [
+    assert batch == [
         (0, 1, 0, b"ns"), (1, 1, 7, encode_request((Op.GET, b"/k"))), (2, 1, 0, b"")]
     assert decode_replies(frames[1][1]) == [(7, 0, b"\x01\x00"), (8, 1, b"boom")]
 

@@ -4,6 +4,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from tierrun.protocol import Limits, Op, ProtocolError, RequestParser
+from tierrun.protocol.parser import decode_request
 from tierrun.protocol.requests import encode_handshake, encode_request
 
 keys = st.binary(max_size=20)
@@ -72,3 +73,40 @@ def test_mutated_streams_only_ever_raise_protocol_error(reqs, mutations, cuts):
         return
     for req in out:
         assert isinstance(req[0], Op)
+
+
+def stream_parse_one(data: bytes, limits: Limits):
+    """The stream parser's reading of ``data`` as a link entry: exactly one request."""
+    reqs = RequestParser(limits, numbering="2.2").feed(data)
+    if len(reqs) != 1 or encode_request(reqs[0]) != data:  # (the encoding is canonical)
+        raise ProtocolError("not exactly one request")
+    return reqs[0]
+
+
+@settings(max_examples=300)
+@given(requests)
+def test_decode_request_reads_every_encoded_request(req):
+    assert decode_request(encode_request(req)) == req
+
+
+@settings(max_examples=1500)
+@given(st.one_of(
+    st.binary(max_size=120),
+    # an encoded request, cut, extended or with one byte changed
+    st.tuples(requests, st.integers(0, 200), st.binary(max_size=4), st.integers(0, 255)).map(
+        lambda t: encode_request(t[0])[: t[1]] + t[2]),
+    st.tuples(requests, st.integers(0, 200), st.integers(0, 255)).map(
+        lambda t: bytes(b if i != t[1] else t[2] for i, b in enumerate(encode_request(t[0])))),
+))
+def test_decode_request_agrees_with_the_stream_parser(data):
+    """The link's one-shot decoder accepts exactly what the stream parser reads as one
+    whole request, with the same result, and raises only ProtocolError otherwise."""
+    try:
+        expected = stream_parse_one(data, SMALL)
+    except ProtocolError:
+        expected = ProtocolError
+    try:
+        got = decode_request(data, SMALL)
+    except ProtocolError:
+        got = ProtocolError
+    assert got == expected

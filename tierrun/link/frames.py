@@ -27,7 +27,6 @@ Every length is checked against a limit before anything is allocated for it.
 from __future__ import annotations
 
 import struct
-from dataclasses import dataclass
 
 LINK_MAGIC = 0xA7  # first byte a front-end sends: not an opcode of any torch version
 VERSION = 2  # 2: sessions, resumption, heartbeats
@@ -42,6 +41,7 @@ _open = struct.Struct("<BII")
 _req = struct.Struct("<BIQI")
 _close = struct.Struct("<BI")
 _reply = struct.Struct("<QBI")
+_REQ_SIZE, _OPEN_SIZE, _CLOSE_SIZE = _req.size, _open.size, _close.size
 _session = struct.Struct("<16sBQ")
 _u64 = struct.Struct("<Q")
 SESSION_ID_BYTES = 16
@@ -86,12 +86,9 @@ class FrameDecoder:
         return out
 
 
-@dataclass
-class Entry:
-    kind: int
-    client: int
-    rid: int = 0
-    data: bytes = b""  # namespace (OPEN) or request bytes (REQUEST)
+#: A decoded batch entry: ``(kind, client, rid, data)``; ``data`` is the namespace of an
+#: OPEN, the request bytes of a REQUEST; ``rid`` is 0 and ``data`` empty where unused.
+Entry = tuple[int, int, int, bytes]
 
 
 def encode_batch(entries: list[bytes]) -> bytes:
@@ -112,6 +109,7 @@ def entry_close(client: int) -> bytes:
 
 
 def decode_batch(payload: bytes) -> list[Entry]:
+    """O(len(payload)); tuples, not objects: this runs once per operation at the core."""
     try:
         (n,) = _u32.unpack_from(payload, 0)
         pos = 4
@@ -120,18 +118,18 @@ def decode_batch(payload: bytes) -> list[Entry]:
             kind = payload[pos]
             if kind == REQUEST:
                 _, client, rid, length = _req.unpack_from(payload, pos)
-                pos += _req.size
-                out.append(Entry(REQUEST, client, rid, payload[pos : pos + length]))
+                pos += _REQ_SIZE
+                out.append((REQUEST, client, rid, payload[pos : pos + length]))
                 pos += length
             elif kind == OPEN:
                 _, client, length = _open.unpack_from(payload, pos)
-                pos += _open.size
-                out.append(Entry(OPEN, client, 0, payload[pos : pos + length]))
+                pos += _OPEN_SIZE
+                out.append((OPEN, client, 0, payload[pos : pos + length]))
                 pos += length
             elif kind == CLOSE:
                 _, client = _close.unpack_from(payload, pos)
-                pos += _close.size
-                out.append(Entry(CLOSE, client))
+                pos += _CLOSE_SIZE
+                out.append((CLOSE, client, 0, b""))
             else:
                 raise LinkError(f"unknown batch entry kind {kind}")
             if pos > len(payload):

@@ -72,6 +72,72 @@ _MAGIC_BYTES = b"\x00" + struct.pack("<I", VALIDATION_MAGIC)
 _UNDECIDED, _TORCH22, _TORCH21 = range(3)
 
 
+_DEFAULT_LIMITS = Limits()
+
+
+def decode_request(data: bytes, limits: Limits = _DEFAULT_LIMITS) -> Request:
+    """Exactly one complete torch 2.2+ request, VALIDATE excluded: what a link entry
+    carries. The store host's per-operation path for links: the whole request is in
+    hand, so nothing is buffered or resumed, and the cost is O(len(data)). The same
+    limits as the stream parser; raises :class:`ProtocolError` on anything else
+    (a truncated request, trailing bytes)."""
+    end = len(data)
+    if end > limits.max_request_bytes:
+        raise ProtocolError(f"request exceeds {limits.max_request_bytes} bytes")
+    if not end or data[0] > Op.BARRIER or data[0] == Op.VALIDATE:
+        raise ProtocolError("a link entry must hold exactly one request")
+    op = data[0]
+    args: list = [_OP_MEMBERS[op]]
+    pos = 1
+    try:
+        for kind in _PLANS[op]:
+            if kind == _KEY or kind == _VALUE:
+                (n,) = _u64(data, pos)
+                limit = limits.max_key_bytes if kind == _KEY else limits.max_value_bytes
+                if n > limit:
+                    what = "key" if kind == _KEY else "value"
+                    raise ProtocolError(f"{what} of {n} bytes exceeds the limit of {limit}")
+                pos += 8
+                args.append(data[pos : pos + n])
+                pos += n
+            elif kind == _U32:
+                args.append(_u32(data, pos)[0])
+                pos += 4
+            elif kind == _I64:
+                args.append(_i64(data, pos)[0])
+                pos += 8
+            else:
+                (count,) = _u64(data, pos)
+                if count > limits.max_keys_per_request:
+                    raise ProtocolError(
+                        f"{count} keys in one request exceed the limit of {limits.max_keys_per_request}"
+                    )
+                pos += 8
+                pairs = kind == _PAIRS
+                items = []
+                for _ in range(count * 2 if pairs else count):
+                    (n,) = _u64(data, pos)
+                    is_value = pairs and len(items) % 2 == 1
+                    limit = limits.max_value_bytes if is_value else limits.max_key_bytes
+                    if n > limit:
+                        what = "value" if is_value else "key"
+                        raise ProtocolError(f"{what} of {n} bytes exceeds the limit of {limit}")
+                    pos += 8
+                    items.append(data[pos : pos + n])
+                    pos += n
+                if pairs:
+                    args += (tuple(items[0::2]), tuple(items[1::2]))
+                else:
+                    args.append(tuple(items))
+            if pos > end:
+                break
+    except struct.error:
+        pos = end + 1
+    if pos != end:
+        raise ProtocolError("a link entry must hold exactly one request")
+    return tuple(args)
+
+
 class RequestParser:
     """Turns the byte stream of one client connection into requests.
 
@@ -188,13 +254,6 @@ class RequestParser:
         if pos:
             del buf[:pos]
         return out
-
-    def parse_one(self, data: bytes) -> Request:
-        """Exactly one complete request. Raises ProtocolError otherwise."""
-        reqs = self.feed(data)
-        if len(reqs) != 1 or self._buf or self._op >= 0:
-            raise ProtocolError("a link entry must hold exactly one request")
-        return reqs[0]
 
     def _parse_items(self, kind: int, pos: int, end: int) -> tuple[int, bool]:
         """Parse a counted list of keys (_KEYS) or key/value pairs (_PAIRS).

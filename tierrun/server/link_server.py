@@ -32,10 +32,13 @@ from ..link.frames import (
     LinkError, decode_batch, decode_count, decode_session, encode_count, encode_replies,
 )
 from ..link.outbox import Outbox
-from ..protocol import ProtocolError, RequestParser
+from ..protocol import ProtocolError
+from ..protocol.parser import decode_request
 from ..protocol.opcodes import NO_REPLY_OPS
 
 log = logging.getLogger("tierrun.store")
+
+MAX_SHARED_NAMESPACES = 1024
 
 
 class RemoteClient:
@@ -81,7 +84,6 @@ class Session:
         self.outbox = Outbox(server.config.max_unacked_bytes)
         self.conn: LinkServerConnection | None = None
         self.expiry: asyncio.TimerHandle | None = None
-        self._parser = RequestParser(numbering="2.2")
         self._wakes: list[tuple[int, int, bytes]] = []
 
     def execute(self, payload: bytes) -> None:
@@ -91,27 +93,26 @@ class Session:
         self.received += 1
         replies: list[tuple[int, int, bytes]] = []
         clients = self.clients
-        parse = self._parser.parse_one
-        for e in decode_batch(payload):
-            if e.kind == REQUEST:
-                client = clients.get(e.client)
+        for kind, cid, rid, data in decode_batch(payload):
+            if kind == REQUEST:
+                client = clients.get(cid)
                 if client is None:
-                    raise LinkError(f"request for unknown client {e.client}")
-                req = parse(e.data)
+                    raise LinkError(f"request for unknown client {cid}")
+                req = decode_request(data)
                 stats.operations += 1
                 try:
                     reply = client.upstream.execute(req, client)
                 except StoreError as err:
-                    replies.append((e.rid, FAILED, str(err).encode()))
+                    replies.append((rid, FAILED, str(err).encode()))
                     continue
                 if reply is not None:
-                    replies.append((e.rid, OK, reply))
+                    replies.append((rid, OK, reply))
                 elif req[0] not in NO_REPLY_OPS:
-                    client.pending.append(e.rid)
-            elif e.kind == OPEN:
-                clients[e.client] = RemoteClient(self, self.server.upstream_for(e.data))
-            elif e.kind == CLOSE:
-                client = clients.pop(e.client, None)
+                    client.pending.append(rid)
+            elif kind == OPEN:
+                clients[cid] = RemoteClient(self, self.server.upstream_for(data))
+            elif kind == CLOSE:
+                client = clients.pop(cid, None)
                 if client is not None:
                     client.upstream.forget(client)
         if replies:
@@ -145,8 +146,21 @@ class Session:
 
 
 def core_upstreams(core: StoreCore) -> Callable[[bytes], Upstream]:
-    """Namespace -> the core as a front-end's clients in it see it."""
-    return lambda ns: NamespacedUpstream(core, ns + b"/") if ns else core
+    """Namespace -> the core as a front-end's clients in it see it. One wrapper per
+    namespace, shared by its clients (a job has one namespace per rendezvous round; past
+    ``MAX_SHARED_NAMESPACES`` a peer's new namespaces get wrappers of their own, so
+    OPENs cannot grow the table without bound)."""
+    upstreams: dict[bytes, Upstream] = {b"": core}
+
+    def upstream_for(ns: bytes) -> Upstream:
+        upstream = upstreams.get(ns)
+        if upstream is None:
+            upstream = NamespacedUpstream(core, ns + b"/")
+            if len(upstreams) < MAX_SHARED_NAMESPACES:
+                upstreams[ns] = upstream
+        return upstream
+
+    return upstream_for
 
 
 class LinkServer:
