@@ -9,6 +9,11 @@ frame and executed atomically, in order, by the core. Within a batch:
   sequential execution returns.
 Nothing is cached or merged across batches. Each WAIT runs at the core under its own
 link client id, so one client's CANCEL_WAIT (answered here) never cancels the others'.
+
+Link client ids cost an OPEN entry (and a CLOSE) at the core, as much as a request: a
+client gets one only when one of its own requests goes upstream (not when it was merged
+into another's), and the id of an answered WAIT is reused by the next WAIT in its
+namespace.
 """
 
 from __future__ import annotations
@@ -58,10 +63,10 @@ class _Upstream:
 
     def __init__(self, req: Request, cid: int, waiter: Waiter | None) -> None:
         self.req = req
-        self.cid = cid
+        self.cid = cid  # 0 once a WAIT group's id is closed
         self.waiters: list[Waiter] = [waiter] if waiter is not None else []
         self.deltas: list[int] | None = None  # set for a merged ADD
-        self.group = False  # a WAIT group: waiters may cancel one by one
+        self.group: bytes | None = None  # a WAIT group (waiters may cancel one by one): its namespace
 
 
 class CoalescingStats:
@@ -107,6 +112,7 @@ class LinkUpstream:
         self._extra: list[bytes] = []  # CLOSE entries for the next batch
         self._inflight: dict[int, _Upstream] = {}
         self._cids: dict[tuple[Waiter, bytes], int] = {}
+        self._idle_wait_cids: dict[bytes, list[int]] = defaultdict(list)  # per namespace
         self._wait_of: dict[Waiter, _Upstream] = {}
         self._next_id = 1
         self.stats = CoalescingStats()
@@ -262,8 +268,9 @@ class LinkUpstream:
     def _leave_group(self, group: _Upstream, waiter: Waiter) -> None:
         if waiter in group.waiters:
             group.waiters.remove(waiter)
-        if not group.waiters:
+        if not group.waiters and group.cid:  # nobody waits: drop the WAIT at the core
             self._queue_extra(entry_close(group.cid))
+            group.cid = 0
 
     def _queue_extra(self, entry: bytes) -> None:
         if not self._pending and not self._extra:
@@ -303,11 +310,17 @@ class LinkUpstream:
                 for dk in reads_on.pop((ns, _ALL_KEYS), ()):
                     open_reads.pop(dk, None)
 
+        cids = self._cids
+
+        def cid_of(waiter: Waiter, ns: bytes) -> int:
+            cid = cids.get((waiter, ns))
+            if cid is None:
+                cid = cids[(waiter, ns)] = self._new_id()
+                entries.append(entry_open(cid, ns))
+            return cid
+
         for waiter, ns, req in pending:
             op = req[0]
-            if (waiter, ns) not in self._cids and op != Op.WAIT:
-                cid = self._cids[(waiter, ns)] = self._new_id()
-                entries.append(entry_open(cid, ns))
             if op in _DEDUP_OPS:
                 keys = _keys(req) or (_ALL_KEYS,)
                 dk = (ns, encode_request(req))
@@ -322,12 +335,17 @@ class LinkUpstream:
                         stats.merged_reads += 1
                     continue
                 if op == Op.WAIT:
-                    u = _Upstream(req, self._new_id(), waiter)
-                    u.group = True
-                    entries.append(entry_open(u.cid, ns))
+                    idle = self._idle_wait_cids[ns]
+                    if idle:
+                        cid = idle.pop()
+                    else:
+                        cid = self._new_id()
+                        entries.append(entry_open(cid, ns))
+                    u = _Upstream(req, cid, waiter)
+                    u.group = ns
                     self._wait_of[waiter] = u
                 else:
-                    u = _Upstream(req, self._cids[(waiter, ns)], waiter)
+                    u = _Upstream(req, cid_of(waiter, ns), waiter)
                 open_reads[dk] = u
                 for k in keys:
                     reads_on[(ns, k)].append(dk)
@@ -342,13 +360,13 @@ class LinkUpstream:
                     add_runs[key] = run
                     stats.merged_adds += 1
                     continue
-                u = _Upstream(req, self._cids[(waiter, ns)], waiter)
+                u = _Upstream(req, cid_of(waiter, ns), waiter)
                 u.deltas = [req[2]]
                 add_runs[key] = u
                 ops.append(u)
             else:
                 touched(ns, _keys(req), write=True)
-                u = _Upstream(req, self._cids[(waiter, ns)], None if op in NO_REPLY_OPS else waiter)
+                u = _Upstream(req, cid_of(waiter, ns), None if op in NO_REPLY_OPS else waiter)
                 ops.append(u)
         for u in ops:
             req = u.req
@@ -374,11 +392,12 @@ class LinkUpstream:
                 for w in u.waiters:
                     w.drop(f"{Op(u.req[0]).name} failed: {reason}")  # type: ignore[attr-defined]
                 continue
-            if u.group:
+            if u.group is not None:
                 for w in u.waiters:
                     self._wait_of.pop(w, None)
                     w.wake(STOP_WAITING)
-                self._queue_extra(entry_close(u.cid))
+                if u.cid:  # (still open: nothing waits under it at the core now)
+                    self._idle_wait_cids[u.group].append(u.cid)
             elif u.deltas is not None and len(u.deltas) > 1:
                 final = _i64.unpack(data)[0]
                 prefix = final - sum(u.deltas)
