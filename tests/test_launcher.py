@@ -23,22 +23,29 @@ def test_standalone_ddp_toy_model(tmp_path):
     assert len({r["loss"] for r in rows}) >= 1
 
 
-@pytest.mark.parametrize("nodes", [2, 3])
-def test_static_parallel_nodes(tmp_path, nodes):
+@pytest.mark.parametrize("nprocs", [(2, 2), (2, 2, 2), (2, 1, 2)])
+def test_static_parallel_nodes(tmp_path, nprocs):
+    """Ranks follow node ranks. When every node runs as many workers, the agents compute
+    them without the store (torch's identical-workers path); otherwise through it."""
+    nodes = len(nprocs)
     port = free_port()
     logs = [tmp_path / f"node{k}.log" for k in range(nodes)]
     procs = [
-        tierrun("--nnodes", nodes, "--nproc_per_node", 2, "--rdzv_backend", "parallel",
+        tierrun("--nnodes", nodes, "--nproc_per_node", nprocs[k], "--rdzv_backend", "parallel",
                 "--master_addr", "127.0.1.1", "--master_port", port, "--node_rank", k,
-                "--local_addr", f"127.0.1.{k + 1}", SCRIPTS / "collectives.py", log=logs[k])
+                "--local_addr", f"127.0.1.{k + 1}", SCRIPTS / "collectives.py", log=logs[k],
+                env={"TIERRUN_LOG_LEVEL": "INFO"})
         for k in range(nodes)
     ]
     assert finish(procs) == [0] * nodes, logs[-1].read_text()[-3000:]
-    world = 2 * nodes
+    world = sum(nprocs)
     rows = results(*logs)
     check_world(rows, world, world * (world + 1) // 2)
-    for k, log in enumerate(logs):  # node k holds global ranks 2k, 2k+1
-        assert sorted(int(r["rank"]) for r in results(log)) == [2 * k, 2 * k + 1]
+    for k, log in enumerate(logs):  # node k holds the next nprocs[k] global ranks
+        first = sum(nprocs[:k])
+        assert sorted(int(r["rank"]) for r in results(log)) == list(range(first, first + nprocs[k]))
+        path = "ranks computed locally" if len(set(nprocs)) == 1 else "ranks assigned through the store"
+        assert path in log.read_text()
 
 
 @pytest.mark.parametrize("nodes", [2, 3])

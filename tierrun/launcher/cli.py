@@ -74,6 +74,8 @@ def prepare(argv: list[str]):
                     "with --rdzv_backend %s no timeline is written", args.rdzv_backend)
     rendezvous.register()
     config, entrypoint, cmd_args = config_from_args(args)
+    if args.rdzv_backend in TIERRUN_BACKENDS:  # (as torch resolved --nproc_per_node)
+        config.rdzv_configs["local_world_size"] = config.nproc_per_node
     reporting = JobReporting(config.run_id, config.local_addr, Path(args.timeline) if args.timeline else None)
     config.event_log_handler = reporting.install(config.event_log_handler)
     rendezvous.on_handler_created[:] = [reporting.handler_created]

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import os
 import socket
 import threading
 from collections.abc import Callable, Iterator
@@ -24,6 +25,12 @@ from .job_store import JobStore
 log = logging.getLogger("tierrun.rendezvous")
 
 DEFAULT_PROGRESS_INTERVAL = 5.0
+
+#: torch's agent assigns global ranks through the store (per node: a SET of its role
+#: info, then a WAIT and a GET of its own assignment: three requests on keys of its own,
+#: which no front-end can merge) unless this is "1", its path for nodes that all run the
+#: same number of workers, where each agent computes its ranks itself. Same ranks.
+IDENTICAL_WORKERS = "TORCH_ELASTIC_WORKER_IDENTICAL"
 
 
 class JobStoppedError(RendezvousError):
@@ -50,6 +57,32 @@ class StoreRendezvousHandler(RendezvousHandler):
         self._lock = threading.Lock()  # state the watch threads set
         self._watcher: StoreClient | None = None
         self._heartbeat: liveness.Heartbeat | None = None
+        #: Workers on this node, from the launcher: lets a round tell torch's agent that
+        #: every node runs as many (None: unknown, torch's store-based path).
+        self._local_world_size = int(config["local_world_size"]) if "local_world_size" in config else None
+        self._user_identical = os.environ.get(IDENTICAL_WORKERS)  # a user's own choice stands
+
+    def _count_local_world_size(self, store, base: str) -> str | None:
+        """Before this node announces itself in round ``base``: count it among the nodes
+        with its number of workers (one ADD, on a key shared by all such nodes: merged).
+        Returns the key for :meth:`_choose_rank_assignment`."""
+        if self._local_world_size is None or self._user_identical is not None:
+            return None
+        key = f"{base}/local_world_size/{self._local_world_size}"
+        store.add(key, 1)
+        return key
+
+    def _choose_rank_assignment(self, store, key: str | None, nodes: int) -> None:
+        """After every node of the round has announced itself: if all ``nodes`` run as
+        many workers as this one (one GET, identical on every node: merged), torch's
+        agent computes ranks without the store; else it uses the store, as torchrun does."""
+        if key is None:
+            return
+        identical = int(store.get(key)) == nodes
+        os.environ[IDENTICAL_WORKERS] = "1" if identical else "0"
+        log.info("rendezvous '%s': %s", self.run_id,
+                 f"every node runs {self._local_world_size} workers: ranks computed locally"
+                 if identical else "nodes run different numbers of workers: ranks assigned through the store")
 
     def get_run_id(self) -> str:
         return self.run_id

@@ -65,6 +65,7 @@ class ParallelRendezvousHandler(StoreRendezvousHandler):
         self.job.start()
         store = self.job.client()
         base = self._base(self._round)
+        workers_key = self._count_local_world_size(store, base)
         store.set(f"{base}/node/{self._rank}", json.dumps({"addr": self.node_addr}))
         store.append(f"{base}/arrivals", f"{self._rank} {self.node_addr}\n")
         endpoint = self.job.worker_endpoint(f"{self.run_id}/workers/{self._round}")
@@ -75,6 +76,7 @@ class ParallelRendezvousHandler(StoreRendezvousHandler):
             keys.append(f"{base}/worker_port")
         with self._progress(f"rendezvous '{self.run_id}'", lambda c: self._arrivals(c, base)):
             self._wait_for_all(store, keys, base)
+        self._choose_rank_assignment(store, workers_key, self._world_size)
         if endpoint is None:
             endpoint = (self.job.host, int(store.get(f"{base}/worker_port")))
         self._watch_nodes(base)
