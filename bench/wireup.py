@@ -21,6 +21,12 @@ node 0's agent WAITs for and MULTI_GETs every role_info, MULTI_SETs every node's
 assigned ranks (torch's static rendezvous and rank assignment); every agent WAITs and
 GETs its assignment, starts its P ranks, and at the end joins the exit barrier (ADD,
 the last one SETs last_member, WAIT).
+--agents tierrun: tierrun's set-ups replay what tierrun's own agents of a static job
+(--rdzv_backend parallel) send instead: ADD to the count of nodes with P workers, SET
+its node record, APPEND to the arrivals, WAIT for every node's record, GET the count
+(every node runs P: torch's agent then computes ranks without the store); while the
+ranks run, a standing WAIT on the round's failed key and the liveness ring (ADD its
+beat counter, read the next node's, every second); then the same exit barrier.
 Per rank, --traffic nccl (default): connect, VALIDATE+PING, ADD init/; NCCL's unique-id
 broadcast (rank 0 SETs it, the others WAIT and GET it: torch's get is WAIT+GET); a
 barrier (ADD; the last SETs a key every rank WAITs for); then --heartbeats CHECKs of the
@@ -154,8 +160,9 @@ async def connect(host: str, port: int) -> SimClient:
 
 class Cluster:
     def __init__(self, k: int, p: int, traffic: str, heartbeats: int, root: tuple[str, int],
-                 tiered: bool, fanout: int = 0, tree_port: int = 0) -> None:
+                 tiered: bool, fanout: int = 0, tree_port: int = 0, tierrun_agents: bool = False) -> None:
         self.k, self.p, self.w = k, p, k * p
+        self.tierrun_agents = tierrun_agents
         self.traffic = traffic
         self.heartbeats = heartbeats
         self.root = root
@@ -173,6 +180,9 @@ class Cluster:
             target = await self.front_end(n)
         agent = await connect(*target)
         await agent.call(Op.ADD, b"init/", 1)
+        if self.tierrun_agents:
+            await self.tierrun_agent(n, agent, target)
+            return
         await agent.call(Op.SET, f"/torchelastic/role_info/{n}".encode(),
                          json.dumps({"role": "default", "rank": n, "local_world_size": self.p}).encode())
         if n == 0:
@@ -186,12 +196,46 @@ class Cluster:
         await agent.call(Op.WAIT, (mine,))
         await agent.call(Op.GET, mine)
         await asyncio.gather(*(self.rank(n * self.p + i, target) for i in range(self.p)))
+        await self.exit_barrier(agent)
+
+    async def exit_barrier(self, agent: SimClient) -> None:
         count = await agent.call(Op.ADD, b"/torchelastic/agent/terminal_state/num_members", 1)
         last = b"/torchelastic/agent/terminal_state/last_member"
         if count == self.k:
             await agent.call(Op.SET, last, b"<val_ignored>")
         await agent.call(Op.WAIT, (last,))
         agent.transport.close()
+
+    async def tierrun_agent(self, n: int, agent: SimClient, target: tuple[str, int]) -> None:
+        """What a tierrun agent of a static job (--rdzv_backend parallel) sends instead of
+        torch's static rendezvous and rank assignment: count itself among the nodes with
+        its number of workers, announce itself, wait for every node, read the count (all
+        alike: torch's agent computes ranks locally); then, while its workers run, a
+        standing WAIT on the round's ``failed`` key and the liveness ring's heartbeat
+        (ADD its own counter, read the next node's, every second)."""
+        base = "/tierrun/job/static/0"
+        same = f"{base}/local_world_size/{self.p}".encode()
+        await agent.call(Op.ADD, same, 1)
+        await agent.call(Op.SET, f"{base}/node/{n}".encode(), json.dumps({"addr": f"10.0.{n // 250}.{n % 250}"}).encode())
+        await agent.call(Op.APPEND, f"{base}/arrivals".encode(), f"{n} 10.0.{n // 250}.{n % 250}\n".encode())
+        await agent.call(Op.WAIT, tuple(f"{base}/node/{j}".encode() for j in range(self.k)))
+        await agent.call(Op.GET, same)
+        watcher, beater = await connect(*target), await connect(*target)
+        watching = asyncio.ensure_future(watcher.call(Op.WAIT, (f"{base}/failed".encode(),)))
+        mine, theirs = f"{base}/beat/{n}".encode(), f"{base}/beat/{(n + 1) % self.k}".encode()
+
+        async def beat() -> None:
+            while True:
+                await beater.call(Op.ADD, mine, 1)
+                await beater.call(Op.ADD, theirs, 0)
+                await asyncio.sleep(1.0)
+
+        beating = asyncio.ensure_future(beat())
+        await asyncio.gather(*(self.rank(n * self.p + i, target) for i in range(self.p)))
+        await self.exit_barrier(agent)
+        for task, client in ((beating, beater), (watching, watcher)):
+            task.cancel()
+            client.transport.close()
 
     async def front_end(self, n: int) -> tuple[str, int]:
         from tierrun.frontend import FrontEnd
@@ -245,13 +289,13 @@ class Cluster:
 
 
 def sim_child(setup: str, k: int, p: int, procs: int, index: int, port: int, traffic: str,
-              heartbeats: int, fanout: int, tree_port: int) -> None:
+              heartbeats: int, fanout: int, tree_port: int, agents: str) -> None:
     """Simulate nodes index, index + procs, ...; start when told on stdin."""
     from tierrun.server.eventloop import run
 
     raise_fd_limit()
     cluster = Cluster(k, p, traffic, heartbeats, ("127.0.0.1", port), setup in TIERED,
-                      fanout if setup in TREES else 0, tree_port)
+                      fanout if setup in TREES else 0, tree_port, agents == "tierrun" and setup != "torch")
     print("ready", flush=True)
     sys.stdin.readline()
 
@@ -289,7 +333,7 @@ def measure(setup: str, k: int, p: int, args) -> dict:
     tree_port = free_port()
     sims = [subprocess.Popen([sys.executable, __file__, "--sim-child", setup, str(k), str(p), str(args.procs),
                               str(i), str(port), args.traffic, str(args.heartbeats),
-                              str(args.fanout), str(tree_port)],
+                              str(args.fanout), str(tree_port), args.agents],
                              stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, env=env)
             for i in range(args.procs)]
     try:
@@ -360,12 +404,15 @@ def main() -> None:
     p.add_argument("--traffic", choices=("nccl", "gloo"), default="nccl")
     p.add_argument("--heartbeats", type=int, default=3)
     p.add_argument("--fanout", type=int, default=8, help="links per front-end in the tree set-up")
-    p.add_argument("--sim-child", nargs=10, help=argparse.SUPPRESS)
+    p.add_argument("--agents", choices=("torch", "tierrun"), default="torch",
+                   help="agent traffic of tierrun's set-ups: torch's static rendezvous and rank "
+                        "assignment (as the torch set-up), or what tierrun's parallel backend sends")
+    p.add_argument("--sim-child", nargs=11, help=argparse.SUPPRESS)
     args = p.parse_args()
     if args.sim_child:
-        setup, k, pp, procs, index, port, traffic, hb, fanout, tree_port = args.sim_child
+        setup, k, pp, procs, index, port, traffic, hb, fanout, tree_port, agents = args.sim_child
         sim_child(setup, int(k), int(pp), int(procs), int(index), int(port), traffic, int(hb),
-                  int(fanout), int(tree_port))
+                  int(fanout), int(tree_port), agents)
         return
     raise_fd_limit()
     sizes = [tuple(map(int, s.split("x"))) for s in args.sizes]
@@ -378,7 +425,10 @@ def main() -> None:
                 print(f"{k}x{pp} run {i + 1} {setup}: {r}", flush=True)
     med = {size: {s: {m: statistics.median(r[m] for r in rs) for m in rs[0]} for s, rs in by.items()}
            for size, by in runs.items()}
-    lines = [f"Traffic: {args.traffic}, {args.heartbeats} heartbeat CHECKs per rank; medians of "
+    agents = ("agents: torch's static rendezvous and rank assignment in every set-up" if args.agents == "torch"
+              else "agents: torchrun's in the torch set-up, tierrun's parallel backend (rendezvous, "
+                   "local rank assignment, liveness ring) in tierrun's")
+    lines = [f"Traffic: {args.traffic}, {args.heartbeats} heartbeat CHECKs per rank; {agents}; medians of "
              f"{args.repeat} runs; {args.procs} simulator processes.", "",
              "| K x P | set-up | node-0 connections | node-0 requests | node-0 frames | node-0 CPU s | wall s |",
              "|---|---|---:|---:|---:|---:|---:|"]
@@ -397,7 +447,7 @@ def main() -> None:
                          f"{q['frames']:.1f}x | {q['cpu_s']:.1f}x | {q['wall_s']:.2f}x |")
     table = "\n".join(lines)
     print(table)
-    name = "wireup" if args.traffic == "nccl" else "wireup_gloo"
+    name = ("wireup" if args.traffic == "nccl" else "wireup_gloo") + ("_tierrun_agents" if args.agents == "tierrun" else "")
     write_json(name, {"args": vars(args), "runs": runs})
     plot(sizes, med, DOCS / "bench" / f"{name}.png")
     write_section(name, table + f"\n\n![node 0 cost](bench/{name}.png)")
