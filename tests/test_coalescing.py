@@ -37,6 +37,32 @@ def test_adds_on_one_counter_become_one(n):
     run(main())
 
 
+def test_link_ids_only_for_requests_sent_and_reused_by_later_waits():
+    """An id costs the core an OPEN entry: merged clients get none, and one client's
+    successive WAITs run under one id."""
+    async def main():
+        core = StoreCore()
+        core.execute((Op.SET, b"/k", b"v"), None)
+        link, stats = await linked(core)
+        view = link.view()
+        clients = [Client() for _ in range(5)]
+        for c in clients:
+            view.execute((Op.GET, b"/k"), c)
+        await settle()
+        assert all(c.replies for c in clients)
+        assert link.stats.ids_opened == 1  # the GET that went upstream
+        waiter = clients[0]
+        for i in range(3):
+            view.execute((Op.WAIT, (f"/w{i}".encode(),)), waiter)
+            await settle()
+            core.execute((Op.SET, f"/w{i}".encode(), b"1"), None)
+            await settle()
+        assert len(waiter.replies) == 4  # the GET, then three WAITs answered
+        assert link.stats.ids_opened == 2  # + one id for the three WAITs
+
+    run(main())
+
+
 def test_identical_gets_checks_and_multi_gets_are_sent_once():
     async def main():
         core = StoreCore()

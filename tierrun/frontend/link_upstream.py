@@ -79,6 +79,7 @@ class CoalescingStats:
         self.merged_reads = 0
         self.merged_waits = 0
         self.merged_adds = 0
+        self.ids_opened = 0  # link client ids opened at the upstream (an OPEN entry each)
 
     def as_dict(self) -> dict[str, int]:
         return dict(vars(self))
@@ -317,6 +318,7 @@ class LinkUpstream:
             if cid is None:
                 cid = cids[(waiter, ns)] = self._new_id()
                 entries.append(entry_open(cid, ns))
+                stats.ids_opened += 1
             return cid
 
         for waiter, ns, req in pending:
@@ -341,6 +343,7 @@ class LinkUpstream:
                     else:
                         cid = self._new_id()
                         entries.append(entry_open(cid, ns))
+                        stats.ids_opened += 1
                     u = _Upstream(req, cid, waiter)
                     u.group = ns
                     self._wait_of[waiter] = u
