@@ -48,19 +48,24 @@ def test_static_parallel_nodes(tmp_path, nprocs):
         assert path in log.read_text()
 
 
-@pytest.mark.parametrize("nodes", [2, 3])
-def test_elastic_nodes(tmp_path, nodes):
+@pytest.mark.parametrize("nprocs", [(2, 2), (2, 2, 2), (1, 2, 2)])
+def test_elastic_nodes(tmp_path, nprocs):
+    """As the static test: ranks computed locally only when every member runs as many
+    workers (the closer of the round says so)."""
+    nodes = len(nprocs)
     port = free_port()
     logs = [tmp_path / f"node{k}.log" for k in range(nodes)]
     procs = []
     for k in range(nodes):
-        procs.append(tierrun("--nnodes", f"2:{nodes}", "--nproc_per_node", 2,
+        procs.append(tierrun("--nnodes", f"2:{nodes}", "--nproc_per_node", nprocs[k],
                              "--rdzv_endpoint", f"127.0.1.1:{port}", "--rdzv_id", "el",
                              "--rdzv_conf", "last_call_timeout=3", "--local_addr", f"127.0.1.{k + 1}",
-                             SCRIPTS / "collectives.py", log=logs[k]))
+                             SCRIPTS / "collectives.py", log=logs[k], env={"TIERRUN_LOG_LEVEL": "INFO"}))
     assert finish(procs) == [0] * nodes, logs[-1].read_text()[-3000:]
-    world = 2 * nodes
+    world = sum(nprocs)
     check_world(results(*logs), world, world * (world + 1) // 2)
+    path = "ranks computed locally" if len(set(nprocs)) == 1 else "ranks assigned through the store"
+    assert all(path in log.read_text() for log in logs)
 
 
 def test_torch_npu_run_flags_verbatim(tmp_path):

@@ -10,7 +10,11 @@ does a fixed number of operations:
     (i == max)                 -> close now;  (i == min) -> close after the last call
     WAIT   r/closed            -> pushed by the store, no polling
     GET    r/closed            -> n members: arrivals 1..n; i > n waits for round r+1
-    WAIT + MULTI_GET r/rank/<i>, r/worker_port  -> my rank, where my workers connect
+    WAIT + MULTI_GET r/rank/<i>, r/identical, r/worker_port
+                               -> my rank; whether every member runs as many workers
+                                  (then torch's agent computes global ranks itself,
+                                  instead of three store requests per node); where my
+                                  workers connect
 
 Closing is one COMPARE_SET of ``r/closed`` from empty to the member count: whoever
 wins decides, the others' attempts change nothing. The winner (the closer) reads the n
@@ -114,7 +118,8 @@ class ElasticRendezvousHandler(StoreRendezvousHandler):
             if joined is not None:
                 break
             r += 1  # arrived after the close: wait in the next round
-        index, rank, n, endpoint = joined
+        index, rank, n, endpoint, identical = joined
+        self._use_local_rank_assignment(identical)
         with self._lock:
             self._round = r
             self._index = index
@@ -132,10 +137,10 @@ class ElasticRendezvousHandler(StoreRendezvousHandler):
 
     def _join(self, store, r: int, deadline: float):
         """Join round r. None if it closed without us; else (arrival index, rank, members,
-        worker endpoint)."""
+        worker endpoint, whether every member runs as many workers)."""
         index = int(store.add(self._k(r, "joined"), 1))
         me = {"addr": self.node_addr, "prev_rank": self._rank, "prev_round": self._round,
-              "prev_index": self._index, "pid": os.getpid()}
+              "prev_index": self._index, "pid": os.getpid(), "workers": self._local_world_size}
         store.set(self._k(r, f"node/{index}"), json.dumps(me))
         if index == 1 and r > 0:
             store.set(self._k(r - 1, "changed"), "joined")  # the running members restart
@@ -160,15 +165,15 @@ class ElasticRendezvousHandler(StoreRendezvousHandler):
             log.info("round %d of '%s' closed with %d nodes before node %s arrived; waiting for the next",
                      r, self.run_id, n, self.node_addr)
             return None
-        keys = [self._k(r, f"rank/{index}")]
+        keys = [self._k(r, f"rank/{index}"), self._k(r, "identical")]
         if not self.job.tiered:
             keys.append(self._k(r, "worker_port"))
         store.wait(keys, self.job.timeout)
         values = store.multi_get(keys)
         if not self.job.tiered:
-            endpoint = (self.job.host, int(values[1]))
+            endpoint = (self.job.host, int(values[2]))
         assert endpoint is not None
-        return index, int(values[0]), n, endpoint
+        return index, int(values[0]), n, endpoint, values[1] == b"1"
 
     def _arrivals(self, client: StoreClient, r: int) -> Arrivals:
         """From ``r/arrivals``, not the descriptors: the store's MULTI_GET waits for
@@ -185,7 +190,9 @@ class ElasticRendezvousHandler(StoreRendezvousHandler):
 
     def _assign_ranks(self, store, r: int, n: int) -> None:
         """The closer's one O(n) step: rank of members 1..n, stable across rounds (by the
-        rank a node had in its previous round, then by arrival), in one MULTI_SET."""
+        rank a node had in its previous round, then by arrival), and whether they all run
+        as many workers (then torch's agents compute global ranks without the store), in
+        one MULTI_SET."""
         keys = [self._k(r, f"node/{j}") for j in range(1, n + 1)]
         store.wait(keys, self.job.timeout)
         members = json.loads(b"[" + b",".join(store.multi_get(keys)) + b"]")  # one parse
@@ -196,6 +203,9 @@ class ElasticRendezvousHandler(StoreRendezvousHandler):
         # dead markers exist from the start: torch's client WAITs for every key it MULTI_GETs
         keys += [self._k(r, f"dead/{j}") for j in range(1, n + 1)]
         values = [str(rank) for rank in range(n)] + [str(j + 1) for j in order] + ["0"] * n + [""] * n
+        workers = {m.get("workers") for m in members}
+        keys.append(self._k(r, "identical"))
+        values.append("1" if len(workers) == 1 and None not in workers else "0")
         store.multi_set(keys, values)
 
     def _last_call_then_close(self, store, r: int) -> None:

@@ -63,9 +63,9 @@ class StoreRendezvousHandler(RendezvousHandler):
         self._user_identical = os.environ.get(IDENTICAL_WORKERS)  # a user's own choice stands
 
     def _count_local_world_size(self, store, base: str) -> str | None:
-        """Before this node announces itself in round ``base``: count it among the nodes
-        with its number of workers (one ADD, on a key shared by all such nodes: merged).
-        Returns the key for :meth:`_choose_rank_assignment`."""
+        """Before this node announces itself in round ``base`` of a static job: count it
+        among the nodes with its number of workers (one ADD, on a key shared by all such
+        nodes: merged). Returns the key for :meth:`_choose_rank_assignment`."""
         if self._local_world_size is None or self._user_identical is not None:
             return None
         key = f"{base}/local_world_size/{self._local_world_size}"
@@ -73,12 +73,17 @@ class StoreRendezvousHandler(RendezvousHandler):
         return key
 
     def _choose_rank_assignment(self, store, key: str | None, nodes: int) -> None:
-        """After every node of the round has announced itself: if all ``nodes`` run as
-        many workers as this one (one GET, identical on every node: merged), torch's
-        agent computes ranks without the store; else it uses the store, as torchrun does."""
-        if key is None:
+        """After every node of a static round has announced itself: all ``nodes`` run as
+        many workers as this one iff the count is ``nodes`` (one GET, identical on every
+        node: merged)."""
+        if key is not None:
+            self._use_local_rank_assignment(int(store.get(key)) == nodes)
+
+    def _use_local_rank_assignment(self, identical: bool) -> None:
+        """Tell torch's agent how to assign this round's ranks: itself when every member
+        runs as many workers (``identical``), else through the store, as torchrun does."""
+        if self._user_identical is not None:
             return
-        identical = int(store.get(key)) == nodes
         os.environ[IDENTICAL_WORKERS] = "1" if identical else "0"
         log.info("rendezvous '%s': %s", self.run_id,
                  f"every node runs {self._local_world_size} workers: ranks computed locally"
