@@ -126,13 +126,15 @@ def test_a_node_whose_tree_parent_never_comes_says_so_in_one_line(tmp_path):
 
 def test_a_dead_proxy_in_the_tree_stops_the_static_job_with_a_message(tmp_path):
     """Node 1's proxy carries node 4's link (--store-fanout 2). Killed: node 1 reports
-    its lost store, the others' ring sees node 1 stop and the job stops, no hang."""
+    its lost store, the others' ring sees node 1 stop, node 4 names its lost parent once
+    its link's grace period ends, and the job stops, no hang. (Workers idle: no
+    collective fails first.)"""
     port = free_port()
     logs = [tmp_path / f"node{k}.log" for k in range(5)]
     procs = [tierrun("--nnodes", 5, "--rdzv_backend", "parallel", "--master_addr", "127.0.1.1",
                      "--master_port", port, "--node_rank", k, "--tiered", "--store-fanout", 2,
                      "--nproc_per_node", 1, "--local_addr", f"127.0.1.{k + 1}",
-                     SCRIPTS / "steady_worker.py", "--seconds", 60, log=logs[k],
+                     SCRIPTS / "sleep_worker.py", log=logs[k],
                      env={"TIERRUN_TOKEN": "tree-job-token"}) for k in range(5)]
     try:
         deadline = time.monotonic() + 90
@@ -148,4 +150,7 @@ def test_a_dead_proxy_in_the_tree_stops_the_static_job_with_a_message(tmp_path):
         finish(procs, 1)
     assert all(c != 0 for c in codes) and time.monotonic() - killed < 40, codes
     assert "this node's store proxy exited" in logs[1].read_text()
+    # node 4 linked through node 1's proxy: it names that, not the store host
+    assert "lost its parent in the store tree (node rank 1's proxy" in logs[4].read_text(), \
+        logs[4].read_text()[-3000:]
     assert "node rank 1 (127.0.1.2) has not answered" in logs[0].read_text()

@@ -146,11 +146,15 @@ class StoreRendezvousHandler(RendezvousHandler):
         node's workers when it raises."""
         reason = self.job.lost()
         if reason is not None:
+            if self.job.tree is not None and self.job.tree.parent is not None:
+                advice = (f"Its parent node (node rank {self.job.tree.parent}) stopped or died; "
+                          "restart the job once every node is up again.")
+            else:
+                advice = ("Restart the job when the store host (the --rdzv_endpoint or "
+                          "--master_addr node) is up again.")
             raise RendezvousConnectionError(
-                f"node {self.node_addr} lost the job's store host {self.job.host}:{self.job.port}: "
-                f"{reason}. The job cannot go on without its store; this node's workers were "
-                "stopped. Restart the job when the store host (the --rdzv_endpoint or "
-                "--master_addr node) is up again."
+                f"node {self.node_addr} lost {self.job.upstream_name}: {reason}. The job cannot "
+                f"go on without its store; this node's workers were stopped. {advice}"
             )
 
     def leave(self, reason: str) -> None:

@@ -48,6 +48,8 @@ class JobStore:
         self.token = token
         self.store_workers = store_workers
         self.tree = tree if token is not None else None
+        #: What this node's store traffic goes through, as messages name it.
+        self.upstream_name = f"the job's store host {host}:{port}"
         self.root: StoreProcess | None = None
         self.proxy: StoreProcess | None = None
         self._client: TCPStore | None = None
@@ -72,6 +74,7 @@ class JobStore:
             extra = []
             if tree is not None and tree.parent is not None:
                 upstream = self._parent_address(tree)
+                self.upstream_name = f"its parent in the store tree (node rank {tree.parent}'s proxy, {upstream})"
             if tree is not None and tree.has_children:
                 extra = ["--link-listen", f"{_bracket(tree.addr)}:0"]
             proxy = StoreProcess(
