@@ -218,7 +218,9 @@ class Cluster:
         await agent.call(Op.ADD, same, 1)
         await agent.call(Op.SET, f"{base}/node/{n}".encode(), json.dumps({"addr": f"10.0.{n // 250}.{n % 250}"}).encode())
         await agent.call(Op.APPEND, f"{base}/arrivals".encode(), f"{n} 10.0.{n // 250}.{n % 250}\n".encode())
-        await agent.call(Op.WAIT, tuple(f"{base}/node/{j}".encode() for j in range(self.k)))
+        if await agent.call(Op.ADD, f"{base}/arrived".encode(), 1) == self.k:
+            await agent.call(Op.SET, f"{base}/all_arrived".encode(), b"1")
+        await agent.call(Op.WAIT, (f"{base}/all_arrived".encode(),))
         await agent.call(Op.GET, same)
         watcher, beater = await connect(*target), await connect(*target)
         watching = asyncio.ensure_future(watcher.call(Op.WAIT, (f"{base}/failed".encode(),)))

@@ -1,8 +1,9 @@
 """``parallel`` (and ``static``): a fixed number of nodes, each given its node rank.
 
 torch_npu_run's behaviour on tierrun's store: node rank 0 hosts the store, every agent
-announces itself with one SET and waits once for all the others (O(1) operations per
-node), and the workers of each round get their own key namespace.
+announces itself (its record, and an ADD to the round's arrival count; the last to
+arrive sets one key) and waits once, on that key, for all the others (O(1) operations
+and bytes per node), and the workers of each round get their own key namespace.
 
 A static job cannot go on without any of its nodes, so it should stop at once, and say
 why, when one is lost: the members beat and watch each other in a ring (see
@@ -16,6 +17,7 @@ from __future__ import annotations
 
 import json
 import logging
+import secrets
 import socket
 import time
 from datetime import timedelta
@@ -66,10 +68,10 @@ class ParallelRendezvousHandler(StoreRendezvousHandler):
         store = self.job.client()
         base = self._base(self._round)
         workers_key = self._count_local_world_size(store, base)
-        store.set(f"{base}/node/{self._rank}", json.dumps({"addr": self.node_addr}))
+        self._arrive(store, base)
         store.append(f"{base}/arrivals", f"{self._rank} {self.node_addr}\n")
         endpoint = self.job.worker_endpoint(f"{self.run_id}/workers/{self._round}")
-        keys = [f"{base}/node/{r}" for r in range(self._world_size)]
+        keys = [f"{base}/all_arrived"]
         if not self.job.tiered:  # the host publishes the one worker port of the round
             if endpoint is not None:
                 store.set(f"{base}/worker_port", str(endpoint[1]))
@@ -87,8 +89,23 @@ class ParallelRendezvousHandler(StoreRendezvousHandler):
             RendezvousStoreInfo(*endpoint),
         )
 
+    def _arrive(self, store, base: str) -> None:
+        """Write this node's record and count it; the node that completes the count sets
+        ``all_arrived``, the one key every node waits for. Counting, not waiting for all N
+        record keys: N WAITs of N keys each cost the store host O(N²) (at 512 nodes, more
+        than all the rest of the start-up). The record is created with COMPARE_SET and
+        counted only by its creator, so an agent restarted into the same round is not
+        counted twice (its record already exists)."""
+        record = json.dumps({"addr": self.node_addr, "nonce": secrets.token_hex(8)})
+        key = f"{base}/node/{self._rank}"
+        if store.compare_set(key, "", record) != record.encode():
+            store.set(key, record)  # a restarted agent: already counted, refresh the record
+            return
+        if int(store.add(f"{base}/arrived", 1)) == self._world_size:
+            store.set(f"{base}/all_arrived", "1")
+
     def _wait_for_all(self, store, keys: list[str], base: str) -> None:
-        """WAIT for every node, one second at a time, so that a node lost in the previous
+        """WAIT for ``keys`` (every node arrived), one second at a time, so that a node lost in the previous
         round (its ring watcher sets ``failed``) ends the wait at once. O(1) operations
         per node per second."""
         deadline = time.monotonic() + self._timeout.total_seconds()
