@@ -22,8 +22,9 @@ assigned ranks (torch's static rendezvous and rank assignment); every agent WAIT
 GETs its assignment, starts its P ranks, and at the end joins the exit barrier (ADD,
 the last one SETs last_member, WAIT).
 --agents tierrun: tierrun's set-ups replay what tierrun's own agents of a static job
-(--rdzv_backend parallel) send instead: ADD to the count of nodes with P workers, SET
-its node record, APPEND to the arrivals, WAIT for every node's record, GET the count
+(--rdzv_backend parallel) send instead: ADD to the count of nodes with P workers,
+COMPARE_SET its node record, ADD to the arrival count (the last SETs all_arrived),
+APPEND to the arrivals, WAIT for all_arrived, GET the count
 (every node runs P: torch's agent then computes ranks without the store); while the
 ranks run, a standing WAIT on the round's failed key and the liveness ring (ADD its
 beat counter, read the next node's, every second); then the same exit barrier.
@@ -209,17 +210,19 @@ class Cluster:
     async def tierrun_agent(self, n: int, agent: SimClient, target: tuple[str, int]) -> None:
         """What a tierrun agent of a static job (--rdzv_backend parallel) sends instead of
         torch's static rendezvous and rank assignment: count itself among the nodes with
-        its number of workers, announce itself, wait for every node, read the count (all
-        alike: torch's agent computes ranks locally); then, while its workers run, a
+        its number of workers, write its record, count its arrival (the last SETs the key
+        all wait for), append to the arrivals, wait, read the count (all alike: torch's
+        agent computes ranks locally); then, while its workers run, a
         standing WAIT on the round's ``failed`` key and the liveness ring's heartbeat
         (ADD its own counter, read the next node's, every second)."""
         base = "/tierrun/job/static/0"
         same = f"{base}/local_world_size/{self.p}".encode()
         await agent.call(Op.ADD, same, 1)
-        await agent.call(Op.SET, f"{base}/node/{n}".encode(), json.dumps({"addr": f"10.0.{n // 250}.{n % 250}"}).encode())
-        await agent.call(Op.APPEND, f"{base}/arrivals".encode(), f"{n} 10.0.{n // 250}.{n % 250}\n".encode())
+        record = json.dumps({"addr": f"10.0.{n // 250}.{n % 250}", "nonce": secrets.token_hex(8)}).encode()
+        await agent.call(Op.COMPARE_SET, f"{base}/node/{n}".encode(), b"", record)
         if await agent.call(Op.ADD, f"{base}/arrived".encode(), 1) == self.k:
             await agent.call(Op.SET, f"{base}/all_arrived".encode(), b"1")
+        await agent.call(Op.APPEND, f"{base}/arrivals".encode(), f"{n} 10.0.{n // 250}.{n % 250}\n".encode())
         await agent.call(Op.WAIT, (f"{base}/all_arrived".encode(),))
         await agent.call(Op.GET, same)
         watcher, beater = await connect(*target), await connect(*target)
