@@ -121,8 +121,11 @@ class StoreClient:
     def append(self, key: bytes, value: bytes) -> None:
         self._send((Op.APPEND, key, value))
 
-    def multi_get(self, keys: list[bytes]) -> list[bytes]:
-        self.wait(keys)
+    def multi_get(self, keys: list[bytes], wait: bool = True) -> list[bytes]:
+        """``wait=False``: missing keys read as empty (tierrun's store), no WAIT first
+        (torch's client waits for every key)."""
+        if wait:
+            self.wait(keys)
         self._send((Op.MULTI_GET, tuple(keys)))
         return [self._vec() for _ in keys]
 

@@ -24,8 +24,8 @@ closer dies in that instant, the members' wait ends with the join timeout.) Node
 join round r+1 at once, and running agents restart to admit them (below).
 Ranks are stable: members sort by their rank in their previous round, then by arrival.
 
-Liveness (``liveness.py``): while round r runs, every member beats a counter and
-watches the member of the next rank; a silent one is marked dead and ``r/changed`` set,
+Liveness (``liveness.py``): while round r runs, every member beats a counter and the
+first ranks watch them all; a silent one is marked dead and ``r/changed`` set,
 which every member WAITs on, so all agents restart their workers, even workers stuck in
 a collective. Running agents also learn of nodes waiting for round r+1 through
 ``r/changed`` (its first arrival sets it). When round r+1 re-forms, its last call ends
@@ -263,13 +263,13 @@ class ElasticRendezvousHandler(StoreRendezvousHandler):
 
     def _watch_members(self, store, r: int, index: int, rank: int, n: int) -> None:
         """While round r runs: wait for ``r/changed`` (a node joined round r+1, or a member
-        died or left), and beat, watching the member of the next rank."""
+        died or left), and beat; the first ranks watch every member (``liveness``)."""
 
         def changed(_: StoreClient) -> None:
             with self._lock:
                 self._waiting_seen.add(r)
 
-        watched = int(store.get(self._k(r, f"member/{(rank + 1) % n}"))) if n > 1 else None
+        watched = liveness.watched_by(rank, index, range(1, n + 1))  # members: arrivals 1..n
         self._watch_round(lambda name: ("/" + self._k(r, name)).encode(), "changed", changed,
                           index, watched, lambda dead: self._declare_dead(r, dead))
 

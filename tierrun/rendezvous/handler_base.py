@@ -97,10 +97,10 @@ class StoreRendezvousHandler(RendezvousHandler):
         return True
 
     def _watch_round(self, key: Callable[[str], bytes], signal: str, on_signal: Callable[[StoreClient], None],
-                     index: int, watched: int | None, on_dead: Callable[[int], None]) -> None:
+                     index: int, watched: list[int], on_dead: Callable[[int], None]) -> None:
         """While a round runs: a standing WAIT for the round key ``signal`` on its own
         connection (then ``on_signal(client)``, from that thread), and this member's
-        heartbeat, watching member ``watched`` (see ``liveness``). ``key(name)`` gives a
+        heartbeat, watching the members ``watched`` (see ``liveness``). ``key(name)`` gives a
         round key as sent on the wire. Replaces the previous round's."""
         self._stop_watching()
         client = StoreClient(self.job.agent_address, timeout=365 * 24 * 3600)

@@ -6,7 +6,7 @@ arrive sets one key) and waits once, on that key, for all the others (O(1) opera
 and bytes per node), and the workers of each round get their own key namespace.
 
 A static job cannot go on without any of its nodes, so it should stop at once, and say
-why, when one is lost: the members beat and watch each other in a ring (see
+why, when one is lost: the members beat, and the first ranks watch them all (see
 ``liveness``), a node that is silent for the heartbeat timeout, or that leaves on a
 signal, sets the round's ``failed`` key, and every agent, holding a WAIT on it, stops
 its workers and exits with the reason instead of waiting in a collective or in the
@@ -34,6 +34,7 @@ from torch.distributed.elastic.rendezvous.utils import parse_rendezvous_endpoint
 
 from ..client import StoreClient
 from ..report.progress import Arrivals
+from . import liveness
 from .handler_base import JobStoppedError, StoreRendezvousHandler
 from .job_store import JobStore, TreePlace, store_fanout_from, store_workers_from, token_from
 
@@ -106,7 +107,7 @@ class ParallelRendezvousHandler(StoreRendezvousHandler):
 
     def _wait_for_all(self, store, keys: list[str], base: str) -> None:
         """WAIT for ``keys`` (every node arrived), one second at a time, so that a node lost in the previous
-        round (its ring watcher sets ``failed``) ends the wait at once. O(1) operations
+        round (its watchers set ``failed``) ends the wait at once. O(1) operations
         per node per second."""
         deadline = time.monotonic() + self._timeout.total_seconds()
         while True:
@@ -120,14 +121,15 @@ class ParallelRendezvousHandler(StoreRendezvousHandler):
                     raise RendezvousTimeoutError(self._missing_message(store, base)) from e
 
     def _watch_nodes(self, base: str) -> None:
-        """While the round runs: wait for ``failed``, and beat, watching the next node rank."""
+        """While the round runs: wait for ``failed``, and beat (the first ranks also watch
+        every node)."""
 
         def failed(client: StoreClient) -> None:
             reason = client.get(f"/{base}/failed".encode()).decode()
             with self._lock:
                 self._failure = reason
 
-        watched = (self._rank + 1) % self._world_size if self._world_size > 1 else None
+        watched = liveness.watched_by(self._rank, self._rank, range(self._world_size))
         self._watch_round(lambda name: f"/{base}/{name}".encode(), "failed", failed, self._rank,
                           watched, lambda dead: self._declare_dead(base, dead))
 
