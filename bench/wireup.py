@@ -26,8 +26,9 @@ the last one SETs last_member, WAIT).
 COMPARE_SET its node record, ADD to the arrival count (the last SETs all_arrived),
 APPEND to the arrivals, WAIT for all_arrived, GET the count
 (every node runs P: torch's agent then computes ranks without the store); while the
-ranks run, a standing WAIT on the round's failed key and the liveness ring (ADD its
-beat counter, read the next node's, every second); then the same exit barrier.
+ranks run, a standing WAIT on the round's failed key and the heartbeat (every second,
+ADD its beat counter; nodes 0-2 also MULTI_GET every other node's); then the same exit
+barrier.
 Per rank, --traffic nccl (default): connect, VALIDATE+PING, ADD init/; NCCL's unique-id
 broadcast (rank 0 SETs it, the others WAIT and GET it: torch's get is WAIT+GET); a
 barrier (ADD; the last SETs a key every rank WAITs for); then --heartbeats CHECKs of the
@@ -213,8 +214,9 @@ class Cluster:
         its number of workers, write its record, count its arrival (the last SETs the key
         all wait for), append to the arrivals, wait, read the count (all alike: torch's
         agent computes ranks locally); then, while its workers run, a
-        standing WAIT on the round's ``failed`` key and the liveness ring's heartbeat
-        (ADD its own counter, read the next node's, every second)."""
+        standing WAIT on the round's ``failed`` key and its heartbeat (every second, ADD
+        its beat counter; the first 3 ranks also read every other node's in one
+        MULTI_GET)."""
         base = "/tierrun/job/static/0"
         same = f"{base}/local_world_size/{self.p}".encode()
         await agent.call(Op.ADD, same, 1)
@@ -227,12 +229,14 @@ class Cluster:
         await agent.call(Op.GET, same)
         watcher, beater = await connect(*target), await connect(*target)
         watching = asyncio.ensure_future(watcher.call(Op.WAIT, (f"{base}/failed".encode(),)))
-        mine, theirs = f"{base}/beat/{n}".encode(), f"{base}/beat/{(n + 1) % self.k}".encode()
+        mine = f"{base}/beat/{n}".encode()
+        theirs = tuple(f"{base}/beat/{j}".encode() for j in range(self.k) if j != n) if n < 3 else ()
 
         async def beat() -> None:
             while True:
                 await beater.call(Op.ADD, mine, 1)
-                await beater.call(Op.ADD, theirs, 0)
+                if theirs:  # the first 3 ranks watch every other node
+                    await beater.call(Op.MULTI_GET, theirs)
                 await asyncio.sleep(1.0)
 
         beating = asyncio.ensure_future(beat())
@@ -432,7 +436,7 @@ def main() -> None:
            for size, by in runs.items()}
     agents = ("agents: torch's static rendezvous and rank assignment in every set-up" if args.agents == "torch"
               else "agents: torchrun's in the torch set-up, tierrun's parallel backend (rendezvous, "
-                   "local rank assignment, liveness ring) in tierrun's")
+                   "local rank assignment, heartbeats) in tierrun's")
     lines = [f"Traffic: {args.traffic}, {args.heartbeats} heartbeat CHECKs per rank; {agents}; medians of "
              f"{args.repeat} runs; {args.procs} simulator processes.", "",
              "| K x P | set-up | node-0 connections | node-0 requests | node-0 frames | node-0 CPU s | wall s |",
