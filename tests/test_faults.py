@@ -1,22 +1,25 @@
 """Fault injection on real jobs: a node killed, a node frozen (SIGSTOP) with the other
-workers stuck in a collective with it. Elastic 2:3, Gloo, the default last call
-(30 s): the survivors must re-form within seconds, not after the last call."""
+workers stuck in a collective with it, one process of a node killed (a worker, the
+agent, the node's store proxy). Elastic 2:3, Gloo, the default last call (30 s): the
+survivors must re-form within seconds, not after the last call."""
 
+import os
 import signal
 import time
+from pathlib import Path
 
 import pytest
 
-from launch import SCRIPTS, finish, free_port, kill_tree, results, tierrun
+from launch import SCRIPTS, children, finish, free_port, kill_tree, results, tierrun
 
 COMMON = ("--nnodes", "2:3", "--nproc_per_node", 1, "--max_restarts", 3, "--monitor_interval", "0.5")
 
 
-def start_three(tmp_path, run_id):
+def start_three(tmp_path, run_id, *flags, script=("heartbeat_worker.py", "--want", 2)):
     port = free_port()
     logs = [tmp_path / f"node{k}.log" for k in range(3)]
-    procs = [tierrun(*COMMON, "--rdzv_endpoint", f"127.0.1.1:{port}", "--rdzv_id", run_id,
-                     "--local_addr", f"127.0.1.{k + 1}", SCRIPTS / "heartbeat_worker.py", "--want", 2,
+    procs = [tierrun(*COMMON, *flags, "--rdzv_endpoint", f"127.0.1.1:{port}", "--rdzv_id", run_id,
+                     "--local_addr", f"127.0.1.{k + 1}", SCRIPTS / script[0], *script[1:],
                      log=logs[k]) for k in range(3)]
     deadline = time.time() + 90
     while len(results(*logs, tag="UP")) < 3 and time.time() < deadline:
@@ -25,11 +28,54 @@ def start_three(tmp_path, run_id):
     return procs, logs
 
 
-def recovered_after(logs, t_fault: float) -> float:
-    """Seconds from the fault to the survivors' workers up again in a world of 2."""
-    up = [float(r["t"]) for r in results(*logs, tag="UP") if r["world"] == "2"]
-    assert len(up) == 2, up
+def recovered_after(logs, t_fault: float, world: int = 2) -> float:
+    """Seconds from the fault to the workers up again in a world of ``world``."""
+    up = [float(r["t"]) for r in results(*logs, tag="UP") if r["world"] == str(world) and float(r["t"]) > t_fault]
+    assert len(up) == world, up
     return max(up) - t_fault
+
+
+def descendants(pid: int) -> list[int]:
+    tree = [pid]
+    for p in tree:
+        tree += children(p)
+    return tree[1:]
+
+
+def command_line(pid: int) -> str:
+    try:
+        return Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode()
+    except OSError:
+        return ""
+
+
+@pytest.mark.parametrize("victim", ["worker", "agent", "proxy"])
+def test_one_killed_process_of_a_tiered_node(tmp_path, victim):
+    """kill -9 one process of node 2 in a tiered elastic job whose workers ADD to a
+    store counter. A worker: its agent restarts it and the job re-forms with all three
+    nodes. The agent: the others see its heartbeat stop and re-form without it; its
+    orphaned proxy and workers go away. The node's store proxy: its agent starts a new
+    one and rejoins; the job re-forms with all three. Every ADD of the final round is
+    counted exactly once."""
+    procs, logs = start_three(tmp_path, f"kill-{victim}", "--tiered",
+                              script=("counter_worker.py", "--seconds", 8))
+    node2 = descendants(procs[2].pid)
+    target = {"agent": procs[2].pid,
+              "worker": next(p for p in node2 if "counter_worker" in command_line(p)),
+              "proxy": next(p for p in node2 if "tierrun proxy" in command_line(p))}[victim]
+    t_kill = time.time()
+    os.kill(target, signal.SIGKILL)
+    codes = finish(procs, timeout=120)
+    world = 2 if victim == "agent" else 3
+    assert codes == ([0, 0, -signal.SIGKILL] if victim == "agent" else [0, 0, 0]), \
+        (codes, logs[2].read_text()[-3000:])
+    rows = results(*logs)
+    assert len(rows) == world and all(r["ok"] == "1" and r["world"] == str(world) for r in rows), rows
+    assert recovered_after(logs, t_kill, world) < 20
+    if victim == "agent":
+        assert [p for p in node2 if os.path.exists(f"/proc/{p}")] == []  # no orphans left
+    if victim == "proxy":
+        assert "the store proxy of node 127.0.1.3 was killed by SIGKILL; starting a new one" in logs[2].read_text()
 
 
 def test_killed_node_survivors_reform_in_seconds(tmp_path):

@@ -300,7 +300,10 @@ class ElasticRendezvousHandler(StoreRendezvousHandler):
         return (self._k(self._round, "agents"), self._members) if self._round >= 0 else None
 
     def num_nodes_waiting(self) -> int:
-        """Raises ``RendezvousConnectionError`` once the store host is lost."""
+        """Raises ``RendezvousConnectionError`` once the store host is lost. A node whose
+        proxy died gets a new one and answers 1: it restarts its workers and rejoins."""
+        if self.replace_dead_proxy():
+            return 1
         self.check_store_host()
         with self._lock:
             if self._round not in self._waiting_seen:

@@ -144,6 +144,13 @@ class StoreRendezvousHandler(RendezvousHandler):
         no store operation (see ``JobStore.lost``); torch's agent calls
         ``num_nodes_waiting`` every monitor interval, which calls this, and stops the
         node's workers when it raises."""
+        failure = self.job.proxy_failure()
+        if failure is not None:
+            raise RendezvousConnectionError(
+                f"the store proxy of node {self.node_addr} {failure}: this node's workers lost the "
+                "job's store and were stopped, and a static job cannot go on without them. "
+                "Restart the job (an elastic job replaces a dead proxy and goes on)."
+            )
         reason = self.job.lost()
         if reason is not None:
             if self.job.tree is not None and self.job.tree.parent is not None:
@@ -156,6 +163,21 @@ class StoreRendezvousHandler(RendezvousHandler):
                 f"node {self.node_addr} lost {self.job.upstream_name}: {reason}. The job cannot "
                 f"go on without its store; this node's workers were stopped. {advice}"
             )
+
+    def replace_dead_proxy(self) -> bool:
+        """If this node's store proxy died on its own (killed, crashed: not because the
+        store host was lost), start a new one and return True: the caller must then have
+        torch's agent restart this node's workers (their store connections died with the
+        proxy) and rejoin. O(1) while the proxy runs; blocks while a new one starts and
+        raises ``RendezvousConnectionError`` if it cannot link to the store host."""
+        failure = self.job.proxy_failure()
+        if failure is None:
+            return False
+        log.warning("the store proxy of node %s %s; starting a new one, restarting this node's "
+                    "workers and rejoining the job", self.node_addr, failure)
+        self._stop_watching()
+        self.job.restart_proxy()
+        return True
 
     def leave(self, reason: str) -> None:
         """This agent is going away (a signal; torch's agent has stopped its workers):

@@ -15,6 +15,7 @@ import json
 import logging
 import os
 import secrets
+import signal
 import socket
 import time
 from dataclasses import dataclass
@@ -25,7 +26,7 @@ from torch.distributed.elastic.rendezvous import RendezvousConnectionError
 
 from ..client import StoreClient, StoreClientError
 from ..link.auth import load_token
-from ..server import StoreProcess, StoreStartError
+from ..server import LINK_LOST, StoreProcess, StoreStartError
 
 log = logging.getLogger("tierrun.rendezvous")
 
@@ -137,6 +138,25 @@ class JobStore:
         if self._watch is not None and _closed_by_peer(self._watch):
             return "the store host closed this node's connection"
         return None
+
+    def proxy_failure(self) -> str | None:
+        """How this node's proxy died on its own (killed, crashed), or None while it runs
+        or when it stopped because its link was lost (``lost`` says so). O(1)."""
+        code = None if self.proxy is None else self.proxy.exited()
+        if code is None or code == LINK_LOST:
+            return None
+        if code < 0:
+            return f"was killed by {signal.Signals(-code).name}"
+        return f"exited with status {code}" + (f" ({err})" if (err := self.proxy.last_error()) else "")
+
+    def restart_proxy(self) -> None:
+        """Replace a dead proxy with a new one (a new link session: what the old one's
+        clients had pending at the store host expires with that session). Clients of the
+        old proxy, this agent's included, must reconnect: ``client`` gives a new one.
+        Blocks and raises like ``start``."""
+        self.proxy = None
+        self._client = None
+        self.start()
 
     def _store_args(self) -> list[str]:
         """Front-end processes for the workers' connections: flat only (tiered, workers

@@ -21,6 +21,10 @@ from .service import Service, ServiceConfig
 
 log = logging.getLogger("tierrun.proxy")
 
+#: The proxy's exit status when its link to the upstream is lost past the grace period
+#: (any other non-zero status, or a signal, is the proxy's own failure).
+LINK_LOST = 3
+
 
 async def serve_proxy(
     config: ServiceConfig,
@@ -32,7 +36,7 @@ async def serve_proxy(
     link_config: LinkConfig | None = None,
     link_listen: tuple[str, int] | None = None,
 ) -> int:
-    """Serve until the link is lost past its grace period (returns 3) or until stopped
+    """Serve until the link is lost past its grace period (returns ``LINK_LOST``) or until stopped
     (0). With ``link_listen`` (host, port), other front-ends may link to this one there
     (a deeper tree): their sessions are served like the core serves links, their
     requests forwarded over this proxy's own link, merged with its local clients'."""
@@ -69,4 +73,4 @@ async def serve_proxy(
         if links is not None:
             links.close()
         link.close()
-    return 3 if lost else 0
+    return LINK_LOST if lost else 0
