@@ -171,3 +171,99 @@ def test_a_batch_window_merges_requests_from_several_loop_iterations():
         assert stats.operations == 1 and stats.batches == 1
 
     run(main())
+
+
+def value(v: bytes) -> bytes:
+    """A GET answer."""
+    return struct.pack("<Q", len(v)) + v
+
+
+def test_sets_and_gets_of_distinct_keys_fold_into_one_multi_set_and_one_multi_get():
+    """torch's rank assignment: each agent SETs a key of its own, later GETs another of
+    its own. A batch of them reaches the core as one MULTI_SET / one MULTI_GET."""
+    async def main():
+        core = StoreCore()
+        link, stats = await linked(core)
+        view = link.view()
+        clients = [Client() for _ in range(8)]
+        for i, c in enumerate(clients):
+            view.execute((Op.SET, f"/role/{i}".encode(), f"r{i}".encode()), c)
+        await settle()
+        assert stats.operations == 1 and link.stats.folded_sets == 7
+        assert core.snapshot() == {f"/role/{i}".encode(): f"r{i}".encode() for i in range(8)}
+        for i, c in enumerate(clients):
+            view.execute((Op.GET, f"/role/{7 - i}".encode()), c)
+        view.execute((Op.GET, b"/role/3"), extra := Client())  # identical to one folded: merged
+        await settle()
+        assert stats.operations == 2 and link.stats.folded_gets == 7 and link.stats.merged_reads == 1
+        assert [c.replies for c in clients] == [[value(f"r{7 - i}".encode())] for i in range(8)]
+        assert extra.replies == [value(b"r3")]
+        assert link.stats.ids_opened == 1  # the folds travel under their first client's id
+
+    run(main())
+
+
+def test_a_fold_gives_the_answers_of_in_order_execution():
+    """A request joins a fold only past requests it commutes with: a GET not past a
+    write of its key, a SET not past any request on its key nor a GETNUMKEYS."""
+    async def main():
+        core = StoreCore()
+        core.execute((Op.SET, b"/a", b"1"), None)
+        core.execute((Op.SET, b"/b", b"1"), None)
+        link, stats = await linked(core)
+        view = link.view()
+        a, w, b, c = Client(), Client(), Client(), Client()
+        view.execute((Op.GET, b"/a"), a)
+        view.execute((Op.SET, b"/a", b"2"), w)
+        view.execute((Op.GET, b"/b"), b)  # folds with a's GET
+        view.execute((Op.GET, b"/a"), c)  # after the write: not folded ahead of it
+        await settle()
+        assert (a.replies, b.replies, c.replies) == ([value(b"1")], [value(b"1")], [value(b"2")])
+        assert link.stats.folded_gets == 1
+        s, r, t = Client(), Client(), Client()
+        view.execute((Op.SET, b"/s", b"1"), s)
+        view.execute((Op.GET, b"/b"), r)
+        view.execute((Op.SET, b"/b", b"2"), t)  # not folded ahead of the GET of its key
+        await settle()
+        assert r.replies == [value(b"1")] and link.stats.folded_sets == 0
+        x, n, y = Client(), Client(), Client()
+        view.execute((Op.SET, b"/x", b"1"), x)
+        view.execute((Op.GETNUMKEYS,), n)
+        view.execute((Op.SET, b"/y", b"1"), y)  # a new key: not folded ahead of GETNUMKEYS
+        await settle()
+        assert n.replies == [struct.pack("<q", 4)] and link.stats.folded_sets == 0  # /a /b /s /x
+
+    run(main())
+
+
+def test_a_client_request_never_joins_one_placed_before_its_own_earlier_request():
+    """A client that pipelines an ADD and a GET must get the ADD's answer first, so its
+    GET may not merge into another client's GET that stands before its ADD."""
+    async def main():
+        core = StoreCore()
+        core.execute((Op.SET, b"/k", b"v"), None)
+        link, stats = await linked(core)
+        view = link.view()
+        first, piped = Client(), Client()
+        view.execute((Op.GET, b"/k"), first)
+        view.execute((Op.ADD, b"/n", 5), piped)
+        view.execute((Op.GET, b"/k"), piped)
+        await settle()
+        assert piped.replies == [struct.pack("<q", 5), value(b"v")]
+        assert link.stats.merged_reads == 0 and stats.operations == 3
+
+    run(main())
+
+
+def test_appends_to_one_key_become_one():
+    async def main():
+        core = StoreCore()
+        link, stats = await linked(core)
+        view = link.view()
+        for piece in (b"a", b"b", b"c"):
+            view.execute((Op.APPEND, b"/log", piece), Client())
+        await settle()
+        assert core.snapshot()[b"/log"] == b"abc"
+        assert stats.operations == 1 and link.stats.merged_appends == 2
+
+    run(main())

@@ -22,6 +22,7 @@ not a linearizable one); tierrun does the same, and test_core checks that byte f
 from __future__ import annotations
 
 import asyncio
+import random
 from collections import deque
 from dataclasses import dataclass, field
 from functools import lru_cache
@@ -37,6 +38,7 @@ from tierrun.protocol.replies import encode_bytes, encode_i64, encode_many, enco
 
 COUNTERS = (b"/a", b"/b")  # always present, always numbers: ADD, GET, COMPARE_SET go here
 FREE = b"/d"  # set, deleted, appended to, waited for
+NEW = b"/e"  # absent until set: a SET of it changes GETNUMKEYS
 QUEUE = b"/q"
 DIGITS = st.sampled_from([b"0", b"1", b"2", b"3"])
 
@@ -45,11 +47,15 @@ _hot = (  # what coalescing touches most, on one key: drawn more often, so that 
     st.tuples(st.just(Op.GET), st.just(b"/a")),
     st.tuples(st.just(Op.ADD), st.just(b"/a"), st.integers(-2, 3)),
     st.tuples(st.just(Op.WAIT), st.just((FREE,))),
+    # distinct keys: SETs and GETs of several keys fold into one MULTI_SET / MULTI_GET
+    st.tuples(st.just(Op.SET), st.just(b"/b"), DIGITS),
+    st.tuples(st.just(Op.GET), st.just(b"/b")),
 )
 ops = st.one_of(
     *_hot * 4,
     st.tuples(st.just(Op.SET), st.sampled_from(COUNTERS + (FREE,)), DIGITS),
-    st.tuples(st.just(Op.GET), st.sampled_from(COUNTERS)),
+    st.tuples(st.just(Op.GET), st.sampled_from(COUNTERS + (FREE,))),
+    st.tuples(st.just(Op.SET), st.just(NEW), DIGITS),
     st.tuples(st.just(Op.ADD), st.sampled_from(COUNTERS), st.integers(-2, 3)),
     st.tuples(st.just(Op.COMPARE_SET), st.sampled_from(COUNTERS), st.sampled_from([b"", b"0", b"1", b"2"]), DIGITS),
     st.tuples(st.just(Op.CHECK), st.sampled_from([(FREE,), (b"/a", FREE), (b"/a",)])),
@@ -77,7 +83,7 @@ def apply(state: tuple, req: tuple) -> tuple[tuple, bytes | None] | None:
         data[req[1]] = req[2]
         reply = None
     elif op == Op.GET:
-        reply = encode_bytes(data[req[1]])
+        reply = encode_bytes(data.get(req[1], b""))
     elif op == Op.ADD:
         data[req[1]] = str(int(data[req[1]]) + req[2]).encode()
         reply = encode_i64(int(data[req[1]]))
@@ -231,6 +237,7 @@ async def run_history(scripts: list[list[tuple]], where: list[int], schedule: li
     link1, _ = await linked(core)
     link2, _ = await linked(core)
     link3, _ = await linked(link1)
+    links = [link1, link2, link3]
     upstreams = [core, link1.view(), link2.view(), link3.view()]
     clock = [0]
     calls: list[Call] = []
@@ -249,26 +256,55 @@ async def run_history(scripts: list[list[tuple]], where: list[int], schedule: li
     for c in clients:
         for call in c.unanswered:
             call.returned = clock[0]
-    return core, clients, calls
+    return core, clients, calls, links
 
 
 @st.composite
-def client_scripts(draw) -> list[list[tuple]]:
+def client_scripts(draw, ops=ops, clients: tuple[int, int] = (2, 4)) -> list[list[tuple]]:
     """Scripts drawn from a small vocabulary of requests, so that identical and
     conflicting requests meet in one batch often."""
     vocabulary = draw(st.lists(ops, min_size=1, max_size=5))
-    return draw(st.lists(st.lists(st.sampled_from(vocabulary), min_size=1, max_size=5), min_size=2, max_size=4))
+    return draw(st.lists(st.lists(st.sampled_from(vocabulary), min_size=1, max_size=5),
+                         min_size=clients[0], max_size=clients[1]))
+
+
+# Requests on a few distinct keys, where SETs and GETs fold (and what must stop a fold:
+# a write between, a GETNUMKEYS after a SET of a new key, the client's own order).
+FOLDING_VOCABULARY = (
+    [(Op.SET, k, d) for k in COUNTERS + (FREE, NEW) for d in (b"1", b"2")]
+    + [(Op.GET, k) for k in COUNTERS + (FREE, NEW)] * 2
+    + [(Op.ADD, b"/a", 1), (Op.APPEND, FREE, b"3"), (Op.DELETE_KEY, NEW), (Op.GETNUMKEYS,)]
+)
+# mostly node front-ends (where batches form), mostly no loop turn between requests
+where = st.lists(st.sampled_from([0, 1, 1, 1, 2, 3, 3]), min_size=4, max_size=4)
+schedule = st.lists(st.tuples(st.permutations(range(4)), st.sampled_from([0, 1, 4])), min_size=1, max_size=8)
 
 
 @settings(max_examples=1000, deadline=None, suppress_health_check=[HealthCheck.too_slow])
-@given(
-    scripts=client_scripts(),
-    # mostly node front-ends (where batches form), mostly no loop turn between requests
-    where=st.lists(st.sampled_from([0, 1, 1, 1, 2, 3, 3]), min_size=4, max_size=4),
-    schedule=st.lists(st.tuples(st.permutations(range(4)), st.sampled_from([0, 1, 4])), min_size=1, max_size=8),
-)
+@given(scripts=client_scripts(), where=where, schedule=schedule)
 def test_every_history_is_linearizable(scripts, where, schedule):
-    core, clients, calls = asyncio.run(run_history(scripts, where, schedule))
+    check_history(scripts, where, schedule)
+
+
+def test_histories_of_folded_sets_and_gets_are_linearizable():
+    """Crowded histories (6 clients, mostly on one front-end, no loop turn between their
+    requests), seeded: hypothesis favours small examples, where folds are rare."""
+    folded = [0, 0]
+    for seed in range(300):
+        rnd = random.Random(seed)
+        vocabulary = [rnd.choice(FOLDING_VOCABULARY) for _ in range(6)]
+        scripts = [[rnd.choice(vocabulary) for _ in range(rnd.randint(2, 5))] for _ in range(6)]
+        where = [rnd.choice([0, 1, 1, 3]) for _ in range(6)]
+        schedule = [(rnd.sample(range(6), 6), rnd.choice([0, 0, 1])) for _ in range(8)]
+        stats = check_history(scripts, where, schedule)
+        folded[0] += sum(s.folded_sets for s in stats)
+        folded[1] += sum(s.folded_gets for s in stats)
+    assert folded[0] > 50 and folded[1] > 50, folded  # the folds did happen
+
+
+def check_history(scripts, where, schedule) -> list:
+    """Run and check one history; returns the front-ends' coalescing statistics."""
+    core, clients, calls, links = asyncio.run(run_history(scripts, where, schedule))
     assert not any(c.failed for c in clients), [c.failed for c in clients]
     for call in calls:
         if call.returned is None:
@@ -276,6 +312,7 @@ def test_every_history_is_linearizable(scripts, where, schedule):
             assert not all(k in core.snapshot() for k in call.req[1]), f"{call.req} missed its wake-up"
     assert linearizable(calls), "\n".join(
         f"client {c.client}: {c.req} [{c.invoked}, {c.returned}] -> {c.reply!r}" for c in calls)
+    return [link.stats for link in links]
 
 
 def test_the_checker_rejects_a_stale_read():

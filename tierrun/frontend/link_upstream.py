@@ -6,7 +6,18 @@ frame and executed atomically, in order, by the core. Within a batch:
   with no write to their keys between them are sent once and the answer fanned out;
 - consecutive ADDs to one key with no other operation on that key between them become
   one ADD of the sum; the i-th caller gets ``final - sum + prefix_i``, exactly what
-  sequential execution returns.
+  sequential execution returns; consecutive APPENDs to one key, one APPEND of the
+  concatenation (APPEND has no answer);
+- SETs of distinct keys fold into one MULTI_SET, and GETs of distinct keys into one
+  MULTI_GET whose values are handed out, run where the fold's first request stands.
+  A request joins a fold only if it commutes with everything it moves ahead of: no
+  request on its key (a GET: no write to it; a SET: no request at all, nor a
+  GETNUMKEYS or LIST_KEYS, whose answer a new key changes) since the fold's place.
+  So every answer is the one in-order execution gives. (This is what torch's rank
+  assignment needs: one SET, WAIT and GET of a key of its own per node; one MULTI_SET
+  and one MULTI_GET carry a whole batch of them.)
+A client's request joins an earlier merged or folded request only if the client has
+sent nothing since that one's place: its answers leave in the order it asked.
 Nothing is cached or merged across batches. Each WAIT runs at the core under its own
 link client id, so one client's CANCEL_WAIT (answered here) never cancels the others'.
 
@@ -43,8 +54,11 @@ from ..protocol.requests import encode_request
 log = logging.getLogger("tierrun.frontend")
 
 _i64 = struct.Struct("<q")
+_u64 = struct.Struct("<Q")
 _DEDUP_OPS = frozenset({Op.WAIT, Op.CHECK, Op.GET, Op.MULTI_GET, Op.GETNUMKEYS, Op.QUEUE_LEN})
 _ALL_KEYS = b"\x00*"  # pseudo-key touched by every write: GETNUMKEYS depends on all
+#: At most this many requests in one fold (the core's limit is 128 Ki keys per request).
+MAX_FOLD = 1024
 
 
 def _keys(req: Request) -> tuple[bytes, ...]:
@@ -59,14 +73,37 @@ def _keys(req: Request) -> tuple[bytes, ...]:
 class _Upstream:
     """One operation sent upstream, and who gets its answer."""
 
-    __slots__ = ("req", "cid", "waiters", "deltas", "group")
+    __slots__ = ("req", "cid", "waiters", "deltas", "group", "pos", "fold")
 
-    def __init__(self, req: Request, cid: int, waiter: Waiter | None) -> None:
+    def __init__(self, req: Request, cid: int, waiter: Waiter | None, pos: int) -> None:
         self.req = req
         self.cid = cid  # 0 once a WAIT group's id is closed
         self.waiters: list[Waiter] = [waiter] if waiter is not None else []
         self.deltas: list[int] | None = None  # set for a merged ADD
         self.group: bytes | None = None  # a WAIT group (waiters may cancel one by one): its namespace
+        self.pos = pos  # where its first request stands in the batch
+        self.fold: _Fold | None = None  # set once a second SET/GET/APPEND joins
+
+
+class _Fold:
+    """Requests folded into one: the keys of a MULTI_SET or MULTI_GET (with the SETs'
+    values, or which value each GET waiter gets), or an APPEND's pieces."""
+
+    __slots__ = ("keys", "values", "slot", "picks")
+
+    def __init__(self, u: _Upstream) -> None:
+        req = u.req
+        self.keys = [req[1]]
+        self.values: list[bytes] = [req[2]] if req[0] != Op.GET else []
+        self.slot = {req[1]: 0}  # GET: key -> index of its value
+        self.picks = [0] * len(u.waiters)  # GET: per waiter, the index of its value
+
+    def request(self, op: int) -> Request:
+        if op == Op.SET:
+            return (Op.MULTI_SET, tuple(self.keys), tuple(self.values))
+        if op == Op.GET:
+            return (Op.MULTI_GET, tuple(self.keys))
+        return (Op.APPEND, self.keys[0], b"".join(self.values))
 
 
 class CoalescingStats:
@@ -79,6 +116,9 @@ class CoalescingStats:
         self.merged_reads = 0
         self.merged_waits = 0
         self.merged_adds = 0
+        self.merged_appends = 0
+        self.folded_sets = 0  # SETs sent inside another's MULTI_SET
+        self.folded_gets = 0  # GETs answered from another's MULTI_GET
         self.ids_opened = 0  # link client ids opened at the upstream (an OPEN entry each)
 
     def as_dict(self) -> dict[str, int]:
@@ -293,17 +333,24 @@ class LinkUpstream:
         return n
 
     def _flush(self) -> None:
+        """Send the batch: merge and fold by the rule of this module's docstring. O(keys
+        of the batch's requests): a few dict operations per key."""
         pending, self._pending = self._pending, []
         entries, self._extra = self._extra, []
         ops: list[_Upstream] = []
         open_reads: dict[tuple[bytes, bytes], _Upstream] = {}
         reads_on: dict[tuple[bytes, bytes], list[tuple[bytes, bytes]]] = defaultdict(list)
-        add_runs: dict[tuple[bytes, bytes], _Upstream] = {}
+        runs: dict[tuple[int, bytes, bytes], _Upstream] = {}  # (ADD|APPEND, ns, key): open run
+        folds: dict[tuple[int, bytes], _Upstream] = {}  # (SET|GET, ns): the latest foldable op
+        last_touch: dict[tuple[bytes, bytes], int] = {}  # (ns, key): place of the last request on it
+        last_write: dict[tuple[bytes, bytes], int] = {}
+        last_of: dict[Waiter, int] = {}  # client: place of its last request
         stats = self.stats
 
         def touched(ns: bytes, keys, write: bool) -> None:
             for k in keys:
-                add_runs.pop((ns, k), None)
+                runs.pop((Op.ADD, ns, k), None)
+                runs.pop((Op.APPEND, ns, k), None)
                 if write:
                     for dk in reads_on.pop((ns, k), ()):
                         open_reads.pop(dk, None)
@@ -321,21 +368,41 @@ class LinkUpstream:
                 stats.ids_opened += 1
             return cid
 
-        for waiter, ns, req in pending:
+        for i, (waiter, ns, req) in enumerate(pending):
             op = req[0]
+            keys = _keys(req)
+            since = last_of.get(waiter, -1)  # this client's previous request
+            last_of[waiter] = i
             if op in _DEDUP_OPS:
-                keys = _keys(req) or (_ALL_KEYS,)
                 dk = (ns, encode_request(req))
                 same = open_reads.get(dk)
-                touched(ns, _keys(req), write=False)
-                if same is not None:
+                touched(ns, keys, write=False)
+                for k in keys or (_ALL_KEYS,):
+                    last_touch[(ns, k)] = i
+                if same is not None and since < same.pos:
                     same.waiters.append(waiter)
+                    if same.fold is not None:
+                        same.fold.picks.append(same.fold.slot[req[1]])
                     if op == Op.WAIT:
                         self._wait_of[waiter] = same
                         stats.merged_waits += 1
                     else:
                         stats.merged_reads += 1
                     continue
+                if op == Op.GET:
+                    f = folds.get((Op.GET, ns))
+                    if (f is not None and since < f.pos and last_write.get((ns, req[1]), -1) < f.pos
+                            and (f.fold is None or len(f.fold.keys) < MAX_FOLD)):
+                        fold = f.fold or _Fold(f)
+                        f.fold = fold
+                        fold.slot[req[1]] = len(fold.keys)
+                        fold.picks.append(len(fold.keys))
+                        fold.keys.append(req[1])
+                        f.waiters.append(waiter)
+                        open_reads[dk] = f
+                        reads_on[(ns, req[1])].append(dk)
+                        stats.folded_gets += 1
+                        continue
                 if op == Op.WAIT:
                     idle = self._idle_wait_cids[ns]
                     if idle:
@@ -344,36 +411,68 @@ class LinkUpstream:
                         cid = self._new_id()
                         entries.append(entry_open(cid, ns))
                         stats.ids_opened += 1
-                    u = _Upstream(req, cid, waiter)
+                    u = _Upstream(req, cid, waiter, i)
                     u.group = ns
                     self._wait_of[waiter] = u
                 else:
-                    u = _Upstream(req, cid_of(waiter, ns), waiter)
+                    u = _Upstream(req, cid_of(waiter, ns), waiter, i)
+                    if op == Op.GET:
+                        folds[(Op.GET, ns)] = u
                 open_reads[dk] = u
-                for k in keys:
+                for k in keys or (_ALL_KEYS,):
                     reads_on[(ns, k)].append(dk)
                 ops.append(u)
-            elif op == Op.ADD:
-                key = (ns, req[1])
-                run = add_runs.get(key)
-                touched(ns, (req[1],), write=True)
-                if run is not None:
-                    run.waiters.append(waiter)
-                    run.deltas.append(req[2])  # type: ignore[union-attr]
-                    add_runs[key] = run
-                    stats.merged_adds += 1
+                continue
+            if op == Op.ADD or op == Op.APPEND:
+                key = (op, ns, req[1])
+                run = runs.get(key)
+                touched(ns, keys, write=True)
+                last_touch[(ns, req[1])] = last_write[(ns, req[1])] = i
+                if run is not None and since < run.pos:
+                    if op == Op.ADD:
+                        run.waiters.append(waiter)
+                        run.deltas.append(req[2])  # type: ignore[union-attr]
+                        stats.merged_adds += 1
+                    else:
+                        run.fold = run.fold or _Fold(run)
+                        run.fold.values.append(req[2])
+                        stats.merged_appends += 1
+                    runs[key] = run
                     continue
-                u = _Upstream(req, cid_of(waiter, ns), waiter)
-                u.deltas = [req[2]]
-                add_runs[key] = u
+                u = _Upstream(req, cid_of(waiter, ns), waiter if op == Op.ADD else None, i)
+                if op == Op.ADD:
+                    u.deltas = [req[2]]
+                runs[key] = u
                 ops.append(u)
-            else:
-                touched(ns, _keys(req), write=True)
-                u = _Upstream(req, cid_of(waiter, ns), None if op in NO_REPLY_OPS else waiter)
+                continue
+            if op == Op.SET:
+                k = (ns, req[1])
+                f = folds.get((Op.SET, ns))
+                joins = (f is not None and since < f.pos and last_touch.get(k, -1) < f.pos
+                         and last_touch.get((ns, _ALL_KEYS), -1) < f.pos
+                         and (f.fold is None or len(f.fold.keys) < MAX_FOLD))
+                touched(ns, keys, write=True)
+                last_touch[k] = last_write[k] = i
+                if joins:
+                    fold = f.fold or _Fold(f)  # type: ignore[union-attr]
+                    f.fold = fold  # type: ignore[union-attr]
+                    fold.keys.append(req[1])
+                    fold.values.append(req[2])
+                    stats.folded_sets += 1
+                    continue
+                u = _Upstream(req, cid_of(waiter, ns), None, i)
+                folds[(Op.SET, ns)] = u
                 ops.append(u)
+                continue
+            touched(ns, keys, write=True)
+            for k in keys or (_ALL_KEYS,):
+                last_touch[(ns, k)] = last_write[(ns, k)] = i
+            ops.append(_Upstream(req, cid_of(waiter, ns), None if op in NO_REPLY_OPS else waiter, i))
         for u in ops:
             req = u.req
-            if u.deltas is not None and len(u.deltas) > 1:
+            if u.fold is not None:
+                req = u.fold.request(req[0])
+            elif u.deltas is not None and len(u.deltas) > 1:
                 req = (Op.ADD, req[1], sum(u.deltas))
             rid = 0 if not u.waiters else self._new_id()
             if rid:
@@ -401,6 +500,10 @@ class LinkUpstream:
                     w.wake(STOP_WAITING)
                 if u.cid:  # (still open: nothing waits under it at the core now)
                     self._idle_wait_cids[u.group].append(u.cid)
+            elif u.fold is not None:  # a MULTI_GET: each waiter's value as a GET answer
+                values = _split_values(data)
+                for w, pick in zip(u.waiters, u.fold.picks):
+                    w.wake(values[pick])
             elif u.deltas is not None and len(u.deltas) > 1:
                 final = _i64.unpack(data)[0]
                 prefix = final - sum(u.deltas)
@@ -410,6 +513,17 @@ class LinkUpstream:
             else:
                 for w in u.waiters:
                     w.wake(data)
+
+
+def _split_values(data: bytes) -> list[bytes]:
+    """A MULTI_GET answer, cut into one GET answer (u64 length + value) per key."""
+    out = []
+    at = 0
+    while at < len(data):
+        end = at + 8 + _u64.unpack_from(data, at)[0]
+        out.append(data[at:end])
+        at = end
+    return out
 
 
 class LinkView:
