@@ -7,6 +7,7 @@ import time
 import pytest
 
 from tierrun.client import StoreClient
+from tierrun.link.frames import VERSION
 from tierrun.protocol import Op
 from tierrun.protocol.requests import encode_handshake, encode_request
 from tierrun.server import StoreProcess
@@ -138,7 +139,7 @@ def _link_frame(ftype: int, payload: bytes) -> bytes:
 @pytest.mark.parametrize(
     "payload, reason",
     [
-        (_link_frame(2, struct.pack("<H", 2) + b"\x00" * 64), "wrong job token"),
+        (_link_frame(2, struct.pack("<H", VERSION) + b"\x00" * 64), "wrong job token"),
         (_link_frame(2, b"\x00" * 66), "link version 0"),
         (_link_frame(5, b"\x00" * 8), "expected AUTH"),
         (struct.pack("<IB", 1 << 30, 2), "frame of 1073741824 bytes"),

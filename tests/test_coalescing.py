@@ -18,6 +18,11 @@ def run(coro):
     return asyncio.run(coro)
 
 
+def value(v: bytes) -> bytes:
+    """A GET answer."""
+    return struct.pack("<Q", len(v)) + v
+
+
 @pytest.mark.parametrize("n", [1, 5])
 def test_adds_on_one_counter_become_one(n):
     async def main():
@@ -37,28 +42,33 @@ def test_adds_on_one_counter_become_one(n):
     run(main())
 
 
-def test_link_ids_only_for_requests_sent_and_reused_by_later_waits():
-    """An id costs the core an OPEN entry: merged clients get none, and one client's
-    successive WAITs run under one id."""
+def test_one_link_id_per_namespace_and_waits_wait_each_on_its_own():
+    """An id costs the core an OPEN entry: a front-end opens one per namespace, and every
+    request in it, from any client, goes under it. WAITs on different keys wait at the
+    core side by side under that id; cancelling one (CANCEL_WAIT, or its client
+    leaving) cancels only that one."""
     async def main():
         core = StoreCore()
         core.execute((Op.SET, b"/k", b"v"), None)
         link, stats = await linked(core)
-        view = link.view()
+        view, other = link.view(), link.view("round1")
         clients = [Client() for _ in range(5)]
-        for c in clients:
+        for i, c in enumerate(clients):
             view.execute((Op.GET, b"/k"), c)
+            view.execute((Op.WAIT, (f"/w{i}".encode(),)), c)
+        other.execute((Op.ADD, b"/n", 1), Client())
         await settle()
-        assert all(c.replies for c in clients)
-        assert link.stats.ids_opened == 1  # the GET that went upstream
-        waiter = clients[0]
-        for i in range(3):
-            view.execute((Op.WAIT, (f"/w{i}".encode(),)), waiter)
-            await settle()
+        assert all(c.replies == [value(b"v")] for c in clients)
+        assert link.stats.ids_opened == 2 and core.num_waiters == 5
+        assert view.execute((Op.CANCEL_WAIT,), clients[1]) == b"\x01"
+        view.forget(clients[2])  # its connection closed
+        await settle()
+        assert core.num_waiters == 3
+        for i in range(5):
             core.execute((Op.SET, f"/w{i}".encode(), b"1"), None)
-            await settle()
-        assert len(waiter.replies) == 4  # the GET, then three WAITs answered
-        assert link.stats.ids_opened == 2  # + one id for the three WAITs
+        await settle()
+        assert [len(c.replies) for c in clients] == [2, 1, 1, 2, 2]
+        assert link.stats.ids_opened == 2 and core.num_waiters == 0
 
     run(main())
 
@@ -173,11 +183,6 @@ def test_a_batch_window_merges_requests_from_several_loop_iterations():
     run(main())
 
 
-def value(v: bytes) -> bytes:
-    """A GET answer."""
-    return struct.pack("<Q", len(v)) + v
-
-
 def test_sets_and_gets_of_distinct_keys_fold_into_one_multi_set_and_one_multi_get():
     """torch's rank assignment: each agent SETs a key of its own, later GETs another of
     its own. A batch of them reaches the core as one MULTI_SET / one MULTI_GET."""
@@ -198,7 +203,7 @@ def test_sets_and_gets_of_distinct_keys_fold_into_one_multi_set_and_one_multi_ge
         assert stats.operations == 2 and link.stats.folded_gets == 7 and link.stats.merged_reads == 1
         assert [c.replies for c in clients] == [[value(f"r{7 - i}".encode())] for i in range(8)]
         assert extra.replies == [value(b"r3")]
-        assert link.stats.ids_opened == 1  # the folds travel under their first client's id
+        assert link.stats.ids_opened == 1  # one namespace
 
     run(main())
 

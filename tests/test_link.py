@@ -13,7 +13,7 @@ import torch.distributed as dist
 from tierrun.link import auth
 from tierrun.link.frames import (
     BATCH, LINK_MAGIC, FrameDecoder, LinkError, decode_batch, decode_replies, encode_batch,
-    encode_replies, entry_close, entry_open, entry_request, frame,
+    encode_replies, entry_cancel, entry_open, entry_request, frame,
 )
 from tierrun.protocol import Op
 from tierrun.protocol.requests import encode_request
@@ -23,7 +23,7 @@ TOKEN = "test-token-0123"
 
 
 def test_frames_round_trip_at_any_split():
-    entries = [entry_open(1, b"ns"), entry_request(1, 7, encode_request((Op.GET, b"/k"))), entry_close(1)]
+    entries = [entry_open(1, b"ns"), entry_request(1, 7, encode_request((Op.GET, b"/k"))), entry_cancel(1, 5)]
     data = encode_batch(entries) + encode_replies([(7, 0, b"\x01\x00"), (8, 1, b"boom")])
     for cut in range(len(data) + 1):
         d = FrameDecoder()
@@ -31,7 +31,7 @@ def test_frames_round_trip_at_any_split():
         assert [f[0] for f in frames] == [BATCH, 6]
     batch = decode_batch(frames[0][1])
     assert batch == [
-        (0, 1, 0, b"ns"), (1, 1, 7, encode_request((Op.GET, b"/k"))), (2, 1, 0, b"")]
+        (0, 1, 0, b"ns"), (1, 1, 7, encode_request((Op.GET, b"/k"))), (2, 1, 5, b"")]
     assert decode_replies(frames[1][1]) == [(7, 0, b"\x01\x00"), (8, 1, b"boom")]
 
 

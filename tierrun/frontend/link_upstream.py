@@ -18,13 +18,13 @@ frame and executed atomically, in order, by the core. Within a batch:
   and one MULTI_GET carry a whole batch of them.)
 A client's request joins an earlier merged or folded request only if the client has
 sent nothing since that one's place: its answers leave in the order it asked.
-Nothing is cached or merged across batches. Each WAIT runs at the core under its own
-link client id, so one client's CANCEL_WAIT (answered here) never cancels the others'.
+Nothing is cached or merged across batches.
 
-Link client ids cost an OPEN entry (and a CLOSE) at the core, as much as a request: a
-client gets one only when one of its own requests goes upstream (not when it was merged
-into another's), and the id of an answered WAIT is reused by the next WAIT in its
-namespace.
+Every request of a namespace travels under one link client id (opened once per session:
+an OPEN entry costs the core as much as a request), whoever sent it; the core matches
+answers by request id. Each WAIT or BARRIER waits at the core on its own, so a client's
+CANCEL_WAIT (answered here, as torch's server answers it) cancels only what that client
+waits for: a CANCEL entry once nobody waits under the upstream request any more.
 """
 
 from __future__ import annotations
@@ -37,6 +37,7 @@ import struct
 import time
 from collections import defaultdict
 from collections.abc import Callable
+from time import monotonic
 
 from ..core import StoreError, Waiter
 from ..link import auth
@@ -44,11 +45,11 @@ from ..link.config import LinkConfig
 from ..link.frames import (
     ACK, DEFAULT_MAX_FRAME, ERROR, HANDSHAKE_MAX_FRAME, HELLO, LINK_MAGIC, OK, REPLIES, RESUMED, SESSION_ID_BYTES, WELCOME, FrameDecoder,
     LinkError, decode_count, decode_replies, encode_batch, encode_count, encode_session,
-    entry_close, entry_open, entry_request,
+    entry_cancel, entry_open, entry_request,
 )
 from ..link.outbox import Outbox
 from ..protocol import Op, Request
-from ..protocol.opcodes import NO_REPLY_OPS, STOP_WAITING, WAIT_CANCELED
+from ..protocol.opcodes import NO_REPLY_OPS, WAIT_CANCELED
 from ..protocol.requests import encode_request
 
 log = logging.getLogger("tierrun.frontend")
@@ -56,6 +57,7 @@ log = logging.getLogger("tierrun.frontend")
 _i64 = struct.Struct("<q")
 _u64 = struct.Struct("<Q")
 _DEDUP_OPS = frozenset({Op.WAIT, Op.CHECK, Op.GET, Op.MULTI_GET, Op.GETNUMKEYS, Op.QUEUE_LEN})
+_MAY_WAIT = frozenset({Op.WAIT, Op.BARRIER})  # answered when the store changes, maybe much later
 _ALL_KEYS = b"\x00*"  # pseudo-key touched by every write: GETNUMKEYS depends on all
 #: At most this many requests in one fold (the core's limit is 128 Ki keys per request).
 MAX_FOLD = 1024
@@ -73,14 +75,15 @@ def _keys(req: Request) -> tuple[bytes, ...]:
 class _Upstream:
     """One operation sent upstream, and who gets its answer."""
 
-    __slots__ = ("req", "cid", "waiters", "deltas", "group", "pos", "fold")
+    __slots__ = ("req", "cid", "rid", "waiters", "deltas", "group", "pos", "fold")
 
     def __init__(self, req: Request, cid: int, waiter: Waiter | None, pos: int) -> None:
         self.req = req
-        self.cid = cid  # 0 once a WAIT group's id is closed
+        self.cid = cid  # 0 once a WAIT group is cancelled upstream
+        self.rid = 0  # its request id, once sent with an answer expected
         self.waiters: list[Waiter] = [waiter] if waiter is not None else []
         self.deltas: list[int] | None = None  # set for a merged ADD
-        self.group: bytes | None = None  # a WAIT group (waiters may cancel one by one): its namespace
+        self.group = False  # a WAIT or BARRIER (its waiters may cancel one by one)
         self.pos = pos  # where its first request stands in the batch
         self.fold: _Fold | None = None  # set once a second SET/GET/APPEND joins
 
@@ -119,7 +122,7 @@ class CoalescingStats:
         self.merged_appends = 0
         self.folded_sets = 0  # SETs sent inside another's MULTI_SET
         self.folded_gets = 0  # GETs answered from another's MULTI_GET
-        self.ids_opened = 0  # link client ids opened at the upstream (an OPEN entry each)
+        self.ids_opened = 0  # link client ids (namespaces) opened upstream: an OPEN entry each
 
     def as_dict(self) -> dict[str, int]:
         return dict(vars(self))
@@ -152,10 +155,13 @@ class LinkUpstream:
         self._pending: list[tuple[Waiter, bytes, Request]] = []
         self._extra: list[bytes] = []  # CLOSE entries for the next batch
         self._inflight: dict[int, _Upstream] = {}
-        self._cids: dict[tuple[Waiter, bytes], int] = {}
-        self._idle_wait_cids: dict[bytes, list[int]] = defaultdict(list)  # per namespace
-        self._wait_of: dict[Waiter, _Upstream] = {}
+        self._ns_cids: dict[bytes, int] = {}  # namespace -> its link client id
+        self._wait_of: dict[Waiter, _Upstream] = {}  # a client's WAIT or BARRIER upstream
         self._next_id = 1
+        #: Per batch in flight, the request id of its last answer that the upstream
+        #: gives at once (not a WAIT's or BARRIER's): while there are
+        #: ``batches_in_flight`` of them, new requests wait for the next batch.
+        self._in_flight: set[int] = set()
         self.stats = CoalescingStats()
 
     # -- the session and its connections ----------------------------------------------
@@ -187,11 +193,15 @@ class LinkUpstream:
         """Every heartbeat interval: acknowledge (the heartbeat), or drop a silent connection."""
         conn = self._conn
         if conn is not None:
-            silent = asyncio.get_running_loop().time() - conn.last_rx
+            silent = monotonic() - conn.last_rx
             if silent > self.config.heartbeat_timeout:
                 conn.abort(f"nothing heard from the store host for {silent:.1f} s")
             else:
                 conn.ack()
+        if self._in_flight and (self._pending or self._extra):
+            # (belt and braces: a held batch never waits on an answer for more than a beat)
+            self._in_flight.clear()
+            self._schedule_flush()
         if self.dead is None:
             self._schedule_heartbeat()
 
@@ -285,13 +295,9 @@ class LinkUpstream:
     def submit(self, req: Request, waiter: Waiter, ns: bytes) -> bytes | None:
         if self.dead is not None:
             raise StoreError(self.dead)
-        op = req[0]
-        if op == Op.CANCEL_WAIT:
-            group = self._wait_of.pop(waiter, None)
-            if group is not None or (waiter, ns) not in self._cids:
-                if group is not None:
-                    self._leave_group(group, waiter)
-                return WAIT_CANCELED
+        if req[0] == Op.CANCEL_WAIT:
+            self._cancel_waits(waiter)
+            return WAIT_CANCELED
         if not self._pending and not self._extra:
             self._schedule_flush()
         self._pending.append((waiter, ns, req))
@@ -299,19 +305,21 @@ class LinkUpstream:
         return None
 
     def forget(self, waiter: Waiter, ns: bytes) -> None:
+        """The client is gone: drop what it waits for."""
+        self._cancel_waits(waiter)
+
+    def _cancel_waits(self, waiter: Waiter) -> None:
+        """Drop the client's WAIT or BARRIER, sent (upstream too, once nobody else waits
+        under it) or still to be sent. O(1), or O(pending) when it is still to be sent."""
         group = self._wait_of.pop(waiter, None)
         if group is not None:
-            self._leave_group(group, waiter)
-        cid = self._cids.pop((waiter, ns), None)
-        if cid is not None:
-            self._queue_extra(entry_close(cid))
-
-    def _leave_group(self, group: _Upstream, waiter: Waiter) -> None:
-        if waiter in group.waiters:
-            group.waiters.remove(waiter)
-        if not group.waiters and group.cid:  # nobody waits: drop the WAIT at the core
-            self._queue_extra(entry_close(group.cid))
-            group.cid = 0
+            if waiter in group.waiters:
+                group.waiters.remove(waiter)
+            if not group.waiters and group.cid:  # nobody waits: drop it upstream
+                self._queue_extra(entry_cancel(group.cid, group.rid))
+                group.cid = 0
+        elif any(w is waiter for w, _, _ in self._pending):
+            self._pending = [p for p in self._pending if p[0] is not waiter or p[2][0] not in _MAY_WAIT]
 
     def _queue_extra(self, entry: bytes) -> None:
         if not self._pending and not self._extra:
@@ -320,7 +328,12 @@ class LinkUpstream:
 
     def _schedule_flush(self) -> None:
         """A batch closes at the end of this loop iteration, or ``batch_window`` seconds
-        after its first request: a longer batch merges more, for that much latency."""
+        after its first request: a longer batch merges more, for that much latency.
+        While ``batches_in_flight`` batches await their answers, it closes when one
+        of them is answered instead."""
+        limit = self.config.batches_in_flight
+        if limit and len(self._in_flight) >= limit:
+            return  # (_on_replies flushes)
         loop = asyncio.get_running_loop()
         if self.config.batch_window:
             loop.call_later(self.config.batch_window, self._flush)
@@ -358,12 +371,12 @@ class LinkUpstream:
                 for dk in reads_on.pop((ns, _ALL_KEYS), ()):
                     open_reads.pop(dk, None)
 
-        cids = self._cids
+        ns_cids = self._ns_cids
 
-        def cid_of(waiter: Waiter, ns: bytes) -> int:
-            cid = cids.get((waiter, ns))
+        def cid_of(ns: bytes) -> int:
+            cid = ns_cids.get(ns)
             if cid is None:
-                cid = cids[(waiter, ns)] = self._new_id()
+                cid = ns_cids[ns] = self._new_id()
                 entries.append(entry_open(cid, ns))
                 stats.ids_opened += 1
             return cid
@@ -403,20 +416,11 @@ class LinkUpstream:
                         reads_on[(ns, req[1])].append(dk)
                         stats.folded_gets += 1
                         continue
+                u = _Upstream(req, cid_of(ns), waiter, i)
                 if op == Op.WAIT:
-                    idle = self._idle_wait_cids[ns]
-                    if idle:
-                        cid = idle.pop()
-                    else:
-                        cid = self._new_id()
-                        entries.append(entry_open(cid, ns))
-                        stats.ids_opened += 1
-                    u = _Upstream(req, cid, waiter, i)
-                    u.group = ns
+                    u.group = True
                     self._wait_of[waiter] = u
-                else:
-                    u = _Upstream(req, cid_of(waiter, ns), waiter, i)
-                    if op == Op.GET:
+                elif op == Op.GET:
                         folds[(Op.GET, ns)] = u
                 open_reads[dk] = u
                 for k in keys or (_ALL_KEYS,):
@@ -439,7 +443,7 @@ class LinkUpstream:
                         stats.merged_appends += 1
                     runs[key] = run
                     continue
-                u = _Upstream(req, cid_of(waiter, ns), waiter if op == Op.ADD else None, i)
+                u = _Upstream(req, cid_of(ns), waiter if op == Op.ADD else None, i)
                 if op == Op.ADD:
                     u.deltas = [req[2]]
                 runs[key] = u
@@ -460,14 +464,19 @@ class LinkUpstream:
                     fold.values.append(req[2])
                     stats.folded_sets += 1
                     continue
-                u = _Upstream(req, cid_of(waiter, ns), None, i)
+                u = _Upstream(req, cid_of(ns), None, i)
                 folds[(Op.SET, ns)] = u
                 ops.append(u)
                 continue
             touched(ns, keys, write=True)
             for k in keys or (_ALL_KEYS,):
                 last_touch[(ns, k)] = last_write[(ns, k)] = i
-            ops.append(_Upstream(req, cid_of(waiter, ns), None if op in NO_REPLY_OPS else waiter, i))
+            u = _Upstream(req, cid_of(ns), None if op in NO_REPLY_OPS else waiter, i)
+            if op == Op.BARRIER:
+                u.group = True
+                self._wait_of[waiter] = u
+            ops.append(u)
+        answered_at_once = 0
         for u in ops:
             req = u.req
             if u.fold is not None:
@@ -476,8 +485,13 @@ class LinkUpstream:
                 req = (Op.ADD, req[1], sum(u.deltas))
             rid = 0 if not u.waiters else self._new_id()
             if rid:
+                u.rid = rid
                 self._inflight[rid] = u
+                if req[0] not in _MAY_WAIT:
+                    answered_at_once = rid
             entries.append(entry_request(u.cid, rid, encode_request(req)))
+        if answered_at_once:
+            self._in_flight.add(answered_at_once)
         if entries and self.dead is None:
             stats.batches += 1
             stats.upstream_ops += len(ops)
@@ -485,21 +499,26 @@ class LinkUpstream:
 
     def _on_replies(self, payload: bytes) -> None:
         self.replies_received += 1
+        in_flight = self._in_flight
         for rid, status, data in decode_replies(payload):
             u = self._inflight.pop(rid, None)
             if u is None:
                 continue
+            if rid in in_flight:
+                in_flight.discard(rid)
+                if self._pending or self._extra:
+                    self._schedule_flush()
             if status != OK:
                 reason = data.decode(errors="replace")
                 for w in u.waiters:
+                    if u.group:
+                        self._wait_of.pop(w, None)
                     w.drop(f"{Op(u.req[0]).name} failed: {reason}")  # type: ignore[attr-defined]
                 continue
-            if u.group is not None:
+            if u.group:
                 for w in u.waiters:
                     self._wait_of.pop(w, None)
-                    w.wake(STOP_WAITING)
-                if u.cid:  # (still open: nothing waits under it at the core now)
-                    self._idle_wait_cids[u.group].append(u.cid)
+                    w.wake(data)
             elif u.fold is not None:  # a MULTI_GET: each waiter's value as a GET answer
                 values = _split_values(data)
                 for w, pick in zip(u.waiters, u.fold.picks):
@@ -552,7 +571,7 @@ class LinkConnection(asyncio.Protocol):
         self._unacked_in = 0
         self.established: asyncio.Future[None] = asyncio.get_running_loop().create_future()
         self.established.add_done_callback(_retrieve)  # an abandoned attempt may fail later
-        self.last_rx = asyncio.get_running_loop().time()
+        self.last_rx = monotonic()  # (not the loop's clock: no getpid() per read)
 
     def connection_made(self, transport) -> None:  # type: ignore[override]
         self._transport = transport
@@ -570,7 +589,7 @@ class LinkConnection(asyncio.Protocol):
         self.write(encode_count(ACK, self._link.replies_received))
 
     def data_received(self, data: bytes) -> None:
-        self.last_rx = asyncio.get_running_loop().time()
+        self.last_rx = monotonic()  # (not the loop's clock: no getpid() per read)
         link = self._link
         try:
             for ftype, payload in self._decoder.feed(data):

@@ -24,16 +24,21 @@ class LinkConfig:
     #: A front-end's batch stays open this long (seconds) after its first request;
     #: 0 closes it at the end of the event-loop iteration.
     batch_window: float = 0.0
+    #: A front-end sends a new batch only while fewer of its batches than this await
+    #: their answers (0: no limit). Requests arriving meanwhile wait for the next batch,
+    #: so under load batches grow by themselves, and an idle link adds no latency.
+    batches_in_flight: int = 1
 
     @classmethod
     def from_env(cls) -> LinkConfig:
         """Defaults, overridden by $TIERRUN_LINK_HEARTBEAT, $TIERRUN_LINK_TIMEOUT,
         $TIERRUN_LINK_GRACE and $TIERRUN_LINK_BATCH_WINDOW (seconds), which the launcher
-        passes to every store process."""
+        passes to every store process, and $TIERRUN_LINK_BATCHES_IN_FLIGHT."""
         d = cls()
         return cls(
             heartbeat_interval=float(os.environ.get("TIERRUN_LINK_HEARTBEAT", d.heartbeat_interval)),
             heartbeat_timeout=float(os.environ.get("TIERRUN_LINK_TIMEOUT", d.heartbeat_timeout)),
             grace=float(os.environ.get("TIERRUN_LINK_GRACE", d.grace)),
             batch_window=float(os.environ.get("TIERRUN_LINK_BATCH_WINDOW", d.batch_window)),
+            batches_in_flight=int(os.environ.get("TIERRUN_LINK_BATCHES_IN_FLIGHT", d.batches_in_flight)),
         )

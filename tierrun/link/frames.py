@@ -8,7 +8,11 @@
     BATCH   := u32 n | n x entry                         front-end -> core
         entry := u8 OPEN    | u32 client | u32 len | namespace   (a new client; "" = root)
                | u8 REQUEST | u32 client | u64 rid | u32 len | torch-encoded request
-               | u8 CLOSE   | u32 client                         (client gone: drop its waits)
+               | u8 CANCEL  | u32 client | u64 rid              (drop that WAIT/BARRIER)
+      A client is a namespace seen through the link, not a torch connection: a
+      front-end opens one per namespace and sends every request in it under that id.
+      Any number of its requests may be outstanding; a WAIT or BARRIER waits alone
+      (answered by its rid whenever it completes) until answered or cancelled.
     REPLIES := u32 n | n x (u64 rid | u8 status | u32 len | bytes)  core -> front-end
         status 0: the torch-encoded reply; 1: an error message (the client must be closed)
     SESSION := 16-byte session id | u8 fresh | u64 REPLIES frames received   front-end -> core,
@@ -29,19 +33,19 @@ from __future__ import annotations
 import struct
 
 LINK_MAGIC = 0xA7  # first byte a front-end sends: not an opcode of any torch version
-VERSION = 2  # 2: sessions, resumption, heartbeats
+VERSION = 3  # 2: sessions, resumption, heartbeats; 3: a client per namespace, CANCEL
 
 HELLO, AUTH, WELCOME, ERROR, BATCH, REPLIES, SESSION, RESUMED, ACK = range(1, 10)
-OPEN, REQUEST, CLOSE = range(3)
+OPEN, REQUEST, CANCEL = range(3)
 OK, FAILED = 0, 1
 
 _hdr = struct.Struct("<IB")
 _u32 = struct.Struct("<I")
 _open = struct.Struct("<BII")
 _req = struct.Struct("<BIQI")
-_close = struct.Struct("<BI")
+_cancel = struct.Struct("<BIQ")
 _reply = struct.Struct("<QBI")
-_REQ_SIZE, _OPEN_SIZE, _CLOSE_SIZE = _req.size, _open.size, _close.size
+_REQ_SIZE, _OPEN_SIZE, _CANCEL_SIZE = _req.size, _open.size, _cancel.size
 _session = struct.Struct("<16sBQ")
 _u64 = struct.Struct("<Q")
 SESSION_ID_BYTES = 16
@@ -104,8 +108,8 @@ def entry_request(client: int, rid: int, request: bytes) -> bytes:
     return _req.pack(REQUEST, client, rid, len(request)) + request
 
 
-def entry_close(client: int) -> bytes:
-    return _close.pack(CLOSE, client)
+def entry_cancel(client: int, rid: int) -> bytes:
+    return _cancel.pack(CANCEL, client, rid)
 
 
 def decode_batch(payload: bytes) -> list[Entry]:
@@ -126,10 +130,10 @@ def decode_batch(payload: bytes) -> list[Entry]:
                 pos += _OPEN_SIZE
                 out.append((OPEN, client, 0, payload[pos : pos + length]))
                 pos += length
-            elif kind == CLOSE:
-                _, client = _close.unpack_from(payload, pos)
-                pos += _CLOSE_SIZE
-                out.append((CLOSE, client, 0, b""))
+            elif kind == CANCEL:
+                _, client, rid = _cancel.unpack_from(payload, pos)
+                pos += _CANCEL_SIZE
+                out.append((CANCEL, client, rid, b""))
             else:
                 raise LinkError(f"unknown batch entry kind {kind}")
             if pos > len(payload):

@@ -75,6 +75,46 @@ _UNDECIDED, _TORCH22, _TORCH21 = range(3)
 _DEFAULT_LIMITS = Limits()
 
 
+# Fast paths of decode_request for what start-up traffic is made of: a key, a key and a
+# counter, a key and a value, one key to WAIT for or CHECK. Each takes a request only if
+# it is exactly well formed and within limits, else returns None and the general path
+# decodes it (or raises its error).
+def _key(data: bytes, end: int, limits: Limits) -> Request | None:
+    (n,) = _u64(data, 1)
+    if 9 + n == end and n <= limits.max_key_bytes:
+        return (_OP_MEMBERS[data[0]], data[9:])
+    return None
+
+
+def _key_i64(data: bytes, end: int, limits: Limits) -> Request | None:
+    (n,) = _u64(data, 1)
+    if 17 + n == end and n <= limits.max_key_bytes:
+        return (_OP_MEMBERS[data[0]], data[9 : 9 + n], _i64(data, 9 + n)[0])
+    return None
+
+
+def _key_value(data: bytes, end: int, limits: Limits) -> Request | None:
+    (n,) = _u64(data, 1)
+    if 17 + n > end or n > limits.max_key_bytes:
+        return None
+    (m,) = _u64(data, 9 + n)
+    if 17 + n + m == end and m <= limits.max_value_bytes:
+        return (_OP_MEMBERS[data[0]], data[9 : 9 + n], data[17 + n :])
+    return None
+
+
+def _one_key(data: bytes, end: int, limits: Limits) -> Request | None:
+    if end < 17 or _u64(data, 1)[0] != 1:
+        return None
+    (n,) = _u64(data, 9)
+    if 17 + n == end and n <= limits.max_key_bytes:
+        return (_OP_MEMBERS[data[0]], (data[17:],))
+    return None
+
+
+_FAST = {Op.GET: _key, Op.ADD: _key_i64, Op.SET: _key_value, Op.WAIT: _one_key, Op.CHECK: _one_key}
+
+
 def decode_request(data: bytes, limits: Limits = _DEFAULT_LIMITS) -> Request:
     """Exactly one complete torch 2.2+ request, VALIDATE excluded: what a link entry
     carries. The store host's per-operation path for links: the whole request is in
@@ -87,6 +127,11 @@ def decode_request(data: bytes, limits: Limits = _DEFAULT_LIMITS) -> Request:
     if not end or data[0] > Op.BARRIER or data[0] == Op.VALIDATE:
         raise ProtocolError("a link entry must hold exactly one request")
     op = data[0]
+    fast = _FAST.get(op)
+    if fast is not None and end > 8:
+        req = fast(data, end, limits)
+        if req is not None:
+            return req
     args: list = [_OP_MEMBERS[op]]
     pos = 1
     try:

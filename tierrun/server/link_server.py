@@ -20,6 +20,7 @@ import logging
 import secrets
 from collections import deque
 from collections.abc import Callable
+from time import monotonic
 
 from ..core import StoreCore, StoreError
 from ..frontend import Upstream
@@ -27,12 +28,12 @@ from ..frontend.namespace import NamespacedUpstream
 from ..link import auth
 from ..link.config import LinkConfig
 from ..link.frames import (
-    ACK, AUTH, BATCH, CLOSE, DEFAULT_MAX_FRAME, ERROR, FAILED, HANDSHAKE_MAX_FRAME, LINK_MAGIC, OK, OPEN,
+    ACK, AUTH, BATCH, CANCEL, DEFAULT_MAX_FRAME, ERROR, FAILED, HANDSHAKE_MAX_FRAME, LINK_MAGIC, OK, OPEN,
     REQUEST, RESUMED, SESSION, FrameDecoder,
     LinkError, decode_batch, decode_count, decode_session, encode_count, encode_replies,
 )
 from ..link.outbox import Outbox
-from ..protocol import ProtocolError
+from ..protocol import Op, ProtocolError
 from ..protocol.parser import decode_request
 from ..protocol.opcodes import NO_REPLY_OPS
 
@@ -41,17 +42,23 @@ log = logging.getLogger("tierrun.store")
 MAX_SHARED_NAMESPACES = 1024
 
 
-class RemoteClient:
-    """A client of a front-end, as its upstream sees it: the waiter of its deferred
-    replies. The core defers only a WAIT (one at a time per client); a front-end's link
-    upstream (a stacked front-end) defers every answer, delivered in request order."""
+#: Requests that may wait for the store to change: each waits under a ticket of its own.
+_MAY_WAIT = frozenset({Op.WAIT, Op.BARRIER})
 
-    __slots__ = ("session", "upstream", "pending")
+
+class RemoteClient:
+    """A link client (one namespace of a front-end), as its upstream sees it: the waiter
+    of its deferred answers. A WAIT or BARRIER waits under a :class:`Ticket` of its
+    own, so any number may wait at once; a front-end's link upstream (a stacked
+    front-end) also defers every other answer, delivered in request order."""
+
+    __slots__ = ("session", "upstream", "pending", "tickets")
 
     def __init__(self, session: Session, upstream: Upstream) -> None:
         self.session = session
         self.upstream = upstream
-        self.pending: deque[int] = deque()  # request ids of deferred answers
+        self.pending: deque[int] = deque()  # request ids of deferred answers, in order
+        self.tickets: dict[int, Ticket] = {}  # request id -> its waiting WAIT/BARRIER
 
     def wake(self, reply: bytes) -> None:
         self.session.queue_reply(self.pending.popleft(), OK, reply)
@@ -60,6 +67,31 @@ class RemoteClient:
         """The request failed upstream (or the upstream link is gone)."""
         if self.pending:
             self.session.queue_reply(self.pending.popleft(), FAILED, reason.encode())
+
+    def forget(self) -> None:
+        """The session is gone: drop what waits upstream for it."""
+        tickets, self.tickets = self.tickets, {}
+        for ticket in tickets.values():
+            self.upstream.forget(ticket)
+        self.upstream.forget(self)
+
+
+class Ticket:
+    """One waiting WAIT or BARRIER of a remote client: answered by its request id."""
+
+    __slots__ = ("client", "rid")
+
+    def __init__(self, client: RemoteClient, rid: int) -> None:
+        self.client = client
+        self.rid = rid
+
+    def wake(self, reply: bytes) -> None:
+        if self.client.tickets.pop(self.rid, None) is not None:
+            self.client.session.queue_reply(self.rid, OK, reply)
+
+    def drop(self, reason: str) -> None:
+        if self.client.tickets.pop(self.rid, None) is not None:
+            self.client.session.queue_reply(self.rid, FAILED, reason.encode())
 
 
 class LinkStats:
@@ -100,21 +132,27 @@ class Session:
                     raise LinkError(f"request for unknown client {cid}")
                 req = decode_request(data)
                 stats.operations += 1
+                waiter = client if req[0] not in _MAY_WAIT else Ticket(client, rid)
                 try:
-                    reply = client.upstream.execute(req, client)
+                    reply = client.upstream.execute(req, waiter)
                 except StoreError as err:
                     replies.append((rid, FAILED, str(err).encode()))
                     continue
                 if reply is not None:
                     replies.append((rid, OK, reply))
+                elif waiter is not client:
+                    client.tickets[rid] = waiter  # type: ignore[assignment]
                 elif req[0] not in NO_REPLY_OPS:
                     client.pending.append(rid)
             elif kind == OPEN:
+                if cid in clients:
+                    raise LinkError(f"client {cid} opened twice")
                 clients[cid] = RemoteClient(self, self.server.upstream_for(data))
-            elif kind == CLOSE:
-                client = clients.pop(cid, None)
-                if client is not None:
-                    client.upstream.forget(client)
+            elif kind == CANCEL:
+                client = clients.get(cid)
+                ticket = None if client is None else client.tickets.pop(rid, None)
+                if ticket is not None:
+                    client.upstream.forget(ticket)  # type: ignore[union-attr]
         if replies:
             self.send(encode_replies(replies))
 
@@ -141,7 +179,7 @@ class Session:
 
     def drop_clients(self) -> None:
         for client in self.clients.values():
-            client.upstream.forget(client)
+            client.forget()
         self.clients.clear()
 
 
@@ -202,7 +240,7 @@ class LinkServer:
 
     def _check_heartbeats(self) -> None:
         """Close connections silent for longer than the heartbeat timeout. O(links)."""
-        deadline = asyncio.get_running_loop().time() - self.config.heartbeat_timeout
+        deadline = monotonic() - self.config.heartbeat_timeout
         for conn in list(self.connections):
             if conn.last_rx < deadline:
                 conn.abort(f"nothing heard for {self.config.heartbeat_timeout:g} s")
@@ -291,7 +329,7 @@ class LinkServerConnection(asyncio.Protocol):
         self._session: Session | None = None
         self._unacked_in = 0
         self._transport: asyncio.Transport | None = None
-        self.last_rx = asyncio.get_running_loop().time()
+        self.last_rx = monotonic()  # (not the loop's clock: no getpid() per read)
 
     def connection_made(self, transport) -> None:  # type: ignore[override]
         self._transport = transport
@@ -310,7 +348,7 @@ class LinkServerConnection(asyncio.Protocol):
             self._transport.write(data)
 
     def data_received(self, data: bytes) -> None:
-        self.last_rx = asyncio.get_running_loop().time()
+        self.last_rx = monotonic()  # (not the loop's clock: no getpid() per read)
         if self._first_byte:
             self._first_byte = False
             if data[0] != LINK_MAGIC:
