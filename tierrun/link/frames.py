@@ -73,20 +73,32 @@ class FrameDecoder:
         self.max_frame = max_frame
 
     def feed(self, data: bytes) -> list[tuple[int, bytes]]:
+        """Frames read from ``data`` (and what was buffered). One copy per frame: while
+        nothing is buffered, whole frames are cut from ``data`` itself; a partial frame
+        is buffered until it is whole (O(bytes read), not a copy per read)."""
         buf = self._buf
-        buf += data
+        if buf:
+            buf += data
+            if len(buf) < 5:
+                return []
+            length = _hdr.unpack_from(buf, 0)[0]
+            if len(buf) - 4 < length and 0 < length <= self.max_frame:
+                return []
+            data = bytes(buf)
+            buf.clear()
         out = []
         pos = 0
-        while len(buf) - pos >= 5:
-            length, ftype = _hdr.unpack_from(buf, pos)
+        end = len(data)
+        while end - pos >= 5:
+            length, ftype = _hdr.unpack_from(data, pos)
             if length == 0 or length > self.max_frame:
                 raise LinkError(f"frame of {length} bytes (limit {self.max_frame})")
-            if len(buf) - pos - 4 < length:
+            if end - pos - 4 < length:
                 break
-            out.append((ftype, bytes(buf[pos + 5 : pos + 4 + length])))
+            out.append((ftype, data[pos + 5 : pos + 4 + length]))
             pos += 4 + length
-        if pos:
-            del buf[:pos]
+        if pos < end:
+            buf += data[pos:]
         return out
 
 

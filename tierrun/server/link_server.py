@@ -2,9 +2,10 @@
 their batches.
 
 A batch is executed atomically and in order (the core is single-threaded and the whole
-batch runs in one callback), and all its answers leave in one REPLIES frame. Deferred
-answers (WAIT, BARRIER) woken during one loop iteration leave together: one frame per
-link, however many waiters a write released.
+batch runs in one callback). The answers a link's batches get during one loop
+iteration, and its deferred answers (WAIT, BARRIER) woken meanwhile, leave together:
+one REPLIES frame (one write) per link, however many batches arrived in one read and
+however many waiters a write released.
 
 A *session* outlives its connection: its clients, their pending waits and the REPLIES
 frames the front-end has not acknowledged stay here for ``LinkConfig.grace`` seconds, so
@@ -116,7 +117,8 @@ class Session:
         self.outbox = Outbox(server.config.max_unacked_bytes)
         self.conn: LinkServerConnection | None = None
         self.expiry: asyncio.TimerHandle | None = None
-        self._wakes: list[tuple[int, int, bytes]] = []
+        self._wakes: list[tuple[int, int, bytes]] = []  # answers for the next REPLIES frame
+        self._loop = asyncio.get_running_loop()
 
     def execute(self, payload: bytes) -> None:
         """Run one BATCH. Raises LinkError/ProtocolError on a malformed one."""
@@ -153,8 +155,10 @@ class Session:
                 ticket = None if client is None else client.tickets.pop(rid, None)
                 if ticket is not None:
                     client.upstream.forget(ticket)  # type: ignore[union-attr]
-        if replies:
-            self.send(encode_replies(replies))
+        if replies:  # with the other answers of this loop iteration: one frame, one write
+            if not self._wakes:
+                self._loop.call_soon(self._flush_wakes)
+            self._wakes += replies
 
     def send(self, data: bytes) -> None:
         """Number, keep and (if connected) write one REPLIES frame."""
@@ -169,7 +173,7 @@ class Session:
     def queue_reply(self, rid: int, status: int, reply: bytes) -> None:
         """A deferred answer: those queued in one loop iteration leave in one frame."""
         if not self._wakes:
-            asyncio.get_running_loop().call_soon(self._flush_wakes)
+            self._loop.call_soon(self._flush_wakes)
         self._wakes.append((rid, status, reply))
 
     def _flush_wakes(self) -> None:
