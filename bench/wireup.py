@@ -380,6 +380,47 @@ def measure(setup: str, k: int, p: int, args) -> dict:
             server.stop()
 
 
+# -- what one wake-up of node 0 costs on this machine --------------------------------------
+
+
+def echo_server() -> None:
+    """A do-nothing uvloop server: echoes what it reads (the --echo-server child)."""
+    class Echo(asyncio.Protocol):
+        def connection_made(self, transport) -> None:  # type: ignore[override]
+            self.transport = transport
+
+        def data_received(self, data: bytes) -> None:
+            self.transport.write(data)
+
+    async def main() -> None:
+        server = await asyncio.get_running_loop().create_server(Echo, "127.0.0.1", 0)
+        print(server.sockets[0].getsockname()[1], flush=True)
+        await asyncio.Event().wait()
+
+    from tierrun.server.eventloop import run
+    run(main())
+
+
+def wakeup_floor_us(messages: int = 1000, gap: float = 0.005) -> float:
+    """CPU microseconds a do-nothing uvloop server spends per 100-byte message echoed
+    when messages come one at a time, ``gap`` apart (each one a wake-up: epoll, read,
+    write, two context switches), over 8 connections. What any node 0 pays per frame
+    that arrives alone, before doing anything with it."""
+    child = subprocess.Popen([sys.executable, __file__, "--echo-server"], stdout=subprocess.PIPE, text=True)
+    try:
+        port = int(child.stdout.readline())
+        conns = [socket.create_connection(("127.0.0.1", port)) for _ in range(8)]
+        cpu0 = process_cpu_seconds(child.pid)
+        for i in range(messages):
+            conns[i % 8].sendall(b"x" * 100)
+            conns[i % 8].recv(1000)
+            time.sleep(gap)
+        return (process_cpu_seconds(child.pid) - cpu0) / messages * 1e6
+    finally:
+        child.kill()
+        child.wait()
+
+
 # -- report -------------------------------------------------------------------------------
 
 
@@ -417,7 +458,11 @@ def main() -> None:
                    help="agent traffic of tierrun's set-ups: torch's static rendezvous and rank "
                         "assignment (as the torch set-up), or what tierrun's parallel backend sends")
     p.add_argument("--sim-child", nargs=11, help=argparse.SUPPRESS)
+    p.add_argument("--echo-server", action="store_true", help=argparse.SUPPRESS)
     args = p.parse_args()
+    if args.echo_server:
+        echo_server()
+        return
     if args.sim_child:
         setup, k, pp, procs, index, port, traffic, hb, fanout, tree_port, agents = args.sim_child
         sim_child(setup, int(k), int(pp), int(procs), int(index), int(port), traffic, int(hb),
@@ -434,11 +479,15 @@ def main() -> None:
                 print(f"{k}x{pp} run {i + 1} {setup}: {r}", flush=True)
     med = {size: {s: {m: statistics.median(r[m] for r in rs) for m in rs[0]} for s, rs in by.items()}
            for size, by in runs.items()}
+    floor = statistics.median(wakeup_floor_us() for _ in range(args.repeat))
     agents = ("agents: torch's static rendezvous and rank assignment in every set-up" if args.agents == "torch"
               else "agents: torchrun's in the torch set-up, tierrun's parallel backend (rendezvous, "
                    "local rank assignment, heartbeats) in tierrun's")
     lines = [f"Traffic: {args.traffic}, {args.heartbeats} heartbeat CHECKs per rank; {agents}; medians of "
-             f"{args.repeat} runs; {args.procs} simulator processes.", "",
+             f"{args.repeat} runs; {args.procs} simulator processes. On this machine a do-nothing "
+             f"uvloop server spends {floor:.0f} us of CPU per message that arrives alone (a wake-up: "
+             "epoll, read, write, context switches; median, same run): node-0 frames x that is "
+             "a floor no store code can go below.", "",
              "| K x P | set-up | node-0 connections | node-0 requests | node-0 frames | node-0 CPU s | wall s |",
              "|---|---|---:|---:|---:|---:|---:|"]
     for size, by in med.items():
@@ -457,7 +506,7 @@ def main() -> None:
     table = "\n".join(lines)
     print(table)
     name = ("wireup" if args.traffic == "nccl" else "wireup_gloo") + ("_tierrun_agents" if args.agents == "tierrun" else "")
-    write_json(name, {"args": vars(args), "runs": runs})
+    write_json(name, {"args": vars(args), "runs": runs, "wakeup_floor_us": floor})
     plot(sizes, med, DOCS / "bench" / f"{name}.png")
     write_section(name, table + f"\n\n![node 0 cost](bench/{name}.png)")
 
