@@ -421,7 +421,7 @@ class LinkUpstream:
                     u.group = True
                     self._wait_of[waiter] = u
                 elif op == Op.GET:
-                        folds[(Op.GET, ns)] = u
+                    folds[(Op.GET, ns)] = u
                 open_reads[dk] = u
                 for k in keys or (_ALL_KEYS,):
                     reads_on[(ns, k)].append(dk)
