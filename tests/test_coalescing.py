@@ -272,3 +272,30 @@ def test_appends_to_one_key_become_one():
         assert stats.operations == 1 and link.stats.merged_appends == 2
 
     run(main())
+
+
+def test_waits_on_distinct_keys_travel_in_one_entry_and_end_one_by_one():
+    """Every agent WAITs for its own rank assignment: one WAITS entry carries a batch of
+    them, and each is answered, or cancelled, on its own."""
+    async def main():
+        core = StoreCore()
+        core.execute((Op.SET, b"/ready", b"1"), None)
+        link, stats = await linked(core)
+        view = link.view()
+        clients = [Client() for _ in range(6)]
+        for i, c in enumerate(clients[:5]):
+            view.execute((Op.WAIT, (f"/rank/{i}".encode(),)), c)
+        view.execute((Op.WAIT, (b"/ready",)), clients[5])  # present: answered at once
+        await settle()
+        assert link.stats.folded_waits == 5 and stats.batches == 1 and stats.operations == 6
+        assert clients[5].replies == [b"\x00"] and core.num_waiters == 5
+        assert view.execute((Op.CANCEL_WAIT,), clients[1]) == b"\x01"
+        await settle()
+        assert core.num_waiters == 4
+        for i in (4, 0):
+            core.execute((Op.SET, f"/rank/{i}".encode(), b"r"), None)
+            await settle()
+        assert [len(c.replies) for c in clients] == [1, 0, 0, 0, 1, 1]
+        assert core.num_waiters == 2
+
+    run(main())

@@ -8,14 +8,16 @@ frame and executed atomically, in order, by the core. Within a batch:
   one ADD of the sum; the i-th caller gets ``final - sum + prefix_i``, exactly what
   sequential execution returns; consecutive APPENDs to one key, one APPEND of the
   concatenation (APPEND has no answer);
-- SETs of distinct keys fold into one MULTI_SET, and GETs of distinct keys into one
-  MULTI_GET whose values are handed out, run where the fold's first request stands.
+- SETs of distinct keys fold into one MULTI_SET, GETs of distinct keys into one
+  MULTI_GET whose values are handed out, and one-key WAITs on distinct keys into one
+  WAITS link entry (each still waits, and is answered, on its own), run where the
+  fold's first request stands.
   A request joins a fold only if it commutes with everything it moves ahead of: no
-  request on its key (a GET: no write to it; a SET: no request at all, nor a
+  request on its key (a GET or WAIT: no write to it; a SET: no request at all, nor a
   GETNUMKEYS or LIST_KEYS, whose answer a new key changes) since the fold's place.
   So every answer is the one in-order execution gives. (This is what torch's rank
-  assignment needs: one SET, WAIT and GET of a key of its own per node; one MULTI_SET
-  and one MULTI_GET carry a whole batch of them.)
+  assignment needs: one SET, WAIT and GET of a key of its own per node; one MULTI_SET,
+  one WAITS and one MULTI_GET carry a whole batch of them.)
 A client's request joins an earlier merged or folded request only if the client has
 sent nothing since that one's place: its answers leave in the order it asked.
 Nothing is cached or merged across batches.
@@ -45,7 +47,7 @@ from ..link.config import LinkConfig
 from ..link.frames import (
     ACK, DEFAULT_MAX_FRAME, ERROR, HANDSHAKE_MAX_FRAME, HELLO, LINK_MAGIC, OK, REPLIES, RESUMED, SESSION_ID_BYTES, WELCOME, FrameDecoder,
     LinkError, decode_count, decode_replies, encode_batch, encode_count, encode_session,
-    entry_cancel, entry_open, entry_request,
+    entry_cancel, entry_open, entry_request, entry_waits,
 )
 from ..link.outbox import Outbox
 from ..protocol import Op, Request
@@ -75,7 +77,7 @@ def _keys(req: Request) -> tuple[bytes, ...]:
 class _Upstream:
     """One operation sent upstream, and who gets its answer."""
 
-    __slots__ = ("req", "cid", "rid", "waiters", "deltas", "group", "pos", "fold")
+    __slots__ = ("req", "cid", "rid", "waiters", "deltas", "group", "pos", "fold", "members")
 
     def __init__(self, req: Request, cid: int, waiter: Waiter | None, pos: int) -> None:
         self.req = req
@@ -86,6 +88,7 @@ class _Upstream:
         self.group = False  # a WAIT or BARRIER (its waiters may cancel one by one)
         self.pos = pos  # where its first request stands in the batch
         self.fold: _Fold | None = None  # set once a second SET/GET/APPEND joins
+        self.members: list[_Upstream] | None = None  # one-key WAITs sent with this one
 
 
 class _Fold:
@@ -122,6 +125,7 @@ class CoalescingStats:
         self.merged_appends = 0
         self.folded_sets = 0  # SETs sent inside another's MULTI_SET
         self.folded_gets = 0  # GETs answered from another's MULTI_GET
+        self.folded_waits = 0  # one-key WAITs sent in another's WAITS entry
         self.ids_opened = 0  # link client ids (namespaces) opened upstream: an OPEN entry each
 
     def as_dict(self) -> dict[str, int]:
@@ -354,7 +358,7 @@ class LinkUpstream:
         open_reads: dict[tuple[bytes, bytes], _Upstream] = {}
         reads_on: dict[tuple[bytes, bytes], list[tuple[bytes, bytes]]] = defaultdict(list)
         runs: dict[tuple[int, bytes, bytes], _Upstream] = {}  # (ADD|APPEND, ns, key): open run
-        folds: dict[tuple[int, bytes], _Upstream] = {}  # (SET|GET, ns): the latest foldable op
+        folds: dict[tuple[int, bytes], _Upstream] = {}  # (SET|GET|WAIT, ns): the latest foldable op
         last_touch: dict[tuple[bytes, bytes], int] = {}  # (ns, key): place of the last request on it
         last_write: dict[tuple[bytes, bytes], int] = {}
         last_of: dict[Waiter, int] = {}  # client: place of its last request
@@ -416,10 +420,25 @@ class LinkUpstream:
                         reads_on[(ns, req[1])].append(dk)
                         stats.folded_gets += 1
                         continue
+                if op == Op.WAIT and len(keys) == 1:
+                    f = folds.get((Op.WAIT, ns))
+                    if (f is not None and since < f.pos and last_write.get((ns, keys[0]), -1) < f.pos
+                            and len(f.members or ()) < MAX_FOLD):
+                        u = _Upstream(req, f.cid, waiter, f.pos)  # (it waits from the fold's place)
+                        u.group = True
+                        self._wait_of[waiter] = u
+                        f.members = f.members or []
+                        f.members.append(u)
+                        open_reads[dk] = u
+                        reads_on[(ns, keys[0])].append(dk)
+                        stats.folded_waits += 1
+                        continue
                 u = _Upstream(req, cid_of(ns), waiter, i)
                 if op == Op.WAIT:
                     u.group = True
                     self._wait_of[waiter] = u
+                    if len(keys) == 1:
+                        folds[(Op.WAIT, ns)] = u
                 elif op == Op.GET:
                     folds[(Op.GET, ns)] = u
                 open_reads[dk] = u
@@ -477,7 +496,17 @@ class LinkUpstream:
                 self._wait_of[waiter] = u
             ops.append(u)
         answered_at_once = 0
+        sent = len(ops)
         for u in ops:
+            if u.members:  # one WAITS entry: request ids rid, rid + 1, ... in key order
+                u.rid = self._new_id()
+                self._inflight[u.rid] = u
+                for m in u.members:
+                    m.rid = self._new_id()
+                    self._inflight[m.rid] = m
+                entries.append(entry_waits(u.cid, u.rid, [u.req[1][0]] + [m.req[1][0] for m in u.members]))
+                sent += len(u.members)
+                continue
             req = u.req
             if u.fold is not None:
                 req = u.fold.request(req[0])
@@ -494,7 +523,7 @@ class LinkUpstream:
             self._in_flight.add(answered_at_once)
         if entries and self.dead is None:
             stats.batches += 1
-            stats.upstream_ops += len(ops)
+            stats.upstream_ops += sent
             self._send(encode_batch(entries))
 
     def _on_replies(self, payload: bytes) -> None:

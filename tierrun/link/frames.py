@@ -9,6 +9,8 @@
         entry := u8 OPEN    | u32 client | u32 len | namespace   (a new client; "" = root)
                | u8 REQUEST | u32 client | u64 rid | u32 len | torch-encoded request
                | u8 CANCEL  | u32 client | u64 rid              (drop that WAIT/BARRIER)
+               | u8 WAITS   | u32 client | u64 rid | u32 n | n x (u32 len | key)
+                                      (n one-key WAITs, the i-th with request id rid + i)
       A client is a namespace seen through the link, not a torch connection: a
       front-end opens one per namespace and sends every request in it under that id.
       Any number of its requests may be outstanding; a WAIT or BARRIER waits alone
@@ -36,7 +38,7 @@ LINK_MAGIC = 0xA7  # first byte a front-end sends: not an opcode of any torch ve
 VERSION = 3  # 2: sessions, resumption, heartbeats; 3: a client per namespace, CANCEL
 
 HELLO, AUTH, WELCOME, ERROR, BATCH, REPLIES, SESSION, RESUMED, ACK = range(1, 10)
-OPEN, REQUEST, CANCEL = range(3)
+OPEN, REQUEST, CANCEL, WAITS = range(4)
 OK, FAILED = 0, 1
 
 _hdr = struct.Struct("<IB")
@@ -44,6 +46,7 @@ _u32 = struct.Struct("<I")
 _open = struct.Struct("<BII")
 _req = struct.Struct("<BIQI")
 _cancel = struct.Struct("<BIQ")
+_waits = struct.Struct("<BIQI")
 _reply = struct.Struct("<QBI")
 _REQ_SIZE, _OPEN_SIZE, _CANCEL_SIZE = _req.size, _open.size, _cancel.size
 _session = struct.Struct("<16sBQ")
@@ -124,6 +127,33 @@ def entry_cancel(client: int, rid: int) -> bytes:
     return _cancel.pack(CANCEL, client, rid)
 
 
+def entry_waits(client: int, rid: int, keys: list[bytes]) -> bytes:
+    return _waits.pack(WAITS, client, rid, len(keys)) + b"".join([_u32.pack(len(k)) + k for k in keys])
+
+
+def decode_keys(data: bytes, max_keys: int, max_key_bytes: int) -> list[bytes]:
+    """The keys of a WAITS entry (its ``data``, count first). O(len(data)); raises
+    LinkError past the limits or on a malformed list."""
+    try:
+        (n,) = _u32.unpack_from(data, 0)
+        if n > max_keys:
+            raise LinkError(f"{n} keys in one WAITS entry exceed the limit of {max_keys}")
+        keys = []
+        pos = 4
+        for _ in range(n):
+            (length,) = _u32.unpack_from(data, pos)
+            if length > max_key_bytes:
+                raise LinkError(f"key of {length} bytes exceeds the limit of {max_key_bytes}")
+            pos += 4
+            keys.append(data[pos : pos + length])
+            pos += length
+    except struct.error as e:
+        raise LinkError(f"malformed WAITS entry: {e}") from None
+    if pos != len(data):
+        raise LinkError("malformed WAITS entry")
+    return keys
+
+
 def decode_batch(payload: bytes) -> list[Entry]:
     """O(len(payload)); tuples, not objects: this runs once per operation at the core."""
     try:
@@ -146,6 +176,13 @@ def decode_batch(payload: bytes) -> list[Entry]:
                 _, client, rid = _cancel.unpack_from(payload, pos)
                 pos += _CANCEL_SIZE
                 out.append((CANCEL, client, rid, b""))
+            elif kind == WAITS:  # (data: the key count and the keys, for decode_keys)
+                start = pos + 13
+                _, client, rid, n = _waits.unpack_from(payload, pos)
+                pos = start + 4
+                for _ in range(n):
+                    pos += 4 + _u32.unpack_from(payload, pos)[0]
+                out.append((WAITS, client, rid, payload[start:pos]))
             else:
                 raise LinkError(f"unknown batch entry kind {kind}")
             if pos > len(payload):

@@ -29,12 +29,13 @@ from ..frontend.namespace import NamespacedUpstream
 from ..link import auth
 from ..link.config import LinkConfig
 from ..link.frames import (
-    ACK, AUTH, BATCH, CANCEL, DEFAULT_MAX_FRAME, ERROR, FAILED, HANDSHAKE_MAX_FRAME, LINK_MAGIC, OK, OPEN,
+    ACK, AUTH, BATCH, CANCEL, WAITS, DEFAULT_MAX_FRAME, ERROR, FAILED, HANDSHAKE_MAX_FRAME, LINK_MAGIC, OK, OPEN,
     REQUEST, RESUMED, SESSION, FrameDecoder,
-    LinkError, decode_batch, decode_count, decode_session, encode_count, encode_replies,
+    LinkError, decode_batch, decode_count, decode_keys, decode_session, encode_count, encode_replies,
 )
 from ..link.outbox import Outbox
 from ..protocol import Op, ProtocolError
+from ..protocol.limits import Limits
 from ..protocol.parser import decode_request
 from ..protocol.opcodes import NO_REPLY_OPS
 
@@ -43,6 +44,7 @@ log = logging.getLogger("tierrun.store")
 MAX_SHARED_NAMESPACES = 1024
 
 
+_LIMITS = Limits()
 #: Requests that may wait for the store to change: each waits under a ticket of its own.
 _MAY_WAIT = frozenset({Op.WAIT, Op.BARRIER})
 
@@ -150,6 +152,19 @@ class Session:
                 if cid in clients:
                     raise LinkError(f"client {cid} opened twice")
                 clients[cid] = RemoteClient(self, self.server.upstream_for(data))
+            elif kind == WAITS:
+                client = clients.get(cid)
+                if client is None:
+                    raise LinkError(f"request for unknown client {cid}")
+                keys = decode_keys(data, _LIMITS.max_keys_per_request, _LIMITS.max_key_bytes)
+                stats.operations += len(keys)
+                for r, key in enumerate(keys, rid):
+                    ticket = Ticket(client, r)
+                    reply = client.upstream.execute((Op.WAIT, (key,)), ticket)
+                    if reply is not None:
+                        replies.append((r, OK, reply))
+                    else:
+                        client.tickets[r] = ticket
             elif kind == CANCEL:
                 client = clients.get(cid)
                 ticket = None if client is None else client.tickets.pop(rid, None)
