@@ -49,14 +49,17 @@ def children(pid: int) -> list[int]:
     return out
 
 
+def descendants(pid: int) -> list[int]:
+    """Every process below ``pid`` (its children, theirs, ...)."""
+    tree = [pid]
+    for p in tree:
+        tree += children(p)
+    return tree[1:]
+
+
 def kill_tree(pid: int, sig: int = signal.SIGKILL) -> None:
     """Kill a process and all its descendants (torch puts workers in their own sessions)."""
-    tree = [pid]
-    i = 0
-    while i < len(tree):
-        tree += children(tree[i])
-        i += 1
-    for p in tree:
+    for p in [pid, *descendants(pid)]:
         try:
             os.kill(p, sig)
         except ProcessLookupError:

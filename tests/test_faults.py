@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from launch import SCRIPTS, children, finish, free_port, kill_tree, results, tierrun
+from launch import SCRIPTS, descendants, finish, free_port, kill_tree, results, tierrun
 
 COMMON = ("--nnodes", "2:3", "--nproc_per_node", 1, "--max_restarts", 3, "--monitor_interval", "0.5")
 
@@ -33,13 +33,6 @@ def recovered_after(logs, t_fault: float, world: int = 2) -> float:
     up = [float(r["t"]) for r in results(*logs, tag="UP") if r["world"] == str(world) and float(r["t"]) > t_fault]
     assert len(up) == world, up
     return max(up) - t_fault
-
-
-def descendants(pid: int) -> list[int]:
-    tree = [pid]
-    for p in tree:
-        tree += children(p)
-    return tree[1:]
 
 
 def command_line(pid: int) -> str:

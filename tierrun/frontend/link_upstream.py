@@ -51,7 +51,7 @@ from ..link.frames import (
 )
 from ..link.outbox import Outbox
 from ..protocol import Op, Request
-from ..protocol.opcodes import NO_REPLY_OPS, WAIT_CANCELED
+from ..protocol.opcodes import NO_REPLY_OPS, WAIT_CANCELED, WAITING_OPS
 from ..protocol.requests import encode_request
 
 log = logging.getLogger("tierrun.frontend")
@@ -59,7 +59,6 @@ log = logging.getLogger("tierrun.frontend")
 _i64 = struct.Struct("<q")
 _u64 = struct.Struct("<Q")
 _DEDUP_OPS = frozenset({Op.WAIT, Op.CHECK, Op.GET, Op.MULTI_GET, Op.GETNUMKEYS, Op.QUEUE_LEN})
-_MAY_WAIT = frozenset({Op.WAIT, Op.BARRIER})  # answered when the store changes, maybe much later
 _ALL_KEYS = b"\x00*"  # pseudo-key touched by every write: GETNUMKEYS depends on all
 #: At most this many requests in one fold (the core's limit is 128 Ki keys per request).
 MAX_FOLD = 1024
@@ -165,7 +164,7 @@ class LinkUpstream:
         #: Per batch in flight, the request id of its last answer that the upstream
         #: gives at once (not a WAIT's or BARRIER's): while there are
         #: ``batches_in_flight`` of them, new requests wait for the next batch.
-        self._in_flight: set[int] = set()
+        self._batches_awaiting: set[int] = set()
         self.stats = CoalescingStats()
 
     # -- the session and its connections ----------------------------------------------
@@ -202,9 +201,9 @@ class LinkUpstream:
                 conn.abort(f"nothing heard from the store host for {silent:.1f} s")
             else:
                 conn.ack()
-        if self._in_flight and (self._pending or self._extra):
+        if self._batches_awaiting and (self._pending or self._extra):
             # (belt and braces: a held batch never waits on an answer for more than a beat)
-            self._in_flight.clear()
+            self._batches_awaiting.clear()
             self._schedule_flush()
         if self.dead is None:
             self._schedule_heartbeat()
@@ -323,7 +322,7 @@ class LinkUpstream:
                 self._queue_extra(entry_cancel(group.cid, group.rid))
                 group.cid = 0
         elif any(w is waiter for w, _, _ in self._pending):
-            self._pending = [p for p in self._pending if p[0] is not waiter or p[2][0] not in _MAY_WAIT]
+            self._pending = [p for p in self._pending if p[0] is not waiter or p[2][0] not in WAITING_OPS]
 
     def _queue_extra(self, entry: bytes) -> None:
         if not self._pending and not self._extra:
@@ -336,7 +335,7 @@ class LinkUpstream:
         While ``batches_in_flight`` batches await their answers, it closes when one
         of them is answered instead."""
         limit = self.config.batches_in_flight
-        if limit and len(self._in_flight) >= limit:
+        if limit and len(self._batches_awaiting) >= limit:
             return  # (_on_replies flushes)
         loop = asyncio.get_running_loop()
         if self.config.batch_window:
@@ -516,11 +515,11 @@ class LinkUpstream:
             if rid:
                 u.rid = rid
                 self._inflight[rid] = u
-                if req[0] not in _MAY_WAIT:
+                if req[0] not in WAITING_OPS:
                     answered_at_once = rid
             entries.append(entry_request(u.cid, rid, encode_request(req)))
         if answered_at_once:
-            self._in_flight.add(answered_at_once)
+            self._batches_awaiting.add(answered_at_once)
         if entries and self.dead is None:
             stats.batches += 1
             stats.upstream_ops += sent
@@ -528,13 +527,13 @@ class LinkUpstream:
 
     def _on_replies(self, payload: bytes) -> None:
         self.replies_received += 1
-        in_flight = self._in_flight
+        awaiting = self._batches_awaiting
         for rid, status, data in decode_replies(payload):
             u = self._inflight.pop(rid, None)
             if u is None:
                 continue
-            if rid in in_flight:
-                in_flight.discard(rid)
+            if rid in awaiting:
+                awaiting.discard(rid)
                 if self._pending or self._extra:
                     self._schedule_flush()
             if status != OK:

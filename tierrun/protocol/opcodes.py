@@ -43,3 +43,5 @@ WAIT_CANCELED = b"\x01"
 
 #: Requests the torch client sends without waiting for an answer.
 NO_REPLY_OPS = frozenset({Op.VALIDATE, Op.SET, Op.APPEND, Op.MULTI_SET, Op.QUEUE_PUSH})
+#: Answered when the store changes, maybe much later: the only requests a store defers.
+WAITING_OPS = frozenset({Op.WAIT, Op.BARRIER})

@@ -37,7 +37,7 @@ from ..link.outbox import Outbox
 from ..protocol import Op, ProtocolError
 from ..protocol.limits import Limits
 from ..protocol.parser import decode_request
-from ..protocol.opcodes import NO_REPLY_OPS
+from ..protocol.opcodes import NO_REPLY_OPS, WAITING_OPS
 
 log = logging.getLogger("tierrun.store")
 
@@ -45,8 +45,6 @@ MAX_SHARED_NAMESPACES = 1024
 
 
 _LIMITS = Limits()
-#: Requests that may wait for the store to change: each waits under a ticket of its own.
-_MAY_WAIT = frozenset({Op.WAIT, Op.BARRIER})
 
 
 class RemoteClient:
@@ -136,7 +134,7 @@ class Session:
                     raise LinkError(f"request for unknown client {cid}")
                 req = decode_request(data)
                 stats.operations += 1
-                waiter = client if req[0] not in _MAY_WAIT else Ticket(client, rid)
+                waiter = client if req[0] not in WAITING_OPS else Ticket(client, rid)  # (one each)
                 try:
                     reply = client.upstream.execute(req, waiter)
                 except StoreError as err:
