@@ -262,7 +262,7 @@ class Cluster:
         upstream = self.root if not f or n < f else self.tree_address(n // f - 1)
         link = await connect_link(*upstream, token, lost, 120, LinkConfig.from_env())
         if f and (n + 1) * f < self.k:  # it has children: take their links
-            links = LinkServer(lambda ns: link.view(ns.decode()), token)
+            links = LinkServer(lambda ns: link.view(ns.decode()), token, lease=link.lease_left)
             await asyncio.get_running_loop().create_server(
                 lambda: links.accept(sniffed=False), *self.tree_address(n))
         frontend = FrontEnd(link.view(""))

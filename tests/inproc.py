@@ -3,9 +3,62 @@ frames travel through in-memory transports, so tests drive batching and coalesci
 deterministically."""
 
 import asyncio
+import weakref
 
 from tierrun.frontend.link_upstream import LinkUpstream
+from tierrun.link.reply_gate import ReplyGate, break_watches
 from tierrun.server.link_server import LinkServer, core_upstreams
+
+_gates = weakref.WeakKeyDictionary()  # core -> the invalidation rounds of all its links
+
+
+def gate_of(upstream):
+    """The one gate of every link to ``upstream`` (a core or a front-end's link), as the
+    root and a proxy have one LinkServer for all."""
+    gate = _gates.get(upstream)
+    if gate is None:
+        gate = _gates[upstream] = ReplyGate()
+        if not isinstance(upstream, LinkUpstream):
+            upstream.on_watches_broken = break_watches
+    return gate
+
+
+class _HeldWaiter:
+    """A root client's deferred answers, held while a round is open (as ClientConnection's)."""
+
+    def __init__(self, client, gate):
+        self.client, self.gate = client, gate
+
+    def wake(self, reply):
+        if self.gate.closed:
+            self.gate.emit(self.client.wake, reply)
+        else:
+            self.client.wake(reply)
+
+    def drop(self, reason):
+        self.client.drop(reason)
+
+
+class RootFrontEnd:
+    """The root's own front-end, as its clients see it: the core's answers, held while
+    an invalidation round is open (what ClientConnection does with the gate)."""
+
+    def __init__(self, core):
+        self.core, self.gate = core, gate_of(core)
+        self._waiters = {}
+
+    def execute(self, req, client):
+        waiter = self._waiters.get(client)
+        if waiter is None:
+            waiter = self._waiters[client] = _HeldWaiter(client, self.gate)
+        reply = self.core.execute(req, waiter)
+        if reply is not None and self.gate.closed:
+            self.gate.emit(client.wake, reply)
+            return None
+        return reply
+
+    def forget(self, client):
+        self.core.forget(self._waiters.pop(client, None))
 
 
 class Client:
@@ -42,9 +95,10 @@ async def linked(upstream, config=None):
     upstream's link statistics. ``upstream``: a core, or another front-end's link (a
     stacked front-end, as in a deeper tree)."""
     if isinstance(upstream, LinkUpstream):
-        server = LinkServer(lambda ns: upstream.view(ns.decode()), b"tok")
+        server = LinkServer(lambda ns: upstream.view(ns.decode()), b"tok", lease=upstream.lease_left,
+                            gate=gate_of(upstream))
     else:
-        server = LinkServer(core_upstreams(upstream), b"tok")
+        server = LinkServer(core_upstreams(upstream), b"tok", gate=gate_of(upstream))
     link = LinkUpstream(b"tok", on_lost=lambda reason: None, config=config)
     conn = link.connection()
     server_end = server.accept("test")

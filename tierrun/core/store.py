@@ -29,6 +29,7 @@ from ..protocol.replies import (
     encode_queue_pop,
     encode_u32,
 )
+from .watch_state import encode_watch_state
 
 
 class Waiter(Protocol):
@@ -36,6 +37,11 @@ class Waiter(Protocol):
 
     def wake(self, reply: bytes) -> None:
         """Deliver a deferred reply (STOP_WAITING). Must not call back into the core."""
+
+
+#: Called with the watchers of a key that just changed, before anyone waiting on the
+#: key is woken: they must stop answering from what they saw (see ``execute_watching``).
+WatchesBroken = Callable[[list[object]], None]
 
 
 class StoreError(Exception):
@@ -86,6 +92,12 @@ class StoreCore:
         self._waiting: dict[bytes, dict[Waiter, None]] = {}
         # waiter -> [number of keys still missing, the keys it registered on]
         self._pending: dict[Waiter, list] = {}
+        # key -> watchers who answer reads of it from what they saw (execute_watching)
+        self._watched: dict[bytes, list[object]] = {}
+        # a blocked watching WAIT's waiter -> (its key, its watcher): watched once woken
+        self._watch_on_wake: dict[Waiter, tuple[bytes, object]] = {}
+        #: Told of every change of a watched key (set by whoever hands out watches).
+        self.on_watches_broken: WatchesBroken = lambda watchers: None
         self.operations = 0
         self._handlers: dict[int, Callable[[Request, Waiter], bytes | None]] = {
             Op.SET: self._set,
@@ -114,8 +126,45 @@ class StoreCore:
         self.operations += 1
         return self._handlers[req[0]](req, waiter)
 
+    def execute_watching(self, req: Request, waiter: Waiter, watcher: object) -> bytes | None:
+        """Run a one-key CHECK, GET or WAIT and watch its key for ``watcher``: answer
+        its watch state (``watch_state.encode_watch_state``) followed by the reply, now,
+        or (a WAIT on a missing key) through ``waiter.wake`` once the key is there.
+        Until the key next changes (``on_watches_broken`` gets the watcher), the watcher
+        may answer reads of it from that state; a WAIT that blocks watches its key as
+        absent meanwhile (a change breaks that watch first, then wakes it, which
+        watches the key anew). A queue's key is not watched. O(1) more than the
+        request."""
+        self.operations += 1
+        op = req[0]
+        key = req[1] if op == Op.GET else req[1][0]
+        if op == Op.WAIT and not self._present(key):
+            self._wait(req, waiter)
+            self._watch_on_wake[waiter] = (key, watcher)
+            if key not in self._queues:  # watched as absent while it waits
+                self._watched.setdefault(key, []).append(watcher)
+            return None
+        reply = self._handlers[op](req, waiter)
+        return self.watch_state(key, watcher) + reply  # type: ignore[operator]
+
+    def watch_state(self, key: bytes, watcher: object) -> bytes:
+        """Register ``watcher`` on ``key`` (unless it is a queue's): its state now."""
+        if key in self._queues:
+            return encode_watch_state(False, None)
+        self._watched.setdefault(key, []).append(watcher)
+        return encode_watch_state(True, self._data.get(key))
+
+    def _break_watches(self, key: bytes) -> None:
+        self.on_watches_broken(self._watched.pop(key))
+
+    @property
+    def num_watches(self) -> int:
+        return sum(len(w) for w in self._watched.values())
+
     def forget(self, waiter: Waiter) -> None:
         """Drop the waiter's pending waits (its connection closed). Its keys stay."""
+        if self._watch_on_wake:
+            self._watch_on_wake.pop(waiter, None)
         entry = self._pending.pop(waiter, None)
         if entry is None:
             return
@@ -164,6 +213,10 @@ class StoreCore:
             entry[0] -= 1
             if entry[0] == 0:
                 del pending[waiter]
+                if self._watch_on_wake and waiter in self._watch_on_wake:
+                    watched_key, watcher = self._watch_on_wake.pop(waiter)
+                    waiter.wake(self.watch_state(watched_key, watcher) + STOP_WAITING)
+                    continue
                 waiter.wake(STOP_WAITING)
 
     def _wake_one(self, key: bytes) -> None:
@@ -186,6 +239,8 @@ class StoreCore:
     def _set(self, req: Request, waiter: Waiter) -> None:
         key = req[1]
         self._data[key] = req[2]
+        if key in self._watched:
+            self._break_watches(key)
         if key in self._waiting:
             self._wake_all(key)
         return None
@@ -193,16 +248,21 @@ class StoreCore:
     def _compare_set(self, req: Request, waiter: Waiter) -> bytes:
         _, key, expected, desired = req
         current = self._data.get(key)
+        changed = False
         if current is None:
             if expected:
                 result = expected
             else:
-                self._data[key] = desired
-                result = desired
+                self._data[key] = result = desired
+                changed = True
         else:
             if current == expected:
-                self._data[key] = current = desired
+                self._data[key] = desired
+                changed = current != desired
+                current = desired
             result = current
+        if changed and key in self._watched:
+            self._break_watches(key)
         # torch wakes waiters even when nothing changed.
         self._wake_all(key)
         return encode_bytes(result)
@@ -215,6 +275,8 @@ class StoreCore:
         current = self._data.get(key)
         value = delta if current is None else _wrap_i64(parse_counter(current, key) + delta)
         self._data[key] = str(value).encode()
+        if key in self._watched:
+            self._break_watches(key)
         if key in self._waiting:
             self._wake_all(key)
         return encode_i64(value)
@@ -237,12 +299,18 @@ class StoreCore:
 
     def _delete_key(self, req: Request, waiter: Waiter) -> bytes:
         # Deleting wakes nobody, as in torch.
-        return encode_i64(0 if self._data.pop(req[1], None) is None else 1)
+        if self._data.pop(req[1], None) is None:
+            return encode_i64(0)
+        if req[1] in self._watched:
+            self._break_watches(req[1])
+        return encode_i64(1)
 
     def _append(self, req: Request, waiter: Waiter) -> None:
         key = req[1]
         current = self._data.get(key)
         self._data[key] = req[2] if current is None else current + req[2]
+        if key in self._watched:
+            self._break_watches(key)
         if key in self._waiting:
             self._wake_all(key)
         return None
@@ -254,8 +322,11 @@ class StoreCore:
     def _multi_set(self, req: Request, waiter: Waiter) -> None:
         data = self._data
         waiting = self._waiting
+        watched = self._watched
         for key, value in zip(req[1], req[2]):
             data[key] = value
+            if key in watched:
+                self._break_watches(key)
             if key in waiting:
                 self._wake_all(key)
         return None
@@ -270,6 +341,8 @@ class StoreCore:
     def _queue_push(self, req: Request, waiter: Waiter) -> None:
         key = req[1]
         self._queues.setdefault(key, deque()).append(req[2])
+        if key in self._watched:
+            self._break_watches(key)
         if key in self._waiting:
             self._wake_one(key)
         return None
@@ -293,6 +366,8 @@ class StoreCore:
         current = self._data.get(key)
         count = 1 if current is None else parse_counter(current, key) + 1
         self._data[key] = str(count).encode()
+        if key in self._watched:
+            self._break_watches(key)
         if count >= world_size:
             self._wake_all(key)
             return STOP_WAITING

@@ -34,7 +34,7 @@ class ClientConnection(asyncio.Protocol):
     a slow client holds no more than its own buffers.
     """
 
-    __slots__ = ("_frontend", "_upstream", "_parser", "_transport", "peer", "closed", "_sniff")
+    __slots__ = ("_frontend", "_upstream", "_parser", "_transport", "peer", "closed", "_sniff", "_gate")
 
     def __init__(self, frontend: FrontEnd) -> None:
         self._frontend = frontend
@@ -45,6 +45,7 @@ class ClientConnection(asyncio.Protocol):
         self.closed = False
         # On a port that also takes links, the first byte tells a link from a torch client.
         self._sniff = frontend.link_acceptor is not None
+        self._gate = frontend.gate
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         self._transport = transport  # type: ignore[assignment]
@@ -100,13 +101,21 @@ class ClientConnection(asyncio.Protocol):
 
     def _write(self, out: list[bytes]) -> None:
         if out and not self.closed:
+            data = out[0] if len(out) == 1 else b"".join(out)
+            gate = self._gate
+            if gate is not None and gate.closed:
+                gate.emit(self._send, data)
+                return
             assert self._transport is not None
-            self._transport.write(out[0] if len(out) == 1 else b"".join(out))
+            self._transport.write(data)
 
     def wake(self, reply: bytes) -> None:
+        self._write([reply])
+
+    def _send(self, data: bytes) -> None:
         if not self.closed:
             assert self._transport is not None
-            self._transport.write(reply)
+            self._transport.write(data)
 
     def drop(self, reason: str) -> None:
         """Close this connection because of something the client did; log one line."""

@@ -29,8 +29,20 @@ class Upstream(Protocol):
     def forget(self, waiter: Waiter) -> None:
         """The waiter's connection closed: drop whatever it was waiting for."""
 
+    def execute_watching(self, req: Request, waiter: Waiter, watcher: object) -> bytes | None:
+        """A one-key CHECK, GET or WAIT that also watches its key (a link's WATCH entry):
+        see ``StoreCore.execute_watching``."""
+
 
 LinkAcceptor = Callable[[asyncio.Transport, str, bytes], None]
+
+
+class Gate(Protocol):
+    """Holds answers back while ``closed`` (``server.reply_gate.ReplyGate``)."""
+
+    closed: bool
+
+    def emit(self, send: Callable[[bytes], None], data: bytes) -> None: ...
 
 
 @dataclass
@@ -48,11 +60,14 @@ class FrontEnd:
         upstream: Upstream,
         config: FrontEndConfig | None = None,
         link_acceptor: LinkAcceptor | None = None,
+        gate: Gate | None = None,
     ) -> None:
         """``link_acceptor(transport, peer, rest)``, if given, takes over a connection
         that turned out to be a front-end's link (on the store host's public port);
-        ``rest`` is what was read after the link's first byte."""
+        ``rest`` is what was read after the link's first byte. ``gate``: holds answers
+        while the store's invalidation rounds run (the core's process only)."""
         self.upstream = upstream
+        self.gate = gate
         self.link_acceptor = link_acceptor
         self.config = config or FrontEndConfig()
         self.limits = self.config.limits

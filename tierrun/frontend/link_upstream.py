@@ -20,7 +20,16 @@ frame and executed atomically, in order, by the core. Within a batch:
   one WAITS and one MULTI_GET carry a whole batch of them.)
 A client's request joins an earlier merged or folded request only if the client has
 sent nothing since that one's place: its answers leave in the order it asked.
-Nothing is cached or merged across batches.
+
+Across batches, only through watches (design.md's standing watch; link frames.py): a
+one-key CHECK, GET or WAIT of a key read before (a poll: torch's ``get`` is a WAIT and
+a GET; NCCL's heartbeat CHECKs one key) goes upstream as a WATCH, whose answer carries the key's
+state; the front-end then answers reads of the key from that state, and WAITs on it
+join the WAIT that waits for it upstream, until the core invalidates the watch (which
+it does before anyone can learn of a change) or the lease runs out. Only for a client
+with nothing outstanding: every earlier request of it answered, none since without an
+answer (a SET), so its own writes are executed (and their invalidations in) first.
+A key invalidated ``MAX_CHURN`` times is not watched again (it changes too often).
 
 Every request of a namespace travels under one link client id (opened once per session:
 an OPEN entry costs the core as much as a request), whoever sent it; the core matches
@@ -37,21 +46,25 @@ import secrets
 import socket
 import struct
 import time
-from collections import defaultdict
+from collections import defaultdict, deque
 from collections.abc import Callable
 from time import monotonic
 
 from ..core import StoreError, Waiter
+from ..core.watch_state import decode_watch_answer, encode_watch_state
 from ..link import auth
 from ..link.config import LinkConfig
 from ..link.frames import (
-    ACK, DEFAULT_MAX_FRAME, ERROR, HANDSHAKE_MAX_FRAME, HELLO, LINK_MAGIC, OK, REPLIES, RESUMED, SESSION_ID_BYTES, WELCOME, FrameDecoder,
-    LinkError, decode_count, decode_replies, encode_batch, encode_count, encode_session,
-    entry_cancel, entry_open, entry_request, entry_waits,
+    ACK, DEFAULT_MAX_FRAME, ERROR, HANDSHAKE_MAX_FRAME, HELLO, INVALIDATE, INVALIDATED, LINK_MAGIC, OK, PONG, REPLIES,
+    RESUMED, SESSION_ID_BYTES, WATCH_LEASE, WELCOME, FrameDecoder, LinkError, decode_count, decode_invalidate,
+    decode_pong, decode_replies, encode_batch, encode_count, encode_session, entry_cancel, entry_open, entry_request,
+    entry_waits, entry_watch,
 )
 from ..link.outbox import Outbox
+from ..link.reply_gate import break_watches
 from ..protocol import Op, Request
-from ..protocol.opcodes import NO_REPLY_OPS, WAIT_CANCELED, WAITING_OPS
+from ..protocol.opcodes import CHECK_NOT_READY, CHECK_READY, NO_REPLY_OPS, STOP_WAITING, WAIT_CANCELED, WAITING_OPS
+from ..protocol.replies import encode_bytes
 from ..protocol.requests import encode_request
 
 log = logging.getLogger("tierrun.frontend")
@@ -62,6 +75,13 @@ _DEDUP_OPS = frozenset({Op.WAIT, Op.CHECK, Op.GET, Op.MULTI_GET, Op.GETNUMKEYS, 
 _ALL_KEYS = b"\x00*"  # pseudo-key touched by every write: GETNUMKEYS depends on all
 #: At most this many requests in one fold (the core's limit is 128 Ki keys per request).
 MAX_FOLD = 1024
+#: Keys a front-end watches at most (past it, it forgets them all and starts again).
+MAX_WATCHES = 16384
+#: A key whose watch was invalidated this often is read without one from then on.
+MAX_CHURN = 4
+_WATCHABLE = frozenset({Op.CHECK, Op.GET, Op.WAIT})
+_WATCH = -1  # a pending request ``(_WATCH, request, watcher or None)``: send it as a WATCH
+_MISSING = object()
 
 
 def _keys(req: Request) -> tuple[bytes, ...]:
@@ -76,7 +96,7 @@ def _keys(req: Request) -> tuple[bytes, ...]:
 class _Upstream:
     """One operation sent upstream, and who gets its answer."""
 
-    __slots__ = ("req", "cid", "rid", "waiters", "deltas", "group", "pos", "fold", "members")
+    __slots__ = ("req", "cid", "rid", "waiters", "deltas", "group", "pos", "fold", "members", "wkey", "watchers")
 
     def __init__(self, req: Request, cid: int, waiter: Waiter | None, pos: int) -> None:
         self.req = req
@@ -88,6 +108,10 @@ class _Upstream:
         self.pos = pos  # where its first request stands in the batch
         self.fold: _Fold | None = None  # set once a second SET/GET/APPEND joins
         self.members: list[_Upstream] | None = None  # one-key WAITs sent with this one
+        self.wkey: tuple[bytes, bytes] | None = None  # a WATCH: (namespace, key)
+        #: A WATCH: per waiter, the downstream watcher it answers for (None: a local
+        #: client, answered with the request's own answer, not the watch state).
+        self.watchers: list[tuple[object, int] | None] | None = None
 
 
 class _Fold:
@@ -126,6 +150,10 @@ class CoalescingStats:
         self.folded_gets = 0  # GETs answered from another's MULTI_GET
         self.folded_waits = 0  # one-key WAITs sent in another's WAITS entry
         self.ids_opened = 0  # link client ids (namespaces) opened upstream: an OPEN entry each
+        self.watches_sent = 0  # reads sent as WATCH entries
+        self.watch_answers = 0  # reads answered from a watch (no request upstream)
+        self.watch_joins = 0  # WAITs that joined a WAIT sent earlier, through its watch
+        self.invalidations = 0  # watches the core invalidated
 
     def as_dict(self) -> dict[str, int]:
         return dict(vars(self))
@@ -166,6 +194,16 @@ class LinkUpstream:
         #: ``batches_in_flight`` of them, new requests wait for the next batch.
         self._batches_awaiting: set[int] = set()
         self.stats = CoalescingStats()
+        # -- watches (see the module docstring) --
+        self._cache: dict[tuple[bytes, bytes], bytes | None] = {}  # (ns, key) -> value, None: absent
+        self._watch_of: dict[int, tuple[bytes, bytes]] = {}  # watch id (its WATCH's rid) -> (ns, key)
+        self._waiting_on: dict[tuple[bytes, bytes], _Upstream] = {}  # the WATCH-WAIT sent for a key
+        self._downstream: dict[tuple[bytes, bytes], list[tuple[object, int]]] = {}  # front-ends below
+        self._seen: dict[tuple[bytes, bytes], None] = {}  # keys read (an ordered set)
+        self._churn: dict[tuple[bytes, bytes], int] = {}  # invalidations per key
+        self._lease_until = 0.0  # answer from watches only before this (monotonic)
+        self._unanswered: dict[Waiter, int] = {}  # client -> its requests awaiting answers
+        self._unconfirmed: set[Waiter] = set()  # clients whose last request has no answer
 
     # -- the session and its connections ----------------------------------------------
 
@@ -183,6 +221,7 @@ class LinkUpstream:
         self._opened = True
         if missed:
             conn.write(b"".join(missed))
+        conn.ack()  # (its PONG starts the watch lease)
         if not self.ready.done():
             self.ready.set_result(None)
         if self._heartbeat is None:
@@ -212,6 +251,7 @@ class LinkUpstream:
         if conn is not self._conn:
             return
         self._conn = None
+        self._drop_watches()
         if self.dead is None and self._reconnecting is None and self.address is not None:
             self._reconnecting = asyncio.ensure_future(self._reconnect(reason))
         elif self.address is None:
@@ -266,6 +306,7 @@ class LinkUpstream:
         pending, self._pending = self._pending, []
         for w, _, _ in pending:
             w.drop(reason)  # type: ignore[attr-defined]
+        self._drop_watches()
         self._on_lost(reason)
 
     def close(self) -> None:
@@ -298,18 +339,92 @@ class LinkUpstream:
     def submit(self, req: Request, waiter: Waiter, ns: bytes) -> bytes | None:
         if self.dead is not None:
             raise StoreError(self.dead)
-        if req[0] == Op.CANCEL_WAIT:
+        op = req[0]
+        if op == Op.CANCEL_WAIT:
             self._cancel_waits(waiter)
             return WAIT_CANCELED
+        self.stats.requests += 1
+        if op in _WATCHABLE and waiter not in self._unanswered and waiter not in self._unconfirmed:
+            keys = req[1]
+            if op == Op.GET or len(keys) == 1:
+                k = (ns, keys if op == Op.GET else keys[0])
+                if monotonic() < self._lease_until:
+                    value = self._cache.get(k, _MISSING)
+                    if value is not _MISSING and (op != Op.WAIT or value is not None):
+                        self.stats.watch_answers += 1
+                        return _answer_from(op, value)  # type: ignore[arg-type]
+                    if op == Op.WAIT and self._join_wait(k, waiter, None):
+                        self._unanswered[waiter] = 1
+                        return None
+                if k in self._seen and self._churn.get(k, 0) < MAX_CHURN:  # polled: watch it
+                    req = (_WATCH, req, None)  # type: ignore[assignment]
         if not self._pending and not self._extra:
             self._schedule_flush()
         self._pending.append((waiter, ns, req))
-        self.stats.requests += 1
+        if op in NO_REPLY_OPS:
+            self._unconfirmed.add(waiter)
+        else:
+            self._unanswered[waiter] = self._unanswered.get(waiter, 0) + 1
+            if self._unconfirmed:
+                self._unconfirmed.discard(waiter)  # (this answer confirms what came before)
         return None
+
+    def submit_watching(self, req: Request, waiter: Waiter, watcher: tuple[object, int], ns: bytes) -> bytes | None:
+        """A WATCH from a front-end linked to this one (``watcher``: its session and
+        watch id): answered from this one's watch when it can, else sent upstream as
+        a WATCH. The front-end below is told of every invalidation of the key from
+        now on (even before the answer: so it may let WAITs join its own)."""
+        if self.dead is not None:
+            raise StoreError(self.dead)
+        op = req[0]
+        k = (ns, req[1] if op == Op.GET else req[1][0])
+        self.stats.requests += 1
+        if monotonic() < self._lease_until:
+            value = self._cache.get(k, _MISSING)
+            if value is not _MISSING and (op != Op.WAIT or value is not None):
+                self.stats.watch_answers += 1
+                self._downstream.setdefault(k, []).append(watcher)
+                return encode_watch_state(True, value) + _answer_from(op, value)  # type: ignore[arg-type]
+            if op == Op.WAIT and self._join_wait(k, waiter, watcher):
+                return None
+        if not self._pending and not self._extra:
+            self._schedule_flush()
+        self._pending.append((waiter, ns, (_WATCH, req, watcher)))  # type: ignore[arg-type]
+        return None
+
+    def _join_wait(self, k: tuple[bytes, bytes], waiter: Waiter, watcher: tuple[object, int] | None) -> bool:
+        """Let a WAIT on ``k`` join the WATCH-WAIT already sent for it, if any: the core
+        watches the key for this front-end meanwhile, so until it says the key changed,
+        that WAIT's answer is this one's too."""
+        u = self._waiting_on.get(k)
+        if u is None or not u.cid:
+            return False
+        u.waiters.append(waiter)
+        u.watchers.append(watcher)  # type: ignore[union-attr]
+        self._wait_of[waiter] = u
+        if watcher is not None:
+            self._downstream.setdefault(k, []).append(watcher)
+        self.stats.watch_joins += 1
+        return True
+
+    def lease_left(self) -> float:
+        """How much longer (seconds) this front-end may answer from its watches: what
+        it may grant the front-ends linked to it."""
+        return max(0.0, min(WATCH_LEASE, self._lease_until - monotonic())) if self._conn is not None else 0.0
+
+    def _answered(self, waiter: Waiter) -> None:
+        n = self._unanswered.get(waiter)
+        if n is not None:
+            if n > 1:
+                self._unanswered[waiter] = n - 1
+            else:
+                del self._unanswered[waiter]
 
     def forget(self, waiter: Waiter, ns: bytes) -> None:
         """The client is gone: drop what it waits for."""
         self._cancel_waits(waiter)
+        self._unanswered.pop(waiter, None)
+        self._unconfirmed.discard(waiter)
 
     def _cancel_waits(self, waiter: Waiter) -> None:
         """Drop the client's WAIT or BARRIER, sent (upstream too, once nobody else waits
@@ -317,12 +432,19 @@ class LinkUpstream:
         group = self._wait_of.pop(waiter, None)
         if group is not None:
             if waiter in group.waiters:
-                group.waiters.remove(waiter)
+                at = group.waiters.index(waiter)
+                del group.waiters[at]
+                if group.watchers is not None:
+                    del group.watchers[at]
+                self._answered(waiter)
             if not group.waiters and group.cid:  # nobody waits: drop it upstream
                 self._queue_extra(entry_cancel(group.cid, group.rid))
                 group.cid = 0
         elif any(w is waiter for w, _, _ in self._pending):
-            self._pending = [p for p in self._pending if p[0] is not waiter or p[2][0] not in WAITING_OPS]
+            kept = [p for p in self._pending if p[0] is not waiter or _op_of(p[2]) not in WAITING_OPS]
+            if len(kept) < len(self._pending):
+                self._answered(waiter)
+            self._pending = kept
 
     def _queue_extra(self, entry: bytes) -> None:
         if not self._pending and not self._extra:
@@ -362,6 +484,7 @@ class LinkUpstream:
         last_write: dict[tuple[bytes, bytes], int] = {}
         last_of: dict[Waiter, int] = {}  # client: place of its last request
         stats = self.stats
+        seen = self._seen
 
         def touched(ns: bytes, keys, write: bool) -> None:
             for k in keys:
@@ -386,10 +509,44 @@ class LinkUpstream:
 
         for i, (waiter, ns, req) in enumerate(pending):
             op = req[0]
-            keys = _keys(req)
             since = last_of.get(waiter, -1)  # this client's previous request
             last_of[waiter] = i
+            if op == _WATCH:  # a read that also watches its key: merged only with its like
+                inner, watcher = req[1], req[2]  # type: ignore[misc]
+                keys = _keys(inner)
+                touched(ns, keys, write=False)
+                k = (ns, keys[0])
+                last_touch[k] = i
+                dk = (ns, b"w" + encode_request(inner))
+                same = open_reads.get(dk)
+                if same is not None and since < same.pos:
+                    same.waiters.append(waiter)
+                    same.watchers.append(watcher)  # type: ignore[union-attr]
+                    if inner[0] == Op.WAIT:
+                        self._wait_of[waiter] = same
+                        stats.merged_waits += 1
+                    else:
+                        stats.merged_reads += 1
+                    continue
+                u = _Upstream(inner, cid_of(ns), waiter, i)
+                u.wkey = k
+                u.watchers = [watcher]
+                if inner[0] == Op.WAIT:
+                    u.group = True
+                    self._wait_of[waiter] = u
+                    self._waiting_on[k] = u
+                if watcher is not None:  # told of invalidations from now on
+                    self._downstream.setdefault(k, []).append(watcher)
+                open_reads[dk] = u
+                reads_on[k].append(dk)
+                ops.append(u)
+                continue
+            keys = _keys(req)
             if op in _DEDUP_OPS:
+                if op in _WATCHABLE and len(keys) == 1:  # read once: the next read is a poll
+                    if len(seen) >= MAX_WATCHES:
+                        seen.clear()
+                    seen[(ns, keys[0])] = None
                 dk = (ns, encode_request(req))
                 same = open_reads.get(dk)
                 touched(ns, keys, write=False)
@@ -507,6 +664,14 @@ class LinkUpstream:
                 sent += len(u.members)
                 continue
             req = u.req
+            if u.watchers is not None:
+                u.rid = self._new_id()
+                self._inflight[u.rid] = u
+                if req[0] != Op.WAIT:
+                    answered_at_once = u.rid
+                entries.append(entry_watch(u.cid, u.rid, encode_request(req)))
+                stats.watches_sent += 1
+                continue
             if u.fold is not None:
                 req = u.fold.request(req[0])
             elif u.deltas is not None and len(u.deltas) > 1:
@@ -536,30 +701,127 @@ class LinkUpstream:
                 awaiting.discard(rid)
                 if self._pending or self._extra:
                     self._schedule_flush()
+            answered = self._answered
             if status != OK:
                 reason = data.decode(errors="replace")
+                if u.wkey is not None and self._waiting_on.get(u.wkey) is u:
+                    del self._waiting_on[u.wkey]
                 for w in u.waiters:
                     if u.group:
                         self._wait_of.pop(w, None)
+                    answered(w)
                     w.drop(f"{Op(u.req[0]).name} failed: {reason}")  # type: ignore[attr-defined]
                 continue
-            if u.group:
+            if u.watchers is not None:
+                self._watch_answered(u, data)
+            elif u.group:
                 for w in u.waiters:
                     self._wait_of.pop(w, None)
+                    answered(w)
                     w.wake(data)
             elif u.fold is not None:  # a MULTI_GET: each waiter's value as a GET answer
                 values = _split_values(data)
                 for w, pick in zip(u.waiters, u.fold.picks):
+                    answered(w)
                     w.wake(values[pick])
             elif u.deltas is not None and len(u.deltas) > 1:
                 final = _i64.unpack(data)[0]
                 prefix = final - sum(u.deltas)
                 for w, d in zip(u.waiters, u.deltas):
                     prefix += d
+                    answered(w)
                     w.wake(_i64.pack(prefix))
             else:
                 for w in u.waiters:
+                    answered(w)
                     w.wake(data)
+
+    def _watch_answered(self, u: _Upstream, data: bytes) -> None:
+        """A WATCH's answer: keep the state (the watch is on until invalidated), answer
+        local clients with the request's answer and front-ends below with both."""
+        try:
+            watched, value, answer = decode_watch_answer(data)
+        except ValueError as e:
+            raise LinkError(str(e)) from None
+        k = u.wkey
+        assert k is not None
+        if self._waiting_on.get(k) is u:
+            del self._waiting_on[k]
+        if watched:
+            if len(self._cache) >= MAX_WATCHES:
+                self._cache.clear()  # (forgetting is always safe; the core's invalidations
+                self._watch_of.clear()  # of forgotten watches are confirmed all the same)
+            self._cache[k] = value
+            self._watch_of[u.rid] = k
+        below = self._downstream.get(k) if watched else None
+        for w, watcher in zip(u.waiters, u.watchers):  # type: ignore[arg-type]
+            if u.group:
+                self._wait_of.pop(w, None)
+            if watcher is None:
+                self._answered(w)
+                w.wake(answer)
+            else:
+                if watched:
+                    if below is None:
+                        below = self._downstream[k] = []
+                    if watcher not in below:
+                        below.append(watcher)
+                w.wake(data)
+
+    def _on_invalidate(self, payload: bytes) -> None:
+        """The core says these watches broke: forget them, pass it on to the front-ends
+        below that watch the same keys, and confirm once they have."""
+        round_id, ids = decode_invalidate(payload)
+        below: list[tuple[object, int]] = []
+        for wid in ids:
+            k = self._watch_of.pop(wid, None)
+            if k is None:  # a WATCH-WAIT still waiting: its key is watched as absent
+                u = self._inflight.get(wid)
+                if u is None or u.wkey is None:
+                    continue
+                k = u.wkey
+            self.stats.invalidations += 1
+            self._cache.pop(k, None)
+            self._waiting_on.pop(k, None)
+            below += self._downstream.pop(k, ())
+            if len(self._churn) > MAX_WATCHES:
+                self._churn.clear()
+            self._churn[k] = self._churn.get(k, 0) + 1
+
+        def confirm() -> None:
+            if self._conn is not None:
+                self._conn.write(encode_count(INVALIDATED, round_id))
+
+        if below:
+            break_watches(below, confirm)
+        else:
+            confirm()
+
+    def _drop_watches(self) -> None:
+        """The connection is gone: answer nothing more from watches (resent answers and
+        invalidations bring them back in order), and have the front-ends below drop theirs."""
+        self._lease_until = 0.0
+        self._cache.clear()
+        self._watch_of.clear()
+        self._waiting_on.clear()
+        below = [w for ws in self._downstream.values() for w in ws]
+        self._downstream.clear()
+        if below:
+            break_watches(below)
+
+
+def _answer_from(op: int, value: bytes | None) -> bytes:
+    """A CHECK's, GET's or WAIT's answer from a watched key's state."""
+    if op == Op.GET:
+        return encode_bytes(value if value is not None else b"")
+    if op == Op.CHECK:
+        return CHECK_READY if value is not None else CHECK_NOT_READY
+    return STOP_WAITING
+
+
+def _op_of(req: Request) -> int:
+    """The opcode of a pending request (of the request a WATCH carries)."""
+    return req[1][0] if req[0] == _WATCH else req[0]
 
 
 def _split_values(data: bytes) -> list[bytes]:
@@ -583,6 +845,9 @@ class LinkView:
     def execute(self, req: Request, waiter: Waiter) -> bytes | None:
         return self._link.submit(req, waiter, self._ns)
 
+    def execute_watching(self, req: Request, waiter: Waiter, watcher: tuple[object, int]) -> bytes | None:
+        return self._link.submit_watching(req, waiter, watcher, self._ns)
+
     def forget(self, waiter: Waiter) -> None:
         self._link.forget(waiter, self._ns)
 
@@ -597,6 +862,7 @@ class LinkConnection(asyncio.Protocol):
         self._client_nonce = b""
         self._server_nonce = b""
         self._unacked_in = 0
+        self._pings: deque[float] = deque()  # when each ACK not yet answered by a PONG left
         self.established: asyncio.Future[None] = asyncio.get_running_loop().create_future()
         self.established.add_done_callback(_retrieve)  # an abandoned attempt may fail later
         self.last_rx = monotonic()  # (not the loop's clock: no getpid() per read)
@@ -614,6 +880,7 @@ class LinkConnection(asyncio.Protocol):
 
     def ack(self) -> None:
         self._unacked_in = 0
+        self._pings.append(monotonic())
         self.write(encode_count(ACK, self._link.replies_received))
 
     def data_received(self, data: bytes) -> None:
@@ -626,6 +893,19 @@ class LinkConnection(asyncio.Protocol):
                     self._unacked_in += 1
                     if self._unacked_in >= link.config.ack_every:
                         self.ack()
+                elif ftype == INVALIDATE and self.established.done():
+                    link.replies_received += 1  # (numbered with the REPLIES frames)
+                    link._on_invalidate(payload)
+                    self._unacked_in += 1
+                    if self._unacked_in >= link.config.ack_every:
+                        self.ack()
+                elif ftype == PONG and self.established.done():
+                    received, lease = decode_pong(payload)
+                    link._outbox.ack(received)
+                    if self._pings:  # the core heard from us when this ACK arrived
+                        sent = self._pings.popleft()
+                        if link._conn is self:
+                            link._lease_until = max(link._lease_until, sent + lease)
                 elif ftype == ACK and self.established.done():
                     link._outbox.ack(decode_count(payload))
                 elif ftype == HELLO:

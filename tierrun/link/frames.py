@@ -11,6 +11,9 @@
                | u8 CANCEL  | u32 client | u64 rid              (drop that WAIT/BARRIER)
                | u8 WAITS   | u32 client | u64 rid | u32 n | n x (u32 len | key)
                                       (n one-key WAITs, the i-th with request id rid + i)
+               | u8 WATCH   | u32 client | u64 rid | u32 len | torch-encoded request
+                                      (a one-key CHECK, GET or WAIT that also registers
+                                      a watch of its key: see below)
       A client is a namespace seen through the link, not a torch connection: a
       front-end opens one per namespace and sends every request in it under that id.
       Any number of its requests may be outstanding; a WAIT or BARRIER waits alone
@@ -23,9 +26,23 @@
                sides resend the frames the other has not received
     ACK     := u64 frames received from the peer         both ways: frees the peer's resend
                buffer; sent at least every heartbeat interval, so it is the heartbeat too
+    PONG    := u64 BATCH frames received | u32 lease ms   core -> front-end: the answer to
+               each ACK of the front-end, in order (an ACK in the other direction, and
+               the front-end's watch lease: see below)
+    INVALIDATE  := u64 round | u32 n | n x u64 watch id  core -> front-end
+    INVALIDATED := u64 round                             front-end -> core
 
-BATCH and REPLIES frames are numbered 1, 2, ... per session (implicitly, in order), so a
-link that drops and reconnects resumes with nothing lost or executed twice.
+Watches (the standing watch of design.md). A WATCH entry's answer is a watch state
+(``tierrun.core.watch_state``) followed by the request's own answer; the core then tells the
+front-end, with an INVALIDATE frame naming the watch by the entry's rid, before any
+answer that could reveal a change of the key, and holds back every later answer until
+the front-end answered INVALIDATED (or its lease ran out). Meanwhile the front-end
+answers reads of the key from the state, but only within its lease: WATCH_LEASE
+seconds from sending an ACK whose PONG it received (the core heard from it then).
+
+BATCH, REPLIES and INVALIDATE frames are numbered 1, 2, ... per session and direction
+(implicitly, in order), so a link that drops and reconnects resumes with nothing lost
+or executed twice.
 
 Every length is checked against a limit before anything is allocated for it.
 """
@@ -35,10 +52,17 @@ from __future__ import annotations
 import struct
 
 LINK_MAGIC = 0xA7  # first byte a front-end sends: not an opcode of any torch version
-VERSION = 3  # 2: sessions, resumption, heartbeats; 3: a client per namespace, CANCEL
+VERSION = 4  # 2: sessions, resumption, heartbeats; 3: a client per namespace, CANCEL; 4: watches
 
-HELLO, AUTH, WELCOME, ERROR, BATCH, REPLIES, SESSION, RESUMED, ACK = range(1, 10)
-OPEN, REQUEST, CANCEL, WAITS = range(4)
+HELLO, AUTH, WELCOME, ERROR, BATCH, REPLIES, SESSION, RESUMED, ACK, PONG, INVALIDATE, INVALIDATED = range(1, 13)
+OPEN, REQUEST, CANCEL, WAITS, WATCH = range(5)
+#: A front-end answers from a watch only this long (seconds) after sending an ACK that
+#: the core answered with a PONG; the core, holding its answers for a front-end that
+#: does not confirm an invalidation, waits this long past that ACK's arrival, plus
+#: LEASE_MARGIN (clock rates), before it presumes the watch lapsed. A protocol
+#: constant, so that both ends agree.
+WATCH_LEASE = 3.0
+LEASE_MARGIN = 0.5
 OK, FAILED = 0, 1
 
 _hdr = struct.Struct("<IB")
@@ -123,6 +147,10 @@ def entry_request(client: int, rid: int, request: bytes) -> bytes:
     return _req.pack(REQUEST, client, rid, len(request)) + request
 
 
+def entry_watch(client: int, rid: int, request: bytes) -> bytes:
+    return _req.pack(WATCH, client, rid, len(request)) + request
+
+
 def entry_cancel(client: int, rid: int) -> bytes:
     return _cancel.pack(CANCEL, client, rid)
 
@@ -162,10 +190,10 @@ def decode_batch(payload: bytes) -> list[Entry]:
         out = []
         for _ in range(n):
             kind = payload[pos]
-            if kind == REQUEST:
+            if kind == REQUEST or kind == WATCH:
                 _, client, rid, length = _req.unpack_from(payload, pos)
                 pos += _REQ_SIZE
-                out.append((REQUEST, client, rid, payload[pos : pos + length]))
+                out.append((kind, client, rid, payload[pos : pos + length]))
                 pos += length
             elif kind == OPEN:
                 _, client, length = _open.unpack_from(payload, pos)
@@ -228,11 +256,43 @@ def decode_session(payload: bytes) -> tuple[bytes, bool, int]:
 
 
 def encode_count(ftype: int, n: int) -> bytes:
-    """A RESUMED or ACK frame."""
+    """A RESUMED, ACK, PONG or INVALIDATED frame."""
     return frame(ftype, _u64.pack(n))
 
 
 def decode_count(payload: bytes) -> int:
     if len(payload) != 8:
-        raise LinkError("malformed RESUMED/ACK")
+        raise LinkError("malformed RESUMED/ACK/PONG/INVALIDATED")
     return _u64.unpack(payload)[0]
+
+
+
+_pong = struct.Struct("<QI")
+
+
+def encode_pong(received: int, lease: float) -> bytes:
+    return frame(PONG, _pong.pack(received, int(lease * 1000)))
+
+
+def decode_pong(payload: bytes) -> tuple[int, float]:
+    """(BATCH frames received, lease seconds)."""
+    if len(payload) != _pong.size:
+        raise LinkError("malformed PONG")
+    received, lease_ms = _pong.unpack(payload)
+    return received, min(lease_ms / 1000, WATCH_LEASE)
+
+
+def encode_invalidate(round_id: int, watch_ids: list[int]) -> bytes:
+    return frame(INVALIDATE, _u64.pack(round_id) + _u32.pack(len(watch_ids))
+                 + b"".join([_u64.pack(w) for w in watch_ids]))
+
+
+def decode_invalidate(payload: bytes) -> tuple[int, list[int]]:
+    try:
+        (round_id,) = _u64.unpack_from(payload, 0)
+        (n,) = _u32.unpack_from(payload, 8)
+        if len(payload) != 12 + 8 * n:
+            raise LinkError("malformed INVALIDATE")
+        return round_id, [_u64.unpack_from(payload, 12 + 8 * i)[0] for i in range(n)]
+    except struct.error:
+        raise LinkError("malformed INVALIDATE") from None

@@ -7,6 +7,11 @@ iteration, and its deferred answers (WAIT, BARRIER) woken meanwhile, leave toget
 one REPLIES frame (one write) per link, however many batches arrived in one read and
 however many waiters a write released.
 
+Watches (a WATCH entry: ``StoreCore.execute_watching``) are handed out per session;
+when a watched key changes, the :class:`ReplyGate` runs an invalidation round before
+anyone hears of the change. Each ACK of a front-end is answered with a PONG, through
+the gate, granting it a watch lease.
+
 A *session* outlives its connection: its clients, their pending waits and the REPLIES
 frames the front-end has not acknowledged stay here for ``LinkConfig.grace`` seconds, so
 a front-end that reconnects resumes with nothing lost, and since BATCH frames are
@@ -29,11 +34,12 @@ from ..frontend.namespace import NamespacedUpstream
 from ..link import auth
 from ..link.config import LinkConfig
 from ..link.frames import (
-    ACK, AUTH, BATCH, CANCEL, WAITS, DEFAULT_MAX_FRAME, ERROR, FAILED, HANDSHAKE_MAX_FRAME, LINK_MAGIC, OK, OPEN,
-    REQUEST, RESUMED, SESSION, FrameDecoder,
-    LinkError, decode_batch, decode_count, decode_keys, decode_session, encode_count, encode_replies,
+    ACK, AUTH, BATCH, CANCEL, DEFAULT_MAX_FRAME, ERROR, FAILED, HANDSHAKE_MAX_FRAME, INVALIDATED, LINK_MAGIC, OK,
+    OPEN, REQUEST, RESUMED, SESSION, WAITS, WATCH, WATCH_LEASE, FrameDecoder, LinkError, decode_batch, decode_count,
+    decode_keys, decode_session, encode_count, encode_pong, encode_replies,
 )
 from ..link.outbox import Outbox
+from ..link.reply_gate import ReplyGate
 from ..protocol import Op, ProtocolError
 from ..protocol.limits import Limits
 from ..protocol.parser import decode_request
@@ -45,6 +51,7 @@ MAX_SHARED_NAMESPACES = 1024
 
 
 _LIMITS = Limits()
+_WATCHABLE = frozenset({Op.CHECK, Op.GET, Op.WAIT})
 
 
 class RemoteClient:
@@ -118,14 +125,18 @@ class Session:
         self.conn: LinkServerConnection | None = None
         self.expiry: asyncio.TimerHandle | None = None
         self._wakes: list[tuple[int, int, bytes]] = []  # answers for the next REPLIES frame
+        self._flush_due = False  # a _flush_wakes is scheduled
         self._loop = asyncio.get_running_loop()
+        self.last_ping_rx = monotonic()  # when its last ACK arrived: its lease began before
 
     def execute(self, payload: bytes) -> None:
         """Run one BATCH. Raises LinkError/ProtocolError on a malformed one."""
         stats = self.server.stats
         stats.batches += 1
         self.received += 1
-        replies: list[tuple[int, int, bytes]] = []
+        # (answers go straight to the next REPLIES frame: an invalidation round started
+        # by a request of this batch sends what came before it first)
+        replies = self._wakes
         clients = self.clients
         for kind, cid, rid, data in decode_batch(payload):
             if kind == REQUEST:
@@ -146,6 +157,24 @@ class Session:
                     client.tickets[rid] = waiter  # type: ignore[assignment]
                 elif req[0] not in NO_REPLY_OPS:
                     client.pending.append(rid)
+            elif kind == WATCH:
+                client = clients.get(cid)
+                if client is None:
+                    raise LinkError(f"request for unknown client {cid}")
+                req = decode_request(data)
+                if req[0] not in _WATCHABLE or (req[0] != Op.GET and len(req[1]) != 1):
+                    raise LinkError(f"{Op(req[0]).name} cannot watch (only one-key CHECK, GET, WAIT)")
+                stats.operations += 1
+                ticket = Ticket(client, rid)
+                try:
+                    reply = client.upstream.execute_watching(req, ticket, (self, rid))
+                except StoreError as err:
+                    replies.append((rid, FAILED, str(err).encode()))
+                    continue
+                if reply is not None:
+                    replies.append((rid, OK, reply))
+                else:
+                    client.tickets[rid] = ticket
             elif kind == OPEN:
                 if cid in clients:
                     raise LinkError(f"client {cid} opened twice")
@@ -168,10 +197,9 @@ class Session:
                 ticket = None if client is None else client.tickets.pop(rid, None)
                 if ticket is not None:
                     client.upstream.forget(ticket)  # type: ignore[union-attr]
-        if replies:  # with the other answers of this loop iteration: one frame, one write
-            if not self._wakes:
-                self._loop.call_soon(self._flush_wakes)
-            self._wakes += replies
+        if replies and not self._flush_due:  # with the loop iteration's other answers: one frame
+            self._flush_due = True
+            self._loop.call_soon(self._flush_wakes)
 
     def send(self, data: bytes) -> None:
         """Number, keep and (if connected) write one REPLIES frame."""
@@ -185,14 +213,23 @@ class Session:
 
     def queue_reply(self, rid: int, status: int, reply: bytes) -> None:
         """A deferred answer: those queued in one loop iteration leave in one frame."""
-        if not self._wakes:
+        if not self._flush_due:
+            self._flush_due = True
             self._loop.call_soon(self._flush_wakes)
         self._wakes.append((rid, status, reply))
 
     def _flush_wakes(self) -> None:
-        wakes, self._wakes = self._wakes, []
-        if self.server.sessions.get(self.sid) is self:
-            self.send(encode_replies(wakes))
+        self._flush_due = False
+        wakes = self._wakes
+        if wakes:
+            frame = encode_replies(wakes)
+            wakes.clear()  # (in place: a batch being executed appends to it)
+            if self.server.sessions.get(self.sid) is self:
+                self.server.gate.emit(self.send, frame)
+
+    def flush_answers(self) -> None:
+        """Send the answers queued so far now (an invalidation round must follow them)."""
+        self._flush_wakes()
 
     def drop_clients(self) -> None:
         for client in self.clients.values():
@@ -223,11 +260,18 @@ class LinkServer:
     front-end's own link upstream (a front-end that takes other front-ends' links)."""
 
     def __init__(self, upstream_for: Callable[[bytes], Upstream], token: bytes | None,
-                 config: LinkConfig | None = None) -> None:
-        """``upstream_for(namespace)``: where a link client's requests go."""
+                 config: LinkConfig | None = None, lease: Callable[[], float] = lambda: WATCH_LEASE,
+                 gate: ReplyGate | None = None) -> None:
+        """``upstream_for(namespace)``: where a link client's requests go; ``lease()``:
+        how long (seconds, at most WATCH_LEASE) a front-end may answer from its
+        watches past the ACK being answered (a stacked front-end grants no longer
+        than its own lease upstream still runs); ``gate``: the invalidation rounds of
+        the store (shared by every LinkServer of one core)."""
         self.upstream_for = upstream_for
         self.token = token
         self.config = config or LinkConfig()
+        self.lease = lease
+        self.gate = gate or ReplyGate()
         self.stats = LinkStats()
         self.sessions: dict[bytes, Session] = {}
         self.connections: set[LinkServerConnection] = set()
@@ -321,6 +365,7 @@ class LinkServer:
 
     def close(self) -> None:
         """The store is stopping: drop every link."""
+        self.gate.close()
         if self._watchdog is not None:
             self._watchdog.cancel()
         for conn in list(self.connections):
@@ -382,7 +427,12 @@ class LinkServerConnection(asyncio.Protocol):
                         self._ack(session)
                 elif session is not None and ftype == ACK:
                     session.outbox.ack(decode_count(payload))
-                    self._ack(session)  # the echo is the front-end's heartbeat
+                    session.last_ping_rx = self.last_rx
+                    # the answer to the front-end's heartbeat, and its watch lease
+                    self._unacked_in = 0
+                    self._server.gate.emit(self.write, encode_pong(session.received, self._server.lease()))
+                elif session is not None and ftype == INVALIDATED:
+                    self._server.gate.confirmed(session, decode_count(payload))
                 elif session is not None and ftype == ERROR:
                     self._server.expire(session, "the front-end closed its session", quiet=True)
                     return

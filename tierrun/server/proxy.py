@@ -54,7 +54,7 @@ async def serve_proxy(
     links: LinkServer | None = None
     stats = link.stats.as_dict
     if link_listen is not None:
-        links = LinkServer(lambda ns: link.view(ns.decode()), token, link_config)
+        links = LinkServer(lambda ns: link.view(ns.decode()), token, link_config, lease=link.lease_left)
         sock = tcp_listen_socket(*link_listen, config.backlog)
         await asyncio.get_running_loop().create_server(
             lambda: links.accept(sniffed=False), sock=sock, backlog=config.backlog)

@@ -12,6 +12,7 @@ from ..frontend import Upstream
 from ..frontend.namespace import NamespacedUpstream
 from ..link.config import LinkConfig
 from .frontend_pool import FrontEndPool
+from ..link.reply_gate import break_watches
 from .link_server import LinkServer, core_upstreams
 from .service import Service, ServiceConfig
 
@@ -33,6 +34,7 @@ async def serve_root(
     """
     core = StoreCore()
     links = LinkServer(core_upstreams(core), token, link_config)
+    core.on_watches_broken = break_watches
 
     def make_upstream(namespace: str) -> Upstream:
         return NamespacedUpstream(core, namespace.encode() + b"/") if namespace else core
@@ -43,12 +45,13 @@ async def serve_root(
                 "links": st.links,
                 "links_accepted": st.links_accepted, "link_resumes": st.link_resumes,
                 "sessions_expired": st.sessions_expired, "link_batches": st.batches,
-                "link_operations": st.operations}
+                "link_operations": st.operations, "watches": core.num_watches,
+                "invalidation_rounds": links.gate.rounds, "invalidations_lapsed": links.gate.lapsed}
 
     pool = FrontEndPool(config.workers, links, config.frontend) if config.workers > 1 else None
     service = Service(
         config, make_upstream, stats, on_listening or (lambda line: None),
-        link_acceptor=links.take, pool=pool,
+        link_acceptor=links.take, pool=pool, gate=links.gate,
     )
     try:
         await service.serve(stop)

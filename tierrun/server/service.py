@@ -25,6 +25,7 @@ from ..frontend.frontend import LinkAcceptor
 from ..frontend.listen import DEFAULT_BACKLOG, describe, tcp_listen_socket, unix_listen_socket
 
 from .frontend_pool import FrontEndPool, Listener
+from ..link.reply_gate import ReplyGate
 
 log = logging.getLogger("tierrun.store")
 
@@ -58,14 +59,17 @@ class Service:
         announce: Callable[[str], None],
         link_acceptor: LinkAcceptor | None = None,
         pool: FrontEndPool | None = None,
+        gate: ReplyGate | None = None,
     ) -> None:
         """With ``pool``, the pool's processes serve the listeners; this one only
-        adopts the links they hand over."""
+        adopts the links they hand over. ``gate``: the store's invalidation rounds,
+        which hold this process's answers to clients too."""
         self.config = config
         self.make_upstream = make_upstream
         self.stats = stats
         self.announce = announce
-        self.main = FrontEnd(make_upstream(""), config.frontend, link_acceptor)
+        self.gate = gate
+        self.main = FrontEnd(make_upstream(""), config.frontend, link_acceptor, gate)
         self.frontends = [self.main]
         self.namespaces: dict[str, int] = {}
         self.pool = pool
@@ -114,7 +118,7 @@ class Service:
             if self.pool is not None:
                 self.pool.listen(self._pool_listener(name, sock))
             else:
-                frontend = FrontEnd(self.make_upstream(name), config.frontend)
+                frontend = FrontEnd(self.make_upstream(name), config.frontend, gate=self.gate)
                 await frontend.listen(sock, config.backlog)
                 self.frontends.append(frontend)
         return self.namespaces[name]

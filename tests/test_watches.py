@@ -1,0 +1,303 @@
+"""Standing watches (design.md): a front-end answers polls of a key from the state its
+WATCH brought back, until the core invalidates it, which the core does before anyone
+can learn of the change. Driven in one event loop, links through in-memory pipes."""
+
+import asyncio
+import struct
+
+import pytest
+from inproc import Client, RootFrontEnd, gate_of, linked, settle
+
+from tierrun.core import StoreCore
+from tierrun.core.watch_state import ABSENT, UNWATCHABLE, decode_watch_answer, encode_watch_state
+from tierrun.link.frames import (
+    LinkError, decode_invalidate, decode_pong, encode_batch, encode_invalidate, encode_pong, entry_open, entry_watch,
+)
+from tierrun.protocol.requests import encode_request
+from tierrun.frontend.link_upstream import MAX_CHURN
+from tierrun.protocol import Op
+from tierrun.protocol.opcodes import CHECK_NOT_READY, CHECK_READY, STOP_WAITING
+
+DUMP = b"/default_pg/0/dump_nccl_trace"
+
+
+def value(v: bytes) -> bytes:
+    """A GET answer."""
+    return struct.pack("<Q", len(v)) + v
+
+
+def run(coro):
+    return asyncio.run(coro)
+
+
+def ask(view, req, client):
+    """Send ``req`` as ``client``; an answer given at once (from a watch) is recorded too."""
+    reply = view.execute(req, client)
+    if reply is not None:
+        client.wake(reply)
+
+
+def test_heartbeat_checks_reach_the_core_once_then_see_the_dump_request():
+    """NCCL's heartbeat monitor: every rank CHECKs the dump key once a second, forever.
+    The second poll registers a watch; from then on no CHECK leaves the node, and the
+    one SET of the key (on another node) is seen by the next CHECK."""
+    async def main():
+        core = StoreCore()
+        node1, stats = await linked(core)
+        node2, _ = await linked(core)
+        ranks = [Client() for _ in range(8)]
+        for second in range(5):
+            for r in ranks:
+                ask(node1.view(), (Op.CHECK, (DUMP,)), r)
+            await settle()
+        assert all(r.replies == [CHECK_NOT_READY] * 5 for r in ranks)
+        assert stats.operations == 2  # the first poll, the WATCH; then nothing
+        assert node1.stats.watch_answers == 8 * 3
+        node2.view().execute((Op.SET, DUMP, b"1"), Client())
+        await settle()
+        assert node1.stats.invalidations == 1 and gate_of(core).rounds == 1
+        for r in ranks:
+            ask(node1.view(), (Op.CHECK, (DUMP,)), r)
+        await settle()
+        assert all(r.replies[-1] == CHECK_READY for r in ranks)
+
+    run(main())
+
+
+def test_torch_get_is_a_wait_and_a_get_and_later_ranks_need_neither():
+    """torch's get() is WAIT then GET: the GET (the key's second read) watches the key,
+    so every later rank's WAIT and GET of the NCCL unique id are answered on the node."""
+    async def main():
+        core = StoreCore()
+        core.execute((Op.SET, b"/uid", b"id"), None)
+        link, stats = await linked(core)
+        view = link.view()
+        first = Client()
+        view.execute((Op.WAIT, (b"/uid",)), first)
+        await settle()
+        view.execute((Op.GET, b"/uid"), first)
+        await settle()
+        assert stats.operations == 2
+        for _ in range(7):
+            c = Client()
+            assert view.execute((Op.WAIT, (b"/uid",)), c) == STOP_WAITING
+            assert view.execute((Op.GET, b"/uid"), c) == value(b"id")
+        await settle()
+        assert stats.operations == 2 and first.replies == [STOP_WAITING, value(b"id")]
+
+    run(main())
+
+
+def test_waits_join_the_wait_sent_for_their_key_across_batches():
+    """Ranks reach a barrier's WAIT at different moments: once a WAIT on the key went
+    up as a WATCH, later WAITs on it join that one instead of going to the core."""
+    async def main():
+        core = StoreCore()
+        link, stats = await linked(core)
+        view = link.view()
+        ranks = [Client() for _ in range(8)]
+        view.execute((Op.WAIT, (b"/done",)), ranks[0])
+        await settle()
+        view.execute((Op.WAIT, (b"/done",)), ranks[1])  # a poll: sent as a WATCH
+        await settle()
+        for r in ranks[2:]:
+            view.execute((Op.WAIT, (b"/done",)), r)
+            await settle()
+        assert stats.operations == 2 and link.stats.watch_joins == 6
+        core.execute((Op.SET, b"/done", b"1"), None)
+        await settle()
+        assert all(r.replies == [STOP_WAITING] for r in ranks)
+        late = Client()
+        assert view.execute((Op.WAIT, (b"/done",)), late) == STOP_WAITING  # watched, present
+
+    run(main())
+
+
+def test_a_change_is_not_revealed_before_the_watchers_dropped_what_they_saw():
+    """The writer's own next answer (and anyone's) waits until every front-end watching
+    the key confirmed the invalidation; meanwhile the watchers answer nothing stale."""
+    async def main():
+        core = StoreCore()
+        core.execute((Op.SET, b"/k", b"old"), None)
+        watcher, _ = await linked(core)
+        writer, _ = await linked(core)
+        for _ in range(2):
+            watcher.view().execute((Op.GET, b"/k"), Client())
+            await settle()
+        assert watcher._cache  # watched
+        confirmations = []
+        original = watcher._on_invalidate
+        watcher._on_invalidate = lambda payload: confirmations.append(payload)  # not yet
+        w = Client()
+        writer.view().execute((Op.SET, b"/k", b"new"), w)
+        writer.view().execute((Op.GET, b"/other"), w)
+        await settle()
+        assert w.replies == [] and gate_of(core).closed  # held
+        root = RootFrontEnd(core)
+        direct = Client()
+        assert root.execute((Op.GET, b"/k"), direct) is None  # the root's own clients too
+        original(confirmations.pop())
+        await settle()
+        assert w.replies == [value(b"")] and direct.replies == [value(b"new")]
+        reader = Client()
+        ask(watcher.view(), (Op.GET, b"/k"), reader)
+        await settle()
+        assert reader.replies == [value(b"new")]
+
+    run(main())
+
+
+def test_a_watcher_that_never_confirms_holds_answers_only_until_its_lease_ends():
+    async def main():
+        core = StoreCore()
+        watcher, _ = await linked(core)
+        for _ in range(2):
+            watcher.view().execute((Op.CHECK, (b"/k",)), Client())
+            await settle()
+        watcher._on_invalidate = lambda payload: None  # frozen: never confirms
+        watcher._lease_until = 0.0  # and (as a frozen node's would) its lease runs out
+        w = Client()
+        writer, _ = await linked(core)
+        writer.view().execute((Op.SET, b"/k", b"1"), w)
+        writer.view().execute((Op.CHECK, (b"/k",)), w)
+        await settle()
+        assert w.replies == []
+        loop = asyncio.get_running_loop()
+        start = loop.time()
+        while not w.replies and loop.time() - start < 10:
+            await asyncio.sleep(0.05)
+        assert w.replies == [CHECK_READY] and gate_of(core).lapsed == 1
+        assert loop.time() - start < 4.5  # the lease (3 s) and its margin from the last PONG
+
+    run(main())
+
+
+def test_no_answer_from_a_watch_without_a_lease_or_for_a_client_with_a_write_in_flight():
+    async def main():
+        core = StoreCore()
+        link, stats = await linked(core)
+        view = link.view()
+        for _ in range(2):
+            view.execute((Op.CHECK, (b"/k",)), Client())
+            await settle()
+        c = Client()
+        assert view.execute((Op.CHECK, (b"/k",)), c) == CHECK_NOT_READY  # from the watch
+        view.execute((Op.SET, b"/k", b"1"), c)  # its own write, not yet executed
+        assert view.execute((Op.CHECK, (b"/k",)), c) is None  # so: upstream, after it
+        await settle()
+        assert c.replies == [CHECK_READY]
+        before = stats.operations
+        for _ in range(2):
+            view.execute((Op.CHECK, (b"/j",)), Client())
+            await settle()
+        link._lease_until = 0.0  # no PONG for a lease's length
+        assert view.execute((Op.CHECK, (b"/j",)), Client()) is None
+        await settle()
+        assert stats.operations == before + 3
+
+    run(main())
+
+
+def test_stacked_front_ends_answer_from_the_middle_and_pass_invalidations_down():
+    """In a tree, a WATCH from a front-end below is answered by the one above from its
+    own watch; a change reaches the bottom before the writer hears back."""
+    async def main():
+        core = StoreCore()
+        core.execute((Op.SET, b"/uid", b"a"), None)
+        middle, root_stats = await linked(core)
+        leaves = [await linked(middle) for _ in range(3)]
+        for leaf, _ in leaves:
+            for _ in range(3):
+                leaf.view().execute((Op.GET, b"/uid"), Client())
+                await settle()
+        assert root_stats.operations == 2  # the middle's first read and its WATCH
+        assert middle.stats.watch_answers >= 2  # the other leaves' WATCHes
+        w = Client()
+        core_writer, _ = await linked(core)
+        core_writer.view().execute((Op.SET, b"/uid", b"b"), w)
+        core_writer.view().execute((Op.CHECK, (b"/uid",)), w)
+        await settle()
+        assert w.replies == [CHECK_READY]
+        for leaf, _ in leaves:
+            assert leaf.stats.invalidations == 1
+            c = Client()
+            ask(leaf.view(), (Op.GET, b"/uid"), c)
+            await settle()
+            assert c.replies == [value(b"b")]
+
+    run(main())
+
+
+def test_a_key_that_keeps_changing_is_no_longer_watched():
+    async def main():
+        core = StoreCore()
+        link, stats = await linked(core)
+        view = link.view()
+        for i in range(MAX_CHURN + 3):
+            view.execute((Op.GET, b"/counter"), Client())
+            await settle()
+            core.execute((Op.ADD, b"/counter", 1), None)
+            await settle()
+        assert link.stats.invalidations == MAX_CHURN
+        assert core.num_watches == 0 and gate_of(core).rounds == MAX_CHURN
+
+    run(main())
+
+
+def test_the_core_breaks_a_watch_on_every_change_of_its_key_and_only_then():
+    """Sans I/O: what ``StoreCore.execute_watching`` registers and when a change breaks
+    it (before any waiter on the key is woken, so a woken watching WAIT watches anew)."""
+    core = StoreCore()
+    broken = []
+    core.on_watches_broken = lambda watchers: broken.append(list(watchers))
+    w = Client()
+    assert core.execute_watching((Op.GET, b"/k"), w, "A") == ABSENT + value(b"")
+    core.execute((Op.COMPARE_SET, b"/k", b"x", b"y"), w)  # missing, expected x: no change
+    core.execute((Op.DELETE_KEY, b"/k"), w)  # nothing to delete
+    assert broken == []
+    core.execute((Op.SET, b"/k", b"1"), w)
+    assert broken == [["A"]]
+    assert core.execute_watching((Op.CHECK, (b"/k",)), w, "B") == encode_watch_state(True, b"1") + CHECK_READY
+    core.execute((Op.COMPARE_SET, b"/k", b"1", b"1"), w)  # same value: no change
+    assert broken == [["A"]]
+    for change in [(Op.ADD, b"/k", 1), (Op.APPEND, b"/k", b"0"), (Op.MULTI_SET, (b"/k",), (b"5",)),
+                   (Op.COMPARE_SET, b"/k", b"5", b"6"), (Op.DELETE_KEY, b"/k")]:
+        core.execute_watching((Op.GET, b"/k"), w, change[0])
+        core.execute(change, w)
+        assert broken[-1] == ["B", change[0]] or broken[-1] == [change[0]], change
+    waiter = Client()
+    assert core.execute_watching((Op.WAIT, (b"/n",)), waiter, "W") is None  # watched as absent
+    order = []
+    core.on_watches_broken = lambda watchers: order.append(("broken", list(watchers)))
+    waiter.wake = lambda reply: order.append(("woken", reply))
+    core.execute((Op.SET, b"/n", b"v"), w)
+    assert order == [("broken", ["W"]), ("woken", encode_watch_state(True, b"v") + STOP_WAITING)]
+    assert core.num_watches == 1  # watched anew, with its value
+    core.execute((Op.QUEUE_PUSH, b"/q", b"x"), w)
+    assert core.execute_watching((Op.CHECK, (b"/q",)), w, "Q") == UNWATCHABLE + CHECK_READY
+
+
+def test_watch_states_and_invalidations_round_trip():
+    for watched, v in [(True, None), (True, b""), (True, b"\x00" * 9), (False, None)]:
+        assert decode_watch_answer(encode_watch_state(watched, v) + b"tail") == (watched, v, b"tail")
+    payload = encode_invalidate(7, [1, 2, 1 << 40])[5:]
+    assert decode_invalidate(payload) == (7, [1, 2, 1 << 40])
+    assert decode_pong(encode_pong(5, 2.5)[5:]) == (5, 2.5)
+    assert decode_pong(encode_pong(5, 60)[5:]) == (5, 3.0)  # never more than WATCH_LEASE
+    for bad in [b"", b"\x01\x05", b"\x09"]:
+        with pytest.raises(ValueError):
+            decode_watch_answer(bad)
+    with pytest.raises(LinkError):
+        decode_invalidate(payload[:-1])
+
+
+def test_a_watch_of_anything_but_a_one_key_read_closes_the_link(caplog):
+    async def main():
+        core = StoreCore()
+        link, _ = await linked(core)
+        link._send(encode_batch([entry_open(99, b""),
+                                 entry_watch(99, 1, encode_request((Op.MULTI_GET, (b"/a", b"/b"))))]))
+        await settle()
+
+    run(main())
+    assert "MULTI_GET cannot watch" in caplog.text
