@@ -275,6 +275,11 @@ def test_the_core_breaks_a_watch_on_every_change_of_its_key_and_only_then():
     assert core.num_watches == 1  # watched anew, with its value
     core.execute((Op.QUEUE_PUSH, b"/q", b"x"), w)
     assert core.execute_watching((Op.CHECK, (b"/q",)), w, "Q") == UNWATCHABLE + CHECK_READY
+    core.execute((Op.QUEUE_POP, b"/q"), w)
+    popper = Client()  # torch's blocking queue_pop: a WAIT on the empty queue's key first
+    assert core.execute_watching((Op.WAIT, (b"/q",)), popper, "P") is None
+    core.execute((Op.QUEUE_PUSH, b"/q", b"y"), w)
+    assert popper.replies == [UNWATCHABLE + STOP_WAITING]
 
 
 def test_watch_states_and_invalidations_round_trip():

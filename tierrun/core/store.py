@@ -213,11 +213,15 @@ class StoreCore:
             entry[0] -= 1
             if entry[0] == 0:
                 del pending[waiter]
-                if self._watch_on_wake and waiter in self._watch_on_wake:
-                    watched_key, watcher = self._watch_on_wake.pop(waiter)
-                    waiter.wake(self.watch_state(watched_key, watcher) + STOP_WAITING)
-                    continue
-                waiter.wake(STOP_WAITING)
+                self._release(waiter)
+
+    def _release(self, waiter: Waiter) -> None:
+        """A WAIT has all its keys: answer it (a watching one with its key's state)."""
+        if self._watch_on_wake and waiter in self._watch_on_wake:
+            key, watcher = self._watch_on_wake.pop(waiter)
+            waiter.wake(self.watch_state(key, watcher) + STOP_WAITING)
+        else:
+            waiter.wake(STOP_WAITING)
 
     def _wake_one(self, key: bytes) -> None:
         """A queue push: release waiters in order until one has nothing left to wait for."""
@@ -229,7 +233,7 @@ class StoreCore:
             entry[0] -= 1
             if entry[0] == 0:
                 del self._pending[waiter]
-                waiter.wake(STOP_WAITING)
+                self._release(waiter)
                 break
         if waiters is not None and not waiters:
             del self._waiting[key]

@@ -429,8 +429,11 @@ class LinkServerConnection(asyncio.Protocol):
                     session.outbox.ack(decode_count(payload))
                     session.last_ping_rx = self.last_rx
                     # the answer to the front-end's heartbeat, and its watch lease
+                    gate = self._server.gate
+                    if gate.closed:  # (the PONG waits: a plain ACK says we are alive)
+                        self._ack(session)
                     self._unacked_in = 0
-                    self._server.gate.emit(self.write, encode_pong(session.received, self._server.lease()))
+                    gate.emit(self.write, encode_pong(session.received, self._server.lease()))
                 elif session is not None and ftype == INVALIDATED:
                     self._server.gate.confirmed(session, decode_count(payload))
                 elif session is not None and ftype == ERROR:
