@@ -65,25 +65,29 @@ def test_heartbeat_checks_reach_the_core_once_then_see_the_dump_request():
 
 
 def test_torch_get_is_a_wait_and_a_get_and_later_ranks_need_neither():
-    """torch's get() is WAIT then GET: the GET (the key's second read) watches the key,
-    so every later rank's WAIT and GET of the NCCL unique id are answered on the node."""
+    """torch's get() is WAIT then GET. One client reading a key of its own (an agent's
+    rank assignment) is not a poll: its GET folds with others as before. A second
+    rank's WAIT of the NCCL unique id is: it watches the key, and every later WAIT and
+    GET of it on the node is answered there."""
     async def main():
         core = StoreCore()
         core.execute((Op.SET, b"/uid", b"id"), None)
         link, stats = await linked(core)
         view = link.view()
-        first = Client()
-        view.execute((Op.WAIT, (b"/uid",)), first)
-        await settle()
-        view.execute((Op.GET, b"/uid"), first)
-        await settle()
-        assert stats.operations == 2
-        for _ in range(7):
+        first, second = Client(), Client()
+        for c in (first, second):
+            view.execute((Op.WAIT, (b"/uid",)), c)
+            await settle()
+            ask(view, (Op.GET, b"/uid"), c)
+            await settle()
+        assert stats.operations == 3 and link.stats.watches_sent == 1
+        for _ in range(6):
             c = Client()
             assert view.execute((Op.WAIT, (b"/uid",)), c) == STOP_WAITING
             assert view.execute((Op.GET, b"/uid"), c) == value(b"id")
         await settle()
-        assert stats.operations == 2 and first.replies == [STOP_WAITING, value(b"id")]
+        assert stats.operations == 3
+        assert first.replies == second.replies == [STOP_WAITING, value(b"id")]
 
     run(main())
 

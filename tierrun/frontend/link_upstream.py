@@ -22,8 +22,10 @@ A client's request joins an earlier merged or folded request only if the client 
 sent nothing since that one's place: its answers leave in the order it asked.
 
 Across batches, only through watches (design.md's standing watch; link frames.py): a
-one-key CHECK, GET or WAIT of a key read before (a poll: torch's ``get`` is a WAIT and
-a GET; NCCL's heartbeat CHECKs one key) goes upstream as a WATCH, whose answer carries the key's
+one-key CHECK, GET or WAIT of a key polled (read before by another client, or by the
+same client asking the same: NCCL's heartbeat CHECK, the ranks' WAITs and GETs of the
+unique id, a barrier's WAITs; not an agent's WAIT and GET of its own rank assignment,
+which still fold) goes upstream as a WATCH, whose answer carries the key's
 state; the front-end then answers reads of the key from that state, and WAITs on it
 join the WAIT that waits for it upstream, until the core invalidates the watch (which
 it does before anyone can learn of a change) or the lease runs out. Only for a client
@@ -199,7 +201,9 @@ class LinkUpstream:
         self._watch_of: dict[int, tuple[bytes, bytes]] = {}  # watch id (its WATCH's rid) -> (ns, key)
         self._waiting_on: dict[tuple[bytes, bytes], _Upstream] = {}  # the WATCH-WAIT sent for a key
         self._downstream: dict[tuple[bytes, bytes], list[tuple[object, int]]] = {}  # front-ends below
-        self._seen: dict[tuple[bytes, bytes], None] = {}  # keys read (an ordered set)
+        #: key -> (its first reader, what it asked): a read by another client, or the same
+        #: request again, is a poll
+        self._seen: dict[tuple[bytes, bytes], tuple[Waiter, int]] = {}
         self._churn: dict[tuple[bytes, bytes], int] = {}  # invalidations per key
         self._lease_until = 0.0  # answer from watches only before this (monotonic)
         self._unanswered: dict[Waiter, int] = {}  # client -> its requests awaiting answers
@@ -356,7 +360,8 @@ class LinkUpstream:
                     if op == Op.WAIT and self._join_wait(k, waiter, None):
                         self._unanswered[waiter] = 1
                         return None
-                if k in self._seen and self._churn.get(k, 0) < MAX_CHURN:  # polled: watch it
+                first = self._seen.get(k)
+                if first is not None and (first[0] is not waiter or first[1] == op) and self._churn.get(k, 0) < MAX_CHURN:
                     req = (_WATCH, req, None)  # type: ignore[assignment]
         if not self._pending and not self._extra:
             self._schedule_flush()
@@ -543,10 +548,10 @@ class LinkUpstream:
                 continue
             keys = _keys(req)
             if op in _DEDUP_OPS:
-                if op in _WATCHABLE and len(keys) == 1:  # read once: the next read is a poll
+                if op in _WATCHABLE and len(keys) == 1 and (ns, keys[0]) not in seen:
                     if len(seen) >= MAX_WATCHES:
                         seen.clear()
-                    seen[(ns, keys[0])] = None
+                    seen[(ns, keys[0])] = (waiter, op)  # its first reader
                 dk = (ns, encode_request(req))
                 same = open_reads.get(dk)
                 touched(ns, keys, write=False)
