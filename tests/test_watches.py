@@ -310,3 +310,37 @@ def test_a_watch_of_anything_but_a_one_key_read_closes_the_link(caplog):
 
     run(main())
     assert "MULTI_GET cannot watch" in caplog.text
+
+
+def test_a_node_proxy_answers_torchs_heartbeat_checks_without_the_store_host():
+    """End to end, real processes and torch's own client: ranks on a node poll the dump
+    key through their proxy as ProcessGroupNCCL's heartbeat monitor does; after the
+    first polls the store host sees no more of them, and a dump request written at the
+    store host reaches every rank's next CHECK."""
+    import os
+    from datetime import timedelta
+
+    import torch.distributed as dist
+
+    from tierrun.server import StoreProcess
+
+    env = dict(os.environ, TIERRUN_TOKEN="watch-test-token")
+    with StoreProcess(host="127.0.0.1", port=0, controlled=True, env=env) as root, \
+            StoreProcess(command="proxy", host="127.0.0.1", port=0, env=env,
+                         extra_args=["--upstream", f"127.0.0.1:{root.port}"]) as proxy:
+        def client(port):
+            return dist.TCPStore("127.0.0.1", port, is_master=False, timeout=timedelta(seconds=10))
+
+        ranks = [client(proxy.port) for _ in range(4)]
+        for _ in range(2):
+            assert not any(r.check([DUMP.decode()]) for r in ranks)
+        before = root.stats()["link_operations"]
+        for _ in range(10):
+            assert not any(r.check([DUMP.decode()]) for r in ranks)
+        assert root.stats()["link_operations"] == before
+        writer = client(root.port)
+        writer.set(DUMP.decode(), "1")  # torch's SET has no answer: the writer's next one
+        assert writer.check([DUMP.decode()])  # comes once every proxy dropped what it saw
+        assert all(r.check([DUMP.decode()]) for r in ranks)
+        stats = root.stats()
+        assert stats["invalidation_rounds"] == 1 and stats["invalidations_lapsed"] == 0
