@@ -65,7 +65,9 @@ from ..link.frames import (
 from ..link.outbox import Outbox
 from ..link.reply_gate import break_watches
 from ..protocol import Op, Request
-from ..protocol.opcodes import CHECK_NOT_READY, CHECK_READY, NO_REPLY_OPS, STOP_WAITING, WAIT_CANCELED, WAITING_OPS
+from ..protocol.opcodes import (
+    CHECK_NOT_READY, CHECK_READY, NO_REPLY_OPS, STOP_WAITING, WAIT_CANCELED, WAITING_OPS, WATCHABLE_OPS,
+)
 from ..protocol.replies import encode_bytes
 from ..protocol.requests import encode_request
 
@@ -81,7 +83,6 @@ MAX_FOLD = 1024
 MAX_WATCHES = 16384
 #: A key whose watch was invalidated this often is read without one from then on.
 MAX_CHURN = 4
-_WATCHABLE = frozenset({Op.CHECK, Op.GET, Op.WAIT})
 _WATCH = -1  # a pending request ``(_WATCH, request, watcher or None)``: send it as a WATCH
 _MISSING = object()
 
@@ -348,7 +349,7 @@ class LinkUpstream:
             self._cancel_waits(waiter)
             return WAIT_CANCELED
         self.stats.requests += 1
-        if op in _WATCHABLE and waiter not in self._unanswered and waiter not in self._unconfirmed:
+        if op in WATCHABLE_OPS and waiter not in self._unanswered and waiter not in self._unconfirmed:
             keys = req[1]
             if op == Op.GET or len(keys) == 1:
                 k = (ns, keys if op == Op.GET else keys[0])
@@ -548,7 +549,7 @@ class LinkUpstream:
                 continue
             keys = _keys(req)
             if op in _DEDUP_OPS:
-                if op in _WATCHABLE and len(keys) == 1 and (ns, keys[0]) not in seen:
+                if op in WATCHABLE_OPS and len(keys) == 1 and (ns, keys[0]) not in seen:
                     if len(seen) >= MAX_WATCHES:
                         seen.clear()
                     seen[(ns, keys[0])] = (waiter, op)  # its first reader

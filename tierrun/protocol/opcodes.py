@@ -45,3 +45,5 @@ WAIT_CANCELED = b"\x01"
 NO_REPLY_OPS = frozenset({Op.VALIDATE, Op.SET, Op.APPEND, Op.MULTI_SET, Op.QUEUE_PUSH})
 #: Answered when the store changes, maybe much later: the only requests a store defers.
 WAITING_OPS = frozenset({Op.WAIT, Op.BARRIER})
+#: Reads a front-end may answer from a watch of their one key (a link's WATCH entry).
+WATCHABLE_OPS = frozenset({Op.CHECK, Op.GET, Op.WAIT})

@@ -43,7 +43,7 @@ from ..link.reply_gate import ReplyGate
 from ..protocol import Op, ProtocolError
 from ..protocol.limits import Limits
 from ..protocol.parser import decode_request
-from ..protocol.opcodes import NO_REPLY_OPS, WAITING_OPS
+from ..protocol.opcodes import NO_REPLY_OPS, WAITING_OPS, WATCHABLE_OPS
 
 log = logging.getLogger("tierrun.store")
 
@@ -51,7 +51,6 @@ MAX_SHARED_NAMESPACES = 1024
 
 
 _LIMITS = Limits()
-_WATCHABLE = frozenset({Op.CHECK, Op.GET, Op.WAIT})
 
 
 class RemoteClient:
@@ -162,7 +161,7 @@ class Session:
                 if client is None:
                     raise LinkError(f"request for unknown client {cid}")
                 req = decode_request(data)
-                if req[0] not in _WATCHABLE or (req[0] != Op.GET and len(req[1]) != 1):
+                if req[0] not in WATCHABLE_OPS or (req[0] != Op.GET and len(req[1]) != 1):
                     raise LinkError(f"{Op(req[0]).name} cannot watch (only one-key CHECK, GET, WAIT)")
                 stats.operations += 1
                 ticket = Ticket(client, rid)
