@@ -23,6 +23,8 @@ if TYPE_CHECKING:
 log = logging.getLogger("tierrun.store")
 
 _PING = Op.PING
+#: Bytes of replies gathered from one read before checking that the client reads them.
+REPLY_BUFFER = 1 << 20
 
 
 class ClientConnection(asyncio.Protocol):
@@ -30,11 +32,14 @@ class ClientConnection(asyncio.Protocol):
 
     Closing rules: invalid input or a failed request closes this connection with one
     log line naming the peer and the reason; nothing else is affected. When the
-    client stops reading its replies, we stop reading its requests (flow control), so
-    a slow client holds no more than its own buffers.
+    client stops reading its replies, we stop reading its requests and answering those
+    already read (flow control: one read may carry thousands of GETs of a large value),
+    so a slow client holds about ``REPLY_BUFFER`` bytes of replies here, plus its
+    requests.
     """
 
-    __slots__ = ("_frontend", "_upstream", "_parser", "_transport", "peer", "closed", "_sniff", "_gate")
+    __slots__ = ("_frontend", "_upstream", "_parser", "_transport", "peer", "closed", "_sniff", "_gate",
+                 "_backlog", "_writing_paused")
 
     def __init__(self, frontend: FrontEnd) -> None:
         self._frontend = frontend
@@ -46,6 +51,8 @@ class ClientConnection(asyncio.Protocol):
         # On a port that also takes links, the first byte tells a link from a torch client.
         self._sniff = frontend.link_acceptor is not None
         self._gate = frontend.gate
+        self._backlog: list = []  # requests read, not yet answered: the client is not reading
+        self._writing_paused = False
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         self._transport = transport  # type: ignore[assignment]
@@ -74,16 +81,32 @@ class ClientConnection(asyncio.Protocol):
             return
         if not requests:
             return
+        if self._backlog:
+            self._backlog += requests
+            return
+        self._serve(requests)
+
+    def _serve(self, requests: list) -> None:
+        """Answer ``requests`` in order; past ``REPLY_BUFFER`` bytes of replies while the
+        client does not read them, keep the rest for ``resume_writing``."""
         execute = self._upstream.execute
         out = []
+        size = 0
         try:
-            for req in requests:
+            for i, req in enumerate(requests):
                 if req[0] == _PING:
                     out.append(encode_u32(req[1]))
                     continue
                 reply = execute(req, self)
                 if reply is not None:
                     out.append(reply)
+                    size += len(reply)
+                    if size > REPLY_BUFFER:
+                        self._write(out)
+                        out, size = [], 0
+                        if self._writing_paused and i + 1 < len(requests):
+                            self._backlog = requests[i + 1 :]
+                            return
         except StoreError as e:
             self._write(out)
             self.drop(f"{Op(req[0]).name} failed: {e}")
@@ -128,11 +151,16 @@ class ClientConnection(asyncio.Protocol):
 
     def pause_writing(self) -> None:
         assert self._transport is not None
+        self._writing_paused = True
         self._transport.pause_reading()
 
     def resume_writing(self) -> None:
         assert self._transport is not None
-        if not self.closed:
+        self._writing_paused = False
+        if self._backlog and not self.closed:
+            backlog, self._backlog = self._backlog, []
+            self._serve(backlog)
+        if not self.closed and not self._backlog and not self._writing_paused:
             self._transport.resume_reading()
 
     def connection_lost(self, exc: Exception | None) -> None:
