@@ -359,6 +359,7 @@ class LinkServer:
         if session.expiry is not None:
             session.expiry.cancel()
         session.drop_clients()
+        session.outbox.ack(session.outbox.sent)  # (watches of its keys may keep it a while)
         if session.conn is not None:
             session.conn.abort(reason)
 
