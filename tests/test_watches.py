@@ -344,3 +344,14 @@ def test_a_node_proxy_answers_torchs_heartbeat_checks_without_the_store_host():
         assert all(r.check([DUMP.decode()]) for r in ranks)
         stats = root.stats()
         assert stats["invalidation_rounds"] == 1 and stats["invalidations_lapsed"] == 0
+
+
+def test_one_multi_set_of_many_watched_keys_is_one_invalidation_round():
+    core = StoreCore()
+    rounds = []
+    core.on_watches_broken = lambda watchers: rounds.append(sorted(watchers))
+    keys = [f"/k{i}".encode() for i in range(5)]
+    for i, k in enumerate(keys):
+        core.execute_watching((Op.GET, k), Client(), i)
+    core.execute((Op.MULTI_SET, tuple(keys), tuple(b"v" for _ in keys)), Client())
+    assert rounds == [[0, 1, 2, 3, 4]]

@@ -327,10 +327,14 @@ class StoreCore:
         data = self._data
         waiting = self._waiting
         watched = self._watched
+        broken: list[object] = []  # (one invalidation round for the whole request)
         for key, value in zip(req[1], req[2]):
             data[key] = value
             if key in watched:
-                self._break_watches(key)
+                broken += watched.pop(key)
+        if broken:
+            self.on_watches_broken(broken)
+        for key in req[1]:
             if key in waiting:
                 self._wake_all(key)
         return None
