@@ -355,3 +355,29 @@ def test_one_multi_set_of_many_watched_keys_is_one_invalidation_round():
         core.execute_watching((Op.GET, k), Client(), i)
     core.execute((Op.MULTI_SET, tuple(keys), tuple(b"v" for _ in keys)), Client())
     assert rounds == [[0, 1, 2, 3, 4]]
+
+
+def test_watches_are_per_namespace():
+    """Each rendezvous round's workers see their own namespace: a watch of a key in one
+    is not answered for, nor broken by, the same key in another."""
+    async def main():
+        core = StoreCore()
+        watcher, _ = await linked(core)
+        writer, _ = await linked(core)
+        for _ in range(2):
+            for ns in ("round0", "round1"):
+                ask(watcher.view(ns), (Op.CHECK, (b"/done",)), Client())
+                await settle()
+        w = Client()
+        writer.view("round1").execute((Op.SET, b"/done", b"1"), w)
+        writer.view("round1").execute((Op.CHECK, (b"/done",)), w)
+        await settle()
+        assert w.replies == [CHECK_READY] and watcher.stats.invalidations == 1
+        old, new = Client(), Client()
+        ask(watcher.view("round0"), (Op.CHECK, (b"/done",)), old)
+        ask(watcher.view("round1"), (Op.CHECK, (b"/done",)), new)
+        await settle()
+        assert old.replies == [CHECK_NOT_READY] and new.replies == [CHECK_READY]
+        assert core.snapshot() == {b"round1//done": b"1"}
+
+    run(main())
