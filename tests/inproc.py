@@ -3,6 +3,7 @@ frames travel through in-memory transports, so tests drive batching and coalesci
 deterministically."""
 
 import asyncio
+import struct
 import weakref
 
 from tierrun.frontend.link_upstream import LinkUpstream
@@ -61,6 +62,11 @@ class RootFrontEnd:
         self.core.forget(self._waiters.pop(client, None))
 
 
+def value(v: bytes) -> bytes:
+    """A GET answer."""
+    return struct.pack("<Q", len(v)) + v
+
+
 class Client:
     def __init__(self):
         self.replies = []
@@ -73,15 +79,26 @@ class Client:
 
 
 class Pipe(asyncio.Transport):
-    """An in-memory transport between the two protocol ends."""
+    """An in-memory transport between the two protocol ends: what is written arrives
+    ``delay`` loop turns later (in order), so links of different delays race."""
 
-    def __init__(self, peer_protocol_getter):
+    def __init__(self, peer_protocol_getter, delay=0):
         super().__init__()
         self._peer = peer_protocol_getter
         self._closing = False
+        self._delay = delay
 
     def write(self, data):
-        asyncio.get_running_loop().call_soon(lambda: self._peer().data_received(bytes(data)))
+        data = bytes(data)
+        loop = asyncio.get_running_loop()
+
+        def hop(left):
+            if left:
+                loop.call_soon(hop, left - 1)
+            else:
+                self._peer().data_received(data)
+
+        loop.call_soon(hop, self._delay)
 
     def is_closing(self):
         return self._closing
@@ -90,10 +107,11 @@ class Pipe(asyncio.Transport):
         self._closing = True
 
 
-async def linked(upstream, config=None):
+async def linked(upstream, config=None, delay=0):
     """A front-end link to ``upstream`` through in-memory pipes; returns it and the
     upstream's link statistics. ``upstream``: a core, or another front-end's link (a
-    stacked front-end, as in a deeper tree)."""
+    stacked front-end, as in a deeper tree); ``delay``: loop turns the upstream's frames
+    take to arrive."""
     if isinstance(upstream, LinkUpstream):
         server = LinkServer(lambda ns: upstream.view(ns.decode()), b"tok", lease=upstream.lease_left,
                             gate=gate_of(upstream))
@@ -102,7 +120,7 @@ async def linked(upstream, config=None):
     link = LinkUpstream(b"tok", on_lost=lambda reason: None, config=config)
     conn = link.connection()
     server_end = server.accept("test")
-    server_end.connection_made(Pipe(lambda: conn))
+    server_end.connection_made(Pipe(lambda: conn, delay))
     conn.connection_made(Pipe(lambda: server_end))
     # the magic byte is consumed by the root's sniffer, which this test has not
     server_feed = server_end.data_received

@@ -7,7 +7,7 @@ import asyncio
 import struct
 
 import pytest
-from inproc import Client, linked, settle
+from inproc import Client, linked, settle, value
 
 from tierrun.core import StoreCore
 from tierrun.link.config import LinkConfig
@@ -16,11 +16,6 @@ from tierrun.protocol import Op
 
 def run(coro):
     return asyncio.run(coro)
-
-
-def value(v: bytes) -> bytes:
-    """A GET answer."""
-    return struct.pack("<Q", len(v)) + v
 
 
 @pytest.mark.parametrize("n", [1, 5])

@@ -234,9 +234,10 @@ async def run_history(scripts: list[list[tuple]], where: list[int], schedule: li
     core = StoreCore()
     for k in COUNTERS:
         core.execute((Op.SET, k, b"0"), None)
-    link1, _ = await linked(core)
+    # links of different delays: answers on one race the invalidations on another
+    link1, _ = await linked(core, delay=2)
     link2, _ = await linked(core)
-    link3, _ = await linked(link1)
+    link3, _ = await linked(link1, delay=1)
     links = [link1, link2, link3]
     upstreams = [RootFrontEnd(core), link1.view(), link2.view(), link3.view()]
     clock = [0]

@@ -3,10 +3,9 @@ WATCH brought back, until the core invalidates it, which the core does before an
 can learn of the change. Driven in one event loop, links through in-memory pipes."""
 
 import asyncio
-import struct
 
 import pytest
-from inproc import Client, RootFrontEnd, gate_of, linked, settle
+from inproc import Client, RootFrontEnd, gate_of, linked, settle, value
 
 from tierrun.core import StoreCore
 from tierrun.core.watch_state import ABSENT, UNWATCHABLE, decode_watch_answer, encode_watch_state
@@ -21,13 +20,15 @@ from tierrun.protocol.opcodes import CHECK_NOT_READY, CHECK_READY, STOP_WAITING
 DUMP = b"/default_pg/0/dump_nccl_trace"
 
 
-def value(v: bytes) -> bytes:
-    """A GET answer."""
-    return struct.pack("<Q", len(v)) + v
-
-
 def run(coro):
     return asyncio.run(coro)
+
+
+async def watched(view, req):
+    """Read twice from two clients, a batch apart: a poll, so the front-end watches the key."""
+    for _ in range(2):
+        view.execute(req, Client())
+        await settle()
 
 
 def ask(view, req, client):
@@ -125,9 +126,7 @@ def test_a_change_is_not_revealed_before_the_watchers_dropped_what_they_saw():
         core.execute((Op.SET, b"/k", b"old"), None)
         watcher, _ = await linked(core)
         writer, _ = await linked(core)
-        for _ in range(2):
-            watcher.view().execute((Op.GET, b"/k"), Client())
-            await settle()
+        await watched(watcher.view(), (Op.GET, b"/k"))
         assert watcher._cache  # watched
         confirmations = []
         original = watcher._on_invalidate
@@ -155,9 +154,7 @@ def test_a_watcher_that_never_confirms_holds_answers_only_until_its_lease_ends()
     async def main():
         core = StoreCore()
         watcher, _ = await linked(core)
-        for _ in range(2):
-            watcher.view().execute((Op.CHECK, (b"/k",)), Client())
-            await settle()
+        await watched(watcher.view(), (Op.CHECK, (b"/k",)))
         watcher._on_invalidate = lambda payload: None  # frozen: never confirms
         watcher._lease_until = 0.0  # and (as a frozen node's would) its lease runs out
         w = Client()
@@ -181,9 +178,7 @@ def test_no_answer_from_a_watch_without_a_lease_or_for_a_client_with_a_write_in_
         core = StoreCore()
         link, stats = await linked(core)
         view = link.view()
-        for _ in range(2):
-            view.execute((Op.CHECK, (b"/k",)), Client())
-            await settle()
+        await watched(view, (Op.CHECK, (b"/k",)))
         c = Client()
         assert view.execute((Op.CHECK, (b"/k",)), c) == CHECK_NOT_READY  # from the watch
         view.execute((Op.SET, b"/k", b"1"), c)  # its own write, not yet executed
@@ -191,9 +186,7 @@ def test_no_answer_from_a_watch_without_a_lease_or_for_a_client_with_a_write_in_
         await settle()
         assert c.replies == [CHECK_READY]
         before = stats.operations
-        for _ in range(2):
-            view.execute((Op.CHECK, (b"/j",)), Client())
-            await settle()
+        await watched(view, (Op.CHECK, (b"/j",)))
         link._lease_until = 0.0  # no PONG for a lease's length
         assert view.execute((Op.CHECK, (b"/j",)), Client()) is None
         await settle()
@@ -364,10 +357,8 @@ def test_watches_are_per_namespace():
         core = StoreCore()
         watcher, _ = await linked(core)
         writer, _ = await linked(core)
-        for _ in range(2):
-            for ns in ("round0", "round1"):
-                ask(watcher.view(ns), (Op.CHECK, (b"/done",)), Client())
-                await settle()
+        for ns in ("round0", "round1"):
+            await watched(watcher.view(ns), (Op.CHECK, (b"/done",)))
         w = Client()
         writer.view("round1").execute((Op.SET, b"/done", b"1"), w)
         writer.view("round1").execute((Op.CHECK, (b"/done",)), w)

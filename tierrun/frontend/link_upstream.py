@@ -353,20 +353,17 @@ class LinkUpstream:
             keys = req[1]
             if op == Op.GET or len(keys) == 1:
                 k = (ns, keys if op == Op.GET else keys[0])
-                if monotonic() < self._lease_until:
-                    value = self._cache.get(k, _MISSING)
-                    if value is not _MISSING and (op != Op.WAIT or value is not None):
-                        self.stats.watch_answers += 1
-                        return _answer_from(op, value)  # type: ignore[arg-type]
-                    if op == Op.WAIT and self._join_wait(k, waiter, None):
-                        self._unanswered[waiter] = 1
-                        return None
+                value = self._watched_value(op, k)
+                if value is not _MISSING:
+                    self.stats.watch_answers += 1
+                    return _answer_from(op, value)  # type: ignore[arg-type]
+                if op == Op.WAIT and self._join_wait(k, waiter, None):
+                    self._unanswered[waiter] = 1
+                    return None
                 first = self._seen.get(k)
                 if first is not None and (first[0] is not waiter or first[1] == op) and self._churn.get(k, 0) < MAX_CHURN:
                     req = (_WATCH, req, None)  # type: ignore[assignment]
-        if not self._pending and not self._extra:
-            self._schedule_flush()
-        self._pending.append((waiter, ns, req))
+        self._enqueue(waiter, ns, req)
         if op in NO_REPLY_OPS:
             self._unconfirmed.add(waiter)
         else:
@@ -385,25 +382,37 @@ class LinkUpstream:
         op = req[0]
         k = (ns, req[1] if op == Op.GET else req[1][0])
         self.stats.requests += 1
-        if monotonic() < self._lease_until:
-            value = self._cache.get(k, _MISSING)
-            if value is not _MISSING and (op != Op.WAIT or value is not None):
-                self.stats.watch_answers += 1
-                self._downstream.setdefault(k, []).append(watcher)
-                return encode_watch_state(True, value) + _answer_from(op, value)  # type: ignore[arg-type]
-            if op == Op.WAIT and self._join_wait(k, waiter, watcher):
-                return None
-        if not self._pending and not self._extra:
-            self._schedule_flush()
-        self._pending.append((waiter, ns, (_WATCH, req, watcher)))  # type: ignore[arg-type]
+        value = self._watched_value(op, k)
+        if value is not _MISSING:
+            self.stats.watch_answers += 1
+            self._downstream.setdefault(k, []).append(watcher)
+            return encode_watch_state(True, value) + _answer_from(op, value)  # type: ignore[arg-type]
+        if op == Op.WAIT and self._join_wait(k, waiter, watcher):
+            return None
+        self._enqueue(waiter, ns, (_WATCH, req, watcher))  # type: ignore[arg-type]
         return None
 
+    def _enqueue(self, waiter: Waiter, ns: bytes, req: Request) -> None:
+        """Put a request in the next batch."""
+        if not self._pending and not self._extra:
+            self._schedule_flush()
+        self._pending.append((waiter, ns, req))
+
+    def _watched_value(self, op: int, k: tuple[bytes, bytes]) -> bytes | None | object:
+        """``k``'s watched value (None: absent) when a CHECK, GET or WAIT of it can be
+        answered from its watch now (within the lease; a WAIT only once the key is
+        there), else _MISSING."""
+        if monotonic() >= self._lease_until:
+            return _MISSING
+        value = self._cache.get(k, _MISSING)
+        return _MISSING if value is None and op == Op.WAIT else value
+
     def _join_wait(self, k: tuple[bytes, bytes], waiter: Waiter, watcher: tuple[object, int] | None) -> bool:
-        """Let a WAIT on ``k`` join the WATCH-WAIT already sent for it, if any: the core
-        watches the key for this front-end meanwhile, so until it says the key changed,
-        that WAIT's answer is this one's too."""
+        """Let a WAIT on ``k`` join the WATCH-WAIT already sent for it, if any (and the
+        lease runs): the core watches the key for this front-end meanwhile, so until it
+        says the key changed, that WAIT's answer is this one's too."""
         u = self._waiting_on.get(k)
-        if u is None or not u.cid:
+        if u is None or not u.cid or monotonic() >= self._lease_until:
             return False
         u.waiters.append(waiter)
         u.watchers.append(watcher)  # type: ignore[union-attr]
