@@ -149,6 +149,39 @@ def test_store_host_death_stops_every_node_with_the_reason(tmp_path, tiered):
             assert "not back within the 4 s grace period" in text
 
 
+def test_a_worker_failing_while_the_store_link_dies_is_blamed_on_the_store(tmp_path):
+    """The race behind a rare failure of the test above: another node noticed the lost
+    store first and stopped its workers, so this node's worker fails (in a collective)
+    while this node's own link is still in its grace period, and torch's agent, seeing a
+    failed worker, never asks the rendezvous handler about the store. Here node 1's
+    worker fails on cue once node 0 is frozen and node 1's link timed out: node 1 must
+    still exit naming the lost store host, not the worker."""
+    port = free_port()
+    logs = [tmp_path / f"node{k}.log" for k in range(2)]
+    fail_file = tmp_path / "fail-now"
+    env = {"TIERRUN_LINK_GRACE": "4", "TIERRUN_LINK_TIMEOUT": "2"}
+    procs = [tierrun("--nnodes", 2, "--nproc_per_node", 1, "--rdzv_backend", "parallel", "--tiered",
+                     "--master_addr", "127.0.1.1", "--master_port", port, "--node_rank", k,
+                     "--local_addr", f"127.0.1.{k + 1}", SCRIPTS / "fail_when_told.py",
+                     "--fail-file", tmp_path / f"never-{k}" if k == 0 else fail_file,
+                     log=logs[k], env=env) for k in range(2)]
+    deadline = time.time() + 90
+    while len(results(*logs, tag="UP")) < 2 and time.time() < deadline:
+        time.sleep(0.2)
+    assert len(results(*logs, tag="UP")) == 2, logs[0].read_text()[-3000:]
+    kill_tree(procs[0].pid, signal.SIGSTOP)
+    try:
+        time.sleep(3.5)  # past node 1's link timeout (2 s), inside its grace period (4 s)
+        fail_file.touch()
+        (code,) = finish(procs[1:], timeout=60)
+    finally:
+        kill_tree(procs[0].pid, signal.SIGKILL)
+    text = logs[1].read_text()
+    assert code == 1, text[-3000:]
+    assert f"lost the job's store host 127.0.1.1:{port}" in text, text[-3000:]
+    assert "not back within the 4 s grace period" in text
+
+
 def test_sigterm_elastic_node_leaves_and_the_others_go_on(tmp_path):
     """SIGTERM to one agent (as `kill PID` would): it stops its workers and marks itself
     gone; the other two re-form at once and finish."""

@@ -212,6 +212,11 @@ class LinkUpstream:
 
     # -- the session and its connections ----------------------------------------------
 
+    def silence(self) -> float | None:
+        """Seconds since the upstream was last heard from on the current connection;
+        None while there is none (reconnecting, or given up)."""
+        return None if self._conn is None else monotonic() - self._conn.last_rx
+
     def connection(self) -> LinkConnection:
         """A protocol for a new connection to the core; it resumes this session."""
         return LinkConnection(self)

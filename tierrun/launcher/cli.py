@@ -104,6 +104,10 @@ def main(argv: list[str]) -> int:
     try:
         elastic_launch(config=config, entrypoint=entrypoint)(*cmd_args)
     except ChildFailedError as e:
+        if reporting.handler is not None and reporting.handler.store_lost is not None:
+            # the workers failed because the job lost its store (noticed at shutdown)
+            print(f"tierrun: error: {reporting.handler.store_lost}", file=sys.stderr)
+            return 1
         reporting.report_failure(config.logs_specs.root_log_dir)
         raise ChildFailedError(_script_name(cmd_args), e.failures) from None
     except (RendezvousConnectionError, JobStoppedError) as e:

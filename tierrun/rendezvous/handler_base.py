@@ -8,6 +8,7 @@ import logging
 import os
 import socket
 import threading
+import time
 from collections.abc import Callable, Iterator
 
 from torch.distributed import PrefixStore
@@ -18,6 +19,7 @@ from torch.distributed.elastic.rendezvous import (
 from torch.distributed.elastic.utils.store import _barrier_nonblocking
 
 from ..client import StoreClient, StoreClientError
+from ..link.config import LinkConfig
 from ..report.progress import MODES, Arrivals, RendezvousProgress
 from . import liveness
 from .job_store import JobStore
@@ -47,6 +49,8 @@ class StoreRendezvousHandler(RendezvousHandler):
         self.run_id = run_id
         self.node_addr = local_addr or socket.gethostname()
         self.shutdown_hooks: list[Callable[[], None]] = []
+        #: Why this node lost the job's store, if it had when it shut down (else None).
+        self.store_lost: str | None = None
         mode = str(config.get("progress", "auto"))
         if mode not in MODES:
             raise ValueError(f"--rdzv_conf progress={mode}: write one of {', '.join(MODES)}")
@@ -210,7 +214,29 @@ class StoreRendezvousHandler(RendezvousHandler):
         _barrier_nonblocking(store=PrefixStore(prefix, self.job.client()), world_size=n,
                              key_prefix=_TERMINAL_STATE_SYNC_ID)
 
+    def _settle_store_verdict(self) -> None:
+        """At shutdown, before anything uses the store: set ``store_lost`` if this node
+        has lost the job's store. If its link is in doubt right now, wait until the link
+        is sound again or the proxy gives up (at most the link timeout and grace period):
+        the workers may have failed *because* the store was lost (another node noticed
+        it first and stopped its workers, so ours failed in a collective before this
+        agent's next check, and torch's agent never asks the handler after a failure).
+        One stats request to the proxy while the link is sound."""
+        if self.job is None:
+            return
+        config = LinkConfig.from_env()  # (what the proxy, started with this environment, uses)
+        deadline = time.monotonic() + config.heartbeat_timeout + config.grace + 2
+        while self.job.link_in_doubt(config.heartbeat_interval) and time.monotonic() < deadline:
+            time.sleep(0.2)
+        try:
+            self.check_store_host()
+        except RendezvousConnectionError as e:
+            self.store_lost = str(e)
+
     def _run_shutdown_hooks(self) -> None:
+        self._settle_store_verdict()
+        if self.store_lost is not None:
+            return  # (every step reads or writes the store: they would only fail, slowly)
         for hook in self.shutdown_hooks:
             try:
                 hook()

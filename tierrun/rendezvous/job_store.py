@@ -139,6 +139,19 @@ class JobStore:
             return "the store host closed this node's connection"
         return None
 
+    def link_in_doubt(self, heartbeat_interval: float) -> bool:
+        """This node's proxy is reconnecting to its upstream, or has heard nothing from
+        it for over two heartbeats: the link may be dying (the proxy gives up after its
+        grace period). One stats request to the proxy; False without tiering or once the
+        proxy has exited (``lost`` then says why)."""
+        if self.proxy is None or self.proxy.exited() is not None:
+            return False
+        try:
+            silence = self.proxy.stats(timeout=2.0).get("upstream_silence_s", 0.0)
+        except StoreStartError:
+            return False
+        return silence < 0 or silence > 2 * heartbeat_interval
+
     def proxy_failure(self) -> str | None:
         """How this node's proxy died on its own (killed, crashed), or None while it runs
         or when it stopped because its link was lost (``lost`` says so). O(1)."""

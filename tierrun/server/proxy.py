@@ -52,7 +52,6 @@ async def serve_proxy(
 
     link = await connect_link(upstream_host, upstream_port, token, on_lost, connect_timeout, link_config)
     links: LinkServer | None = None
-    stats = link.stats.as_dict
     if link_listen is not None:
         links = LinkServer(lambda ns: link.view(ns.decode()), token, link_config, lease=link.lease_left)
         sock = tcp_listen_socket(*link_listen, config.backlog)
@@ -60,11 +59,14 @@ async def serve_proxy(
             lambda: links.accept(sniffed=False), sock=sock, backlog=config.backlog)
         announce(f"taking links on {describe(sock)}")
 
-        def stats() -> dict:
+    def stats() -> dict:
+        silence = link.silence()  # (-1: no connection, the link is reconnecting)
+        counters = {**link.stats.as_dict(), "upstream_silence_s": -1.0 if silence is None else round(silence, 3)}
+        if links is not None:
             st = links.stats
-            return {**link.stats.as_dict(), "links": st.links, "links_accepted": st.links_accepted,
-                    "link_resumes": st.link_resumes, "link_batches": st.batches,
-                    "link_operations": st.operations}
+            counters.update(links=st.links, links_accepted=st.links_accepted, link_resumes=st.link_resumes,
+                            link_batches=st.batches, link_operations=st.operations)
+        return counters
 
     service = Service(config, link.view, stats, announce)
     try:
