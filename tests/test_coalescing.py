@@ -270,8 +270,9 @@ def test_appends_to_one_key_become_one():
 
 
 def test_waits_on_distinct_keys_travel_in_one_entry_and_end_one_by_one():
-    """Every agent WAITs for its own rank assignment: one WAITS entry carries a batch of
-    them, and each is answered, or cancelled, on its own."""
+    """Every agent WAITs for its own rank assignment: one WATCHES entry carries a batch
+    of them, and each is answered, or cancelled, on its own; each also watches its key,
+    so the GET that follows (torch's get() is a WAIT, then a GET) is answered on the node."""
     async def main():
         core = StoreCore()
         core.execute((Op.SET, b"/ready", b"1"), None)
@@ -291,6 +292,10 @@ def test_waits_on_distinct_keys_travel_in_one_entry_and_end_one_by_one():
             core.execute((Op.SET, f"/rank/{i}".encode(), b"r"), None)
             await settle()
         assert [len(c.replies) for c in clients] == [1, 0, 0, 0, 1, 1]
-        assert core.num_waiters == 2
+        assert core.num_waiters == 2 and link.stats.watches_sent == 6
+        operations = stats.operations
+        assert view.execute((Op.GET, b"/rank/0"), clients[0]) == value(b"r")
+        await settle()
+        assert stats.operations == operations
 
     run(main())

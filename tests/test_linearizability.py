@@ -307,8 +307,10 @@ def test_histories_of_folded_sets_and_gets_are_linearizable():
         watched[1] += sum(s.watch_joins for s in stats)
         watched[2] += sum(s.invalidations for s in stats)
     print(folded, watched)
-    assert min(folded) > 20, folded  # the folds did happen (fewer WAITs: polls are watched)
-    assert min(watched) > 20, watched  # reads answered from watches, WAITs joined, invalidations
+    assert min(folded) > 20, folded  # the folds did happen (WAITs: WAITS and WATCHES entries)
+    # reads answered from watches, WAITs joined (only a poll's WATCH: the first WAIT on a
+    # key fetches it, and nothing joins that one), invalidations
+    assert watched[0] > 20 and watched[1] > 10 and watched[2] > 20, watched
 
 
 def check_history(scripts, where, schedule) -> list:

@@ -65,37 +65,40 @@ def test_heartbeat_checks_reach_the_core_once_then_see_the_dump_request():
     run(main())
 
 
-def test_torch_get_is_a_wait_and_a_get_and_later_ranks_need_neither():
-    """torch's get() is WAIT then GET. One client reading a key of its own (an agent's
-    rank assignment) is not a poll: its GET folds with others as before. A second
-    rank's WAIT of the NCCL unique id is: it watches the key, and every later WAIT and
-    GET of it on the node is answered there."""
+def test_torch_get_is_a_wait_and_a_get_and_the_node_sends_only_the_wait():
+    """torch's get() is WAIT then GET. A proxy sends a one-key WAIT up as a WATCH, whose
+    answer carries the key's value: the GET that follows is answered on the node, and
+    so is every later WAIT and GET of the key there, by any client (an agent reading its
+    rank assignment, ranks reading the NCCL unique id). Also for a client with a write
+    of its own still in flight (the agent's SET of its role just before)."""
     async def main():
         core = StoreCore()
         core.execute((Op.SET, b"/uid", b"id"), None)
         link, stats = await linked(core)
         view = link.view()
         first, second = Client(), Client()
+        view.execute((Op.SET, b"/role", b"r"), first)  # (no answer: the client is unconfirmed)
         for c in (first, second):
-            view.execute((Op.WAIT, (b"/uid",)), c)
+            ask(view, (Op.WAIT, (b"/uid",)), c)
             await settle()
             ask(view, (Op.GET, b"/uid"), c)
             await settle()
-        assert stats.operations == 3 and link.stats.watches_sent == 1
+        assert stats.operations == 2 and link.stats.watches_sent == 1  # the SET, the WATCH
         for _ in range(6):
             c = Client()
             assert view.execute((Op.WAIT, (b"/uid",)), c) == STOP_WAITING
             assert view.execute((Op.GET, b"/uid"), c) == value(b"id")
         await settle()
-        assert stats.operations == 3
+        assert stats.operations == 2
         assert first.replies == second.replies == [STOP_WAITING, value(b"id")]
 
     run(main())
 
 
 def test_waits_join_the_wait_sent_for_their_key_across_batches():
-    """Ranks reach a barrier's WAIT at different moments: once a WAIT on the key went
-    up as a WATCH, later WAITs on it join that one instead of going to the core."""
+    """Ranks reach a barrier's WAIT at different moments: the first WAIT on the key
+    fetches it (nothing may join that one), the second is a poll: it goes up as a WATCH,
+    and later WAITs on the key join it instead of going to the core."""
     async def main():
         core = StoreCore()
         link, stats = await linked(core)
@@ -114,6 +117,45 @@ def test_waits_join_the_wait_sent_for_their_key_across_batches():
         assert all(r.replies == [STOP_WAITING] for r in ranks)
         late = Client()
         assert view.execute((Op.WAIT, (b"/done",)), late) == STOP_WAITING  # watched, present
+
+    run(main())
+
+
+def test_a_first_wait_fetches_its_key_and_its_first_write_starts_no_round():
+    """A node's first WAIT on a key goes up in a WATCHES entry (a WAIT that fetches):
+    the core does not watch the key while it waits, so the write that releases it
+    starts no invalidation round (a frozen node waiting on a key holds nobody's answers
+    back); once released, the key is watched, its GET is answered on the node, and a
+    later change does start a round. Through a stacked proxy too."""
+    async def main():
+        core = StoreCore()
+        middle, _ = await linked(core)
+        leaf, _ = await linked(middle)
+        writer, _ = await linked(core)
+        waiters = [Client(), Client()]
+        leaf.view().execute((Op.WAIT, (b"/rank/0",)), waiters[0])
+        middle.view().execute((Op.WAIT, (b"/rank/1",)), waiters[1])
+        await settle()
+        assert core.num_waiters == 2 and core.num_watches == 0
+        w = Client()
+        writer.view().execute((Op.MULTI_SET, (b"/rank/0", b"/rank/1"), (b"a", b"b")), w)
+        writer.view().execute((Op.CHECK, (b"/rank/0",)), w)
+        await settle()
+        assert gate_of(core).rounds == 0 and w.replies == [CHECK_READY]
+        assert all(c.replies == [STOP_WAITING] for c in waiters)
+        assert core.num_watches == 2  # (the leaf's through the middle's)
+        operations = core.operations
+        for view, key, v in ((leaf.view(), b"/rank/0", b"a"), (middle.view(), b"/rank/1", b"b")):
+            c = Client()
+            assert view.execute((Op.GET, key), c) == value(v)
+        writer.view().execute((Op.SET, b"/rank/0", b"c"), w)
+        await settle()
+        assert core.operations == operations + 1 and gate_of(core).rounds == 1
+        assert leaf.stats.invalidations == 1
+        c = Client()
+        ask(leaf.view(), (Op.GET, b"/rank/0"), c)
+        await settle()
+        assert c.replies == [value(b"c")]
 
     run(main())
 

@@ -126,22 +126,25 @@ class StoreCore:
         self.operations += 1
         return self._handlers[req[0]](req, waiter)
 
-    def execute_watching(self, req: Request, waiter: Waiter, watcher: object) -> bytes | None:
+    def execute_watching(self, req: Request, waiter: Waiter, watcher: object,
+                         watch_absent: bool = True) -> bytes | None:
         """Run a one-key CHECK, GET or WAIT and watch its key for ``watcher``: answer
         its watch state (``watch_state.encode_watch_state``) followed by the reply, now,
         or (a WAIT on a missing key) through ``waiter.wake`` once the key is there.
         Until the key next changes (``on_watches_broken`` gets the watcher), the watcher
         may answer reads of it from that state; a WAIT that blocks watches its key as
         absent meanwhile (a change breaks that watch first, then wakes it, which
-        watches the key anew). A queue's key is not watched. O(1) more than the
-        request."""
+        watches the key anew), unless ``watch_absent`` is False: then it is watched only
+        once it is woken (its watcher lets no other WAIT join it meanwhile, so its key's
+        first write starts no invalidation round for it). A queue's key is not watched.
+        O(1) more than the request."""
         self.operations += 1
         op = req[0]
         key = req[1] if op == Op.GET else req[1][0]
         if op == Op.WAIT and not self._present(key):
             self._wait(req, waiter)
             self._watch_on_wake[waiter] = (key, watcher)
-            if key not in self._queues:  # watched as absent while it waits
+            if watch_absent and key not in self._queues:  # watched as absent while it waits
                 self._watched.setdefault(key, []).append(watcher)
             return None
         reply = self._handlers[op](req, waiter)

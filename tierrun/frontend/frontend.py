@@ -29,9 +29,11 @@ class Upstream(Protocol):
     def forget(self, waiter: Waiter) -> None:
         """The waiter's connection closed: drop whatever it was waiting for."""
 
-    def execute_watching(self, req: Request, waiter: Waiter, watcher: object) -> bytes | None:
-        """A one-key CHECK, GET or WAIT that also watches its key (a link's WATCH entry):
-        see ``StoreCore.execute_watching``."""
+    def execute_watching(self, req: Request, waiter: Waiter, watcher: object,
+                         watch_absent: bool = True) -> bytes | None:
+        """A one-key CHECK, GET or WAIT that also watches its key (a link's WATCH entry;
+        a WAIT of a WATCHES entry with ``watch_absent=False``): see
+        ``StoreCore.execute_watching``."""
 
 
 LinkAcceptor = Callable[[asyncio.Transport, str, bytes], None]

@@ -58,9 +58,9 @@ from ..link import auth
 from ..link.config import LinkConfig
 from ..link.frames import (
     ACK, DEFAULT_MAX_FRAME, ERROR, HANDSHAKE_MAX_FRAME, HELLO, INVALIDATE, INVALIDATED, LINK_MAGIC, OK, PONG, REPLIES,
-    RESUMED, SESSION_ID_BYTES, WATCH_LEASE, WELCOME, FrameDecoder, LinkError, decode_count, decode_invalidate,
-    decode_pong, decode_replies, encode_batch, encode_count, encode_session, entry_cancel, entry_open, entry_request,
-    entry_waits, entry_watch,
+    RESUMED, SESSION_ID_BYTES, WAITS, WATCH_LEASE, WATCHES, WELCOME, FrameDecoder, LinkError, decode_count,
+    decode_invalidate, decode_pong, decode_replies, encode_batch, encode_count, encode_session, entry_cancel, entry_open,
+    entry_request, entry_waits, entry_watch,
 )
 from ..link.outbox import Outbox
 from ..link.reply_gate import break_watches
@@ -84,6 +84,7 @@ MAX_WATCHES = 16384
 #: A key whose watch was invalidated this often is read without one from then on.
 MAX_CHURN = 4
 _WATCH = -1  # a pending request ``(_WATCH, request, watcher or None)``: send it as a WATCH
+_FETCH = -2  # ``(_FETCH, WAIT request, watcher or None)``: send it in a WATCHES entry
 _MISSING = object()
 
 
@@ -99,7 +100,8 @@ def _keys(req: Request) -> tuple[bytes, ...]:
 class _Upstream:
     """One operation sent upstream, and who gets its answer."""
 
-    __slots__ = ("req", "cid", "rid", "waiters", "deltas", "group", "pos", "fold", "members", "wkey", "watchers")
+    __slots__ = ("req", "cid", "rid", "waiters", "deltas", "group", "pos", "fold", "members", "wkey", "watchers",
+                 "fetch")
 
     def __init__(self, req: Request, cid: int, waiter: Waiter | None, pos: int) -> None:
         self.req = req
@@ -115,6 +117,7 @@ class _Upstream:
         #: A WATCH: per waiter, the downstream watcher it answers for (None: a local
         #: client, answered with the request's own answer, not the watch state).
         self.watchers: list[tuple[object, int] | None] | None = None
+        self.fetch = False  # a WAIT that fetches: sent in a WATCHES entry, joined by nothing
 
 
 class _Fold:
@@ -354,10 +357,9 @@ class LinkUpstream:
             self._cancel_waits(waiter)
             return WAIT_CANCELED
         self.stats.requests += 1
-        if op in WATCHABLE_OPS and waiter not in self._unanswered and waiter not in self._unconfirmed:
-            keys = req[1]
-            if op == Op.GET or len(keys) == 1:
-                k = (ns, keys if op == Op.GET else keys[0])
+        if op in WATCHABLE_OPS and (op == Op.GET or len(req[1]) == 1):
+            k = (ns, req[1] if op == Op.GET else req[1][0])
+            if waiter not in self._unanswered and waiter not in self._unconfirmed:
                 value = self._watched_value(op, k)
                 if value is not _MISSING:
                     self.stats.watch_answers += 1
@@ -365,9 +367,12 @@ class LinkUpstream:
                 if op == Op.WAIT and self._join_wait(k, waiter, None):
                     self._unanswered[waiter] = 1
                     return None
-                first = self._seen.get(k)
-                if first is not None and (first[0] is not waiter or first[1] == op) and self._churn.get(k, 0) < MAX_CHURN:
+            first = self._seen.get(k)
+            if self._churn.get(k, 0) < MAX_CHURN:
+                if first is not None and (first[0] is not waiter or first[1] == op):
                     req = (_WATCH, req, None)  # type: ignore[assignment]
+                elif op == Op.WAIT:  # (torch's get() is a WAIT, then a GET: fetch the value)
+                    req = (_FETCH, req, None)  # type: ignore[assignment]
         self._enqueue(waiter, ns, req)
         if op in NO_REPLY_OPS:
             self._unconfirmed.add(waiter)
@@ -377,11 +382,13 @@ class LinkUpstream:
                 self._unconfirmed.discard(waiter)  # (this answer confirms what came before)
         return None
 
-    def submit_watching(self, req: Request, waiter: Waiter, watcher: tuple[object, int], ns: bytes) -> bytes | None:
+    def submit_watching(self, req: Request, waiter: Waiter, watcher: tuple[object, int], ns: bytes,
+                        watch_absent: bool = True) -> bytes | None:
         """A WATCH from a front-end linked to this one (``watcher``: its session and
-        watch id): answered from this one's watch when it can, else sent upstream as
-        a WATCH. The front-end below is told of every invalidation of the key from
-        now on (even before the answer: so it may let WAITs join its own)."""
+        watch id; ``watch_absent=False``: a WAIT of its WATCHES entry): answered from
+        this one's watch when it can, else sent upstream alike. The front-end below is
+        told of every invalidation of the key from now on (even before the answer: so
+        it may let WAITs join its own)."""
         if self.dead is not None:
             raise StoreError(self.dead)
         op = req[0]
@@ -394,7 +401,7 @@ class LinkUpstream:
             return encode_watch_state(True, value) + _answer_from(op, value)  # type: ignore[arg-type]
         if op == Op.WAIT and self._join_wait(k, waiter, watcher):
             return None
-        self._enqueue(waiter, ns, (_WATCH, req, watcher))  # type: ignore[arg-type]
+        self._enqueue(waiter, ns, (_WATCH if watch_absent else _FETCH, req, watcher))  # type: ignore[arg-type]
         return None
 
     def _enqueue(self, waiter: Waiter, ns: bytes, req: Request) -> None:
@@ -531,12 +538,16 @@ class LinkUpstream:
             op = req[0]
             since = last_of.get(waiter, -1)  # this client's previous request
             last_of[waiter] = i
-            if op == _WATCH:  # a read that also watches its key: merged only with its like
+            if op == _WATCH or op == _FETCH:  # a read that also watches its key: merged only with its like
                 inner, watcher = req[1], req[2]  # type: ignore[misc]
                 keys = _keys(inner)
                 touched(ns, keys, write=False)
                 k = (ns, keys[0])
                 last_touch[k] = i
+                if op == _FETCH and k not in seen:  # (a second WAIT on the key is a poll)
+                    if len(seen) >= MAX_WATCHES:
+                        seen.clear()
+                    seen[k] = (waiter, Op.WAIT)
                 dk = (ns, b"w" + encode_request(inner))
                 same = open_reads.get(dk)
                 if same is not None and since < same.pos:
@@ -548,17 +559,29 @@ class LinkUpstream:
                     else:
                         stats.merged_reads += 1
                     continue
-                u = _Upstream(inner, cid_of(ns), waiter, i)
+                f = folds.get((_FETCH, ns)) if op == _FETCH else None
+                folded = (f is not None and since < f.pos and last_write.get(k, -1) < f.pos
+                          and len(f.members or ()) < MAX_FOLD)
+                u = _Upstream(inner, cid_of(ns), waiter, f.pos if folded else i)  # type: ignore[union-attr]
                 u.wkey = k
                 u.watchers = [watcher]
+                u.fetch = op == _FETCH
                 if inner[0] == Op.WAIT:
                     u.group = True
                     self._wait_of[waiter] = u
-                    self._waiting_on[k] = u
+                    if not u.fetch:  # (later WAITs on the key may join it)
+                        self._waiting_on[k] = u
                 if watcher is not None:  # told of invalidations from now on
                     self._downstream.setdefault(k, []).append(watcher)
                 open_reads[dk] = u
                 reads_on[k].append(dk)
+                if folded:  # (it waits from the fold's place: one WATCHES entry)
+                    f.members = f.members or []  # type: ignore[union-attr]
+                    f.members.append(u)  # type: ignore[union-attr]
+                    stats.folded_waits += 1
+                    continue
+                if u.fetch:
+                    folds[(_FETCH, ns)] = u
                 ops.append(u)
                 continue
             keys = _keys(req)
@@ -674,14 +697,18 @@ class LinkUpstream:
         answered_at_once = 0
         sent = len(ops)
         for u in ops:
-            if u.members:  # one WAITS entry: request ids rid, rid + 1, ... in key order
+            if u.members or u.fetch:  # one WAITS (WATCHES) entry: request ids rid, rid + 1, ... in key order
+                members = u.members or ()
                 u.rid = self._new_id()
                 self._inflight[u.rid] = u
-                for m in u.members:
+                for m in members:
                     m.rid = self._new_id()
                     self._inflight[m.rid] = m
-                entries.append(entry_waits(u.cid, u.rid, [u.req[1][0]] + [m.req[1][0] for m in u.members]))
-                sent += len(u.members)
+                kind = WATCHES if u.fetch else WAITS
+                entries.append(entry_waits(u.cid, u.rid, [u.req[1][0]] + [m.req[1][0] for m in members], kind))
+                sent += len(members)
+                if u.fetch:
+                    stats.watches_sent += 1 + len(members)
                 continue
             req = u.req
             if u.watchers is not None:
@@ -841,7 +868,7 @@ def _answer_from(op: int, value: bytes | None) -> bytes:
 
 def _op_of(req: Request) -> int:
     """The opcode of a pending request (of the request a WATCH carries)."""
-    return req[1][0] if req[0] == _WATCH else req[0]
+    return req[1][0] if req[0] < 0 else req[0]
 
 
 def _split_values(data: bytes) -> list[bytes]:
@@ -865,8 +892,9 @@ class LinkView:
     def execute(self, req: Request, waiter: Waiter) -> bytes | None:
         return self._link.submit(req, waiter, self._ns)
 
-    def execute_watching(self, req: Request, waiter: Waiter, watcher: tuple[object, int]) -> bytes | None:
-        return self._link.submit_watching(req, waiter, watcher, self._ns)
+    def execute_watching(self, req: Request, waiter: Waiter, watcher: tuple[object, int],
+                         watch_absent: bool = True) -> bytes | None:
+        return self._link.submit_watching(req, waiter, watcher, self._ns, watch_absent)
 
     def forget(self, waiter: Waiter) -> None:
         self._link.forget(waiter, self._ns)

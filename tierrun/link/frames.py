@@ -14,6 +14,10 @@
                | u8 WATCH   | u32 client | u64 rid | u32 len | torch-encoded request
                                       (a one-key CHECK, GET or WAIT that also registers
                                       a watch of its key: see below)
+               | u8 WATCHES | u32 client | u64 rid | u32 n | n x (u32 len | key)
+                                      (n one-key WAITs that fetch, as WAITS: each is
+                                      answered like a WATCH of it, but its key is
+                                      watched only once it is there: see below)
       A client is a namespace seen through the link, not a torch connection: a
       front-end opens one per namespace and sends every request in it under that id.
       Any number of its requests may be outstanding; a WAIT or BARRIER waits alone
@@ -39,6 +43,9 @@ answer that could reveal a change of the key, and holds back every later answer 
 the front-end answered INVALIDATED (or its lease ran out). Meanwhile the front-end
 answers reads of the key from the state, but only within its lease: WATCH_LEASE
 seconds from sending an ACK whose PONG it received (the core heard from it then).
+A WATCH of a WAIT that blocks watches its key as absent while it waits (its front-end
+lets later WAITs on the key join it, so the key's first write starts a round); a WAIT
+of a WATCHES entry does not (nothing joins it: its key's first write just wakes it).
 
 BATCH, REPLIES and INVALIDATE frames are numbered 1, 2, ... per session and direction
 (implicitly, in order), so a link that drops and reconnects resumes with nothing lost
@@ -52,10 +59,11 @@ from __future__ import annotations
 import struct
 
 LINK_MAGIC = 0xA7  # first byte a front-end sends: not an opcode of any torch version
-VERSION = 4  # 2: sessions, resumption, heartbeats; 3: a client per namespace, CANCEL; 4: watches
+VERSION = 5  # 2: sessions, resumption, heartbeats; 3: a client per namespace, CANCEL; 4: watches;
+# 5: WATCHES
 
 HELLO, AUTH, WELCOME, ERROR, BATCH, REPLIES, SESSION, RESUMED, ACK, PONG, INVALIDATE, INVALIDATED = range(1, 13)
-OPEN, REQUEST, CANCEL, WAITS, WATCH = range(5)
+OPEN, REQUEST, CANCEL, WAITS, WATCH, WATCHES = range(6)
 #: A front-end answers from a watch only this long (seconds) after sending an ACK that
 #: the core answered with a PONG; the core, holding its answers for a front-end that
 #: does not confirm an invalidation, waits this long past that ACK's arrival, plus
@@ -155,12 +163,13 @@ def entry_cancel(client: int, rid: int) -> bytes:
     return _cancel.pack(CANCEL, client, rid)
 
 
-def entry_waits(client: int, rid: int, keys: list[bytes]) -> bytes:
-    return _waits.pack(WAITS, client, rid, len(keys)) + b"".join([_u32.pack(len(k)) + k for k in keys])
+def entry_waits(client: int, rid: int, keys: list[bytes], kind: int = WAITS) -> bytes:
+    """A WAITS entry, or (``kind=WATCHES``) a WATCHES entry."""
+    return _waits.pack(kind, client, rid, len(keys)) + b"".join([_u32.pack(len(k)) + k for k in keys])
 
 
 def decode_keys(data: bytes, max_keys: int, max_key_bytes: int) -> list[bytes]:
-    """The keys of a WAITS entry (its ``data``, count first). O(len(data)); raises
+    """The keys of a WAITS or WATCHES entry (its ``data``, count first). O(len(data)); raises
     LinkError past the limits or on a malformed list."""
     try:
         (n,) = _u32.unpack_from(data, 0)
@@ -204,13 +213,13 @@ def decode_batch(payload: bytes) -> list[Entry]:
                 _, client, rid = _cancel.unpack_from(payload, pos)
                 pos += _CANCEL_SIZE
                 out.append((CANCEL, client, rid, b""))
-            elif kind == WAITS:  # (data: the key count and the keys, for decode_keys)
+            elif kind == WAITS or kind == WATCHES:  # (data: the key count and the keys, for decode_keys)
                 start = pos + 13
                 _, client, rid, n = _waits.unpack_from(payload, pos)
                 pos = start + 4
                 for _ in range(n):
                     pos += 4 + _u32.unpack_from(payload, pos)[0]
-                out.append((WAITS, client, rid, payload[start:pos]))
+                out.append((kind, client, rid, payload[start:pos]))
             else:
                 raise LinkError(f"unknown batch entry kind {kind}")
             if pos > len(payload):
