@@ -24,14 +24,19 @@ sent nothing since that one's place: its answers leave in the order it asked.
 Across batches, only through watches (design.md's standing watch; link frames.py): a
 one-key CHECK, GET or WAIT of a key polled (read before by another client, or by the
 same client asking the same: NCCL's heartbeat CHECK, the ranks' WAITs and GETs of the
-unique id, a barrier's WAITs; not an agent's WAIT and GET of its own rank assignment,
-which still fold) goes upstream as a WATCH, whose answer carries the key's
+unique id, a barrier's WAITs) goes upstream as a WATCH, whose answer carries the key's
 state; the front-end then answers reads of the key from that state, and WAITs on it
 join the WAIT that waits for it upstream, until the core invalidates the watch (which
-it does before anyone can learn of a change) or the lease runs out. Only for a client
-with nothing outstanding: every earlier request of it answered, none since without an
-answer (a SET), so its own writes are executed (and their invalidations in) first.
-A key invalidated ``MAX_CHURN`` times is not watched again (it changes too often).
+it does before anyone can learn of a change) or the lease runs out. A key's first
+one-key WAIT *fetches* it: it goes up in a WATCHES entry (folded like WAITS), whose
+answers carry the key's state too, so the GET of torch's get() (a WAIT, then a GET: an
+agent reading its rank assignment, a Gloo rank a peer's address) is answered on the
+node; such a WAIT watches its key only once it is there (nothing joins it), so the
+write that releases it costs no invalidation round. Answers from watches (and joins)
+only for a client with nothing outstanding: every earlier request of it answered, none
+since without an answer (a SET), so its own writes are executed (and their
+invalidations in) first. A key invalidated ``MAX_CHURN`` times is not watched again
+(it changes too often).
 
 Every request of a namespace travels under one link client id (opened once per session:
 an OPEN entry costs the core as much as a request), whoever sent it; the core matches
