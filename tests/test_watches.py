@@ -3,6 +3,7 @@ WATCH brought back, until the core invalidates it, which the core does before an
 can learn of the change. Driven in one event loop, links through in-memory pipes."""
 
 import asyncio
+import struct
 
 import pytest
 from inproc import Client, RootFrontEnd, gate_of, linked, settle, value
@@ -10,7 +11,8 @@ from inproc import Client, RootFrontEnd, gate_of, linked, settle, value
 from tierrun.core import StoreCore
 from tierrun.core.watch_state import ABSENT, UNWATCHABLE, decode_watch_answer, encode_watch_state
 from tierrun.link.frames import (
-    LinkError, decode_invalidate, decode_pong, encode_batch, encode_invalidate, encode_pong, entry_open, entry_watch,
+    WATCHES, LinkError, decode_invalidate, decode_pong, encode_batch, encode_invalidate, encode_pong, entry_open,
+    entry_waits, entry_watch,
 )
 from tierrun.protocol.requests import encode_request
 from tierrun.frontend.link_upstream import MAX_CHURN
@@ -345,6 +347,23 @@ def test_a_watch_of_anything_but_a_one_key_read_closes_the_link(caplog):
 
     run(main())
     assert "MULTI_GET cannot watch" in caplog.text
+
+
+@pytest.mark.parametrize("entries, error", [
+    ([entry_waits(77, 1, [b"/a"], WATCHES)], "request for unknown client 77"),
+    # three keys announced, one sent
+    ([entry_open(99, b""), bytes([WATCHES]) + struct.pack("<IQII", 99, 1, 3, 1) + b"/"], "malformed batch"),
+])
+def test_a_bad_watches_entry_closes_the_link(caplog, entries, error):
+    async def main():
+        core = StoreCore()
+        link, _ = await linked(core)
+        link._send(encode_batch(entries))
+        await settle()
+        assert core.num_waiters == 0
+
+    run(main())
+    assert error in caplog.text
 
 
 def test_a_node_proxy_answers_torchs_heartbeat_checks_without_the_store_host():
