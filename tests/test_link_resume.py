@@ -13,6 +13,7 @@ import pytest
 
 from tierrun.frontend.link_upstream import connect_link
 from tierrun.link.config import LinkConfig
+from tierrun.link.frames import ACK, BATCH, FrameDecoder
 from tierrun.protocol import Op
 from tierrun.server.root import serve_root
 from tierrun.server.service import ServiceConfig
@@ -250,5 +251,41 @@ def test_restarted_root_refuses_the_old_session_at_once():
         assert "does not know the node's link session" in lost[0]
         stop2.set()
         await task2
+
+    run(main())
+
+
+def test_a_busy_links_heartbeat_rides_with_its_batches():
+    """A lone frame costs the store host a wake-up. A link that sends batches sends its
+    heartbeat ACK in the same write as its next batch; an idle one sends it alone, at
+    most two intervals apart. Its watch lease never lapses either way."""
+
+    async def main():
+        port, stop, task = await start_root()
+        link = await connect_link("127.0.0.1", port, b"tok", lambda reason: None, 10, FAST)
+        conn = link._conn
+        writes: list[list[int]] = []
+        write = conn.write
+
+        def record(data: bytes) -> None:
+            writes.append([ftype for ftype, _ in FrameDecoder().feed(data)])
+            write(data)
+
+        conn.write = record
+        loop = asyncio.get_running_loop()
+        end = loop.time() + 10 * FAST.heartbeat_interval
+        while loop.time() < end:  # busy: a batch every 20 ms, heartbeats every 100 ms
+            await request(link, (Op.ADD, b"/n", 1))
+            await asyncio.sleep(0.02)
+            assert link.lease_left() > 0
+        with_ack = [w for w in writes if ACK in w]
+        assert len(with_ack) >= 3 and all(BATCH in w for w in with_ack), writes
+        writes.clear()
+        await asyncio.sleep(10 * FAST.heartbeat_interval)  # idle
+        assert link.lease_left() > 0
+        assert writes.count([ACK]) >= 5 and all(w == [ACK] for w in writes), writes
+        link.close()
+        stop.set()
+        await task
 
     run(main())

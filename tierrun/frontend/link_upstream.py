@@ -193,6 +193,8 @@ class LinkUpstream:
         self.dead: str | None = None
         self.ready: asyncio.Future[None] = asyncio.get_running_loop().create_future()
         self._heartbeat: asyncio.TimerHandle | None = None
+        self._sent_since_beat = False  # a batch left since the last heartbeat interval began
+        self._beat_with_next_batch = False  # the heartbeat rides with the next batch
         self._reconnecting: asyncio.Task[None] | None = None
         self._pending: list[tuple[Waiter, bytes, Request]] = []
         self._extra: list[bytes] = []  # CLOSE entries for the next batch
@@ -250,14 +252,22 @@ class LinkUpstream:
         self._heartbeat = loop.call_later(self.config.heartbeat_interval, self._beat)
 
     def _beat(self) -> None:
-        """Every heartbeat interval: acknowledge (the heartbeat), or drop a silent connection."""
+        """Every heartbeat interval: acknowledge (the heartbeat), or drop a silent connection.
+        A link that sent a batch during the last interval sends its heartbeat with its
+        next batch instead (in one write, so the store host reads both in one wake-up),
+        or at the next beat if none comes: heartbeats at most two intervals apart, well
+        within the watch lease."""
         conn = self._conn
         if conn is not None:
             silent = monotonic() - conn.last_rx
             if silent > self.config.heartbeat_timeout:
                 conn.abort(f"nothing heard from the store host for {silent:.1f} s")
+            elif self._sent_since_beat and not self._beat_with_next_batch:
+                self._beat_with_next_batch = True
             else:
+                self._beat_with_next_batch = False
                 conn.ack()
+        self._sent_since_beat = False
         if self._batches_awaiting and (self._pending or self._extra):
             # (belt and braces: a held batch never waits on an answer for more than a beat)
             self._batches_awaiting.clear()
@@ -346,8 +356,13 @@ class LinkUpstream:
         except LinkError as e:
             self._die(f"the store host stopped acknowledging: {e}")
             return
+        self._sent_since_beat = True
         if self._conn is not None:
-            self._conn.write(data)
+            if self._beat_with_next_batch:
+                self._beat_with_next_batch = False
+                self._conn.ack(after=data)
+            else:
+                self._conn.write(data)
 
     # -- requests ---------------------------------------------------------------------
 
@@ -931,10 +946,12 @@ class LinkConnection(asyncio.Protocol):
         if self._transport is not None and not self._transport.is_closing():
             self._transport.write(data)
 
-    def ack(self) -> None:
+    def ack(self, after: bytes = b"") -> None:
+        """Send an ACK (the heartbeat; its PONG renews the watch lease), after ``after``
+        in the same write."""
         self._unacked_in = 0
         self._pings.append(monotonic())
-        self.write(encode_count(ACK, self._link.replies_received))
+        self.write(after + encode_count(ACK, self._link.replies_received))
 
     def data_received(self, data: bytes) -> None:
         self.last_rx = monotonic()  # (not the loop's clock: no getpid() per read)
