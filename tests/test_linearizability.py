@@ -293,7 +293,9 @@ def test_histories_of_folded_sets_and_gets_are_linearizable():
     requests), seeded: hypothesis favours small examples, where folds are rare."""
     folded = [0, 0, 0]
     watched = [0, 0, 0]
-    for seed in range(300):
+    # (+ seeds that once failed: 644 and 1203 caught a stacked proxy answering a read from
+    # its watch while the reader's own write was still on its way up)
+    for seed in [*range(300), 644, 1203]:
         rnd = random.Random(seed)
         vocabulary = [rnd.choice(FOLDING_VOCABULARY) for _ in range(6)]
         scripts = [[rnd.choice(vocabulary) for _ in range(rnd.randint(2, 5))] for _ in range(6)]
@@ -308,9 +310,11 @@ def test_histories_of_folded_sets_and_gets_are_linearizable():
         watched[2] += sum(s.invalidations for s in stats)
     print(folded, watched)
     assert min(folded) > 20, folded  # the folds did happen (WAITs: WAITS and WATCHES entries)
-    # reads answered from watches, WAITs joined (only a poll's WATCH: the first WAIT on a
-    # key fetches it, and nothing joins that one), invalidations
-    assert watched[0] > 20 and watched[1] > 10 and watched[2] > 20, watched
+    # reads answered from watches, WAITs joined, invalidations. Joins are rare here: only
+    # a clean client's poll sends a WAIT others may join (a key's first WAIT, and any WAIT
+    # of a client with a write in flight, fetches, and nothing joins a fetch); the join
+    # rules have their own tests in test_watches.py
+    assert watched[0] > 20 and watched[1] >= 3 and watched[2] > 20, watched
 
 
 def check_history(scripts, where, schedule) -> list:

@@ -379,7 +379,8 @@ class LinkUpstream:
         self.stats.requests += 1
         if op in WATCHABLE_OPS and (op == Op.GET or len(req[1]) == 1):
             k = (ns, req[1] if op == Op.GET else req[1][0])
-            if waiter not in self._unanswered and waiter not in self._unconfirmed:
+            clean = waiter not in self._unanswered and waiter not in self._unconfirmed
+            if clean:
                 value = self._watched_value(op, k)
                 if value is not _MISSING:
                     self.stats.watch_answers += 1
@@ -389,7 +390,7 @@ class LinkUpstream:
                     return None
             first = self._seen.get(k)
             if self._churn.get(k, 0) < MAX_CHURN:
-                if first is not None and (first[0] is not waiter or first[1] == op):
+                if clean and first is not None and (first[0] is not waiter or first[1] == op):
                     req = (_WATCH, req, None)  # type: ignore[assignment]
                 elif op == Op.WAIT:  # (torch's get() is a WAIT, then a GET: fetch the value)
                     req = (_FETCH, req, None)  # type: ignore[assignment]
@@ -405,22 +406,25 @@ class LinkUpstream:
     def submit_watching(self, req: Request, waiter: Waiter, watcher: tuple[object, int], ns: bytes,
                         watch_absent: bool = True) -> bytes | None:
         """A WATCH from a front-end linked to this one (``watcher``: its session and
-        watch id; ``watch_absent=False``: a WAIT of its WATCHES entry): answered from
-        this one's watch when it can, else sent upstream alike. The front-end below is
-        told of every invalidation of the key from now on (even before the answer: so
-        it may let WAITs join its own)."""
+        watch id): answered from this one's watch when it can, else sent upstream
+        alike. A WAIT of its WATCHES entry (``watch_absent=False``, a WAIT that
+        fetches) always goes upstream, joining nothing: its client may have writes
+        still on their way (an agent's SET of its role record, just before), which
+        must execute first. The front-end below is told of every invalidation of the
+        key from now on (even before the answer: so it may let WAITs join its own)."""
         if self.dead is not None:
             raise StoreError(self.dead)
         op = req[0]
         k = (ns, req[1] if op == Op.GET else req[1][0])
         self.stats.requests += 1
-        value = self._watched_value(op, k)
-        if value is not _MISSING:
-            self.stats.watch_answers += 1
-            self._downstream.setdefault(k, []).append(watcher)
-            return encode_watch_state(True, value) + _answer_from(op, value)  # type: ignore[arg-type]
-        if op == Op.WAIT and self._join_wait(k, waiter, watcher):
-            return None
+        if watch_absent:  # (a WATCH is sent only for a client with nothing outstanding)
+            value = self._watched_value(op, k)
+            if value is not _MISSING:
+                self.stats.watch_answers += 1
+                self._downstream.setdefault(k, []).append(watcher)
+                return encode_watch_state(True, value) + _answer_from(op, value)  # type: ignore[arg-type]
+            if op == Op.WAIT and self._join_wait(k, waiter, watcher):
+                return None
         self._enqueue(waiter, ns, (_WATCH if watch_absent else _FETCH, req, watcher))  # type: ignore[arg-type]
         return None
 
