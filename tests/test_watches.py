@@ -162,6 +162,40 @@ def test_a_first_wait_fetches_its_key_and_its_first_write_starts_no_round():
     run(main())
 
 
+def test_a_fetch_after_a_write_of_its_own_is_answered_by_the_core_only():
+    """A client whose write is still on its way up fetches in a FETCHES entry: a stacked
+    proxy that watches the key passes it on instead of answering it from its watch (the
+    write must execute first); a client with nothing outstanding is answered there."""
+    async def main():
+        core = StoreCore()
+        core.execute((Op.SET, b"/k", b"old"), None)
+        middle, _ = await linked(core)
+        leaf, _ = await linked(middle)
+        await watched(middle.view(), (Op.GET, b"/k"))  # the middle watches /k
+        operations = core.operations
+        writer = Client()
+        leaf.view().execute((Op.SET, b"/k", b"new"), writer)  # no answer: on its way
+        ask(leaf.view(), (Op.WAIT, (b"/k",)), writer)
+        await settle()
+        ask(leaf.view(), (Op.GET, b"/k"), writer)
+        await settle()
+        assert writer.replies == [STOP_WAITING, value(b"new")]
+        assert core.operations == operations + 2  # the SET and the fetch; the GET on the leaf
+        reader = Client()  # nothing outstanding: the middle answers its fetch
+        operations = core.operations
+        ask(middle.view(), (Op.GET, b"/k"), Client())
+        await settle()
+        assert core.operations == operations  # the middle's watch, renewed after the change
+        leaf2, _ = await linked(middle)
+        ask(leaf2.view(), (Op.WAIT, (b"/k",)), reader)
+        await settle()
+        ask(leaf2.view(), (Op.GET, b"/k"), reader)
+        await settle()
+        assert reader.replies == [STOP_WAITING, value(b"new")] and core.operations == operations
+
+    run(main())
+
+
 def test_a_change_is_not_revealed_before_the_watchers_dropped_what_they_saw():
     """The writer's own next answer (and anyone's) waits until every front-end watching
     the key confirmed the invalidation; meanwhile the watchers answer nothing stale."""

@@ -29,7 +29,7 @@ from ..protocol.replies import (
     encode_queue_pop,
     encode_u32,
 )
-from .watch_state import encode_watch_state
+from .watch_state import WATCH_READ, encode_watch_state
 
 
 class Waiter(Protocol):
@@ -127,14 +127,14 @@ class StoreCore:
         return self._handlers[req[0]](req, waiter)
 
     def execute_watching(self, req: Request, waiter: Waiter, watcher: object,
-                         watch_absent: bool = True) -> bytes | None:
+                         how: int = WATCH_READ) -> bytes | None:
         """Run a one-key CHECK, GET or WAIT and watch its key for ``watcher``: answer
         its watch state (``watch_state.encode_watch_state``) followed by the reply, now,
         or (a WAIT on a missing key) through ``waiter.wake`` once the key is there.
         Until the key next changes (``on_watches_broken`` gets the watcher), the watcher
         may answer reads of it from that state; a WAIT that blocks watches its key as
         absent meanwhile (a change breaks that watch first, then wakes it, which
-        watches the key anew), unless ``watch_absent`` is False: then it is watched only
+        watches the key anew), unless ``how`` is a FETCH: then it is watched only
         once it is woken (its watcher lets no other WAIT join it meanwhile, so its key's
         first write starts no invalidation round for it). A queue's key is not watched.
         O(1) more than the request."""
@@ -144,7 +144,7 @@ class StoreCore:
         if op == Op.WAIT and not self._present(key):
             self._wait(req, waiter)
             self._watch_on_wake[waiter] = (key, watcher)
-            if watch_absent and key not in self._queues:  # watched as absent while it waits
+            if how == WATCH_READ and key not in self._queues:  # watched as absent while it waits
                 self._watched.setdefault(key, []).append(watcher)
             return None
         reply = self._handlers[op](req, waiter)

@@ -10,6 +10,14 @@ from __future__ import annotations
 import struct
 
 ABSENT, VALUE, UNWATCHABLE = b"\x00", b"\x01", b"\x02"
+
+#: How a read watches its key (a link carries each as its own entry kind):
+#: WATCH_READ: watched now (a WAIT on a missing key as absent, while it waits: later
+#: WAITs may join it); FETCH: a WAIT watched only once its key is there, of a client
+#: with nothing outstanding (a front-end above may answer it from its own watch);
+#: FETCH_AFTER_WRITES: the same, of a client with writes on their way up, which must
+#: execute first (only the core answers it).
+WATCH_READ, FETCH, FETCH_AFTER_WRITES = range(3)
 _u64 = struct.Struct("<Q")
 
 

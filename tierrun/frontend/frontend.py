@@ -29,10 +29,10 @@ class Upstream(Protocol):
     def forget(self, waiter: Waiter) -> None:
         """The waiter's connection closed: drop whatever it was waiting for."""
 
-    def execute_watching(self, req: Request, waiter: Waiter, watcher: object,
-                         watch_absent: bool = True) -> bytes | None:
-        """A one-key CHECK, GET or WAIT that also watches its key (a link's WATCH entry;
-        a WAIT of a WATCHES entry with ``watch_absent=False``): see
+    def execute_watching(self, req: Request, waiter: Waiter, watcher: object, how: int = 0) -> bytes | None:
+        """A one-key CHECK, GET or WAIT that also watches its key, ``how``: one of
+        ``core.watch_state``'s WATCH_READ (0, a link's WATCH entry), FETCH (a WAIT of a
+        WATCHES entry), FETCH_AFTER_WRITES (of a FETCHES entry): see
         ``StoreCore.execute_watching``."""
 
 

@@ -35,7 +35,8 @@ node; such a WAIT watches its key only once it is there (nothing joins it), so t
 write that releases it costs no invalidation round. Answers from watches (and joins)
 only for a client with nothing outstanding: every earlier request of it answered, none
 since without an answer (a SET), so its own writes are executed (and their
-invalidations in) first. A key invalidated ``MAX_CHURN`` times is not watched again
+invalidations in) first; such a client's reads are sent plain, its WAITs fetch in a
+FETCHES entry, which no front-end on the way answers from its watches. A key invalidated ``MAX_CHURN`` times is not watched again
 (it changes too often).
 
 Every request of a namespace travels under one link client id (opened once per session:
@@ -58,14 +59,14 @@ from collections.abc import Callable
 from time import monotonic
 
 from ..core import StoreError, Waiter
-from ..core.watch_state import decode_watch_answer, encode_watch_state
+from ..core.watch_state import FETCH, FETCH_AFTER_WRITES, WATCH_READ, decode_watch_answer, encode_watch_state
 from ..link import auth
 from ..link.config import LinkConfig
 from ..link.frames import (
-    ACK, DEFAULT_MAX_FRAME, ERROR, HANDSHAKE_MAX_FRAME, HELLO, INVALIDATE, INVALIDATED, LINK_MAGIC, OK, PONG, REPLIES,
-    RESUMED, SESSION_ID_BYTES, WAITS, WATCH_LEASE, WATCHES, WELCOME, FrameDecoder, LinkError, decode_count,
-    decode_invalidate, decode_pong, decode_replies, encode_batch, encode_count, encode_session, entry_cancel, entry_open,
-    entry_request, entry_waits, entry_watch,
+    ACK, DEFAULT_MAX_FRAME, ERROR, FETCHES, HANDSHAKE_MAX_FRAME, HELLO, INVALIDATE, INVALIDATED, LINK_MAGIC, OK, PONG,
+    REPLIES, RESUMED, SESSION_ID_BYTES, WAITS, WATCH_LEASE, WATCHES, WELCOME, FrameDecoder, LinkError, decode_count,
+    decode_invalidate, decode_pong, decode_replies, encode_batch, encode_count, encode_session, entry_cancel,
+    entry_open, entry_request, entry_waits, entry_watch,
 )
 from ..link.outbox import Outbox
 from ..link.reply_gate import break_watches
@@ -90,6 +91,7 @@ MAX_WATCHES = 16384
 MAX_CHURN = 4
 _WATCH = -1  # a pending request ``(_WATCH, request, watcher or None)``: send it as a WATCH
 _FETCH = -2  # ``(_FETCH, WAIT request, watcher or None)``: send it in a WATCHES entry
+_FETCH_AFTER_WRITES = -3  # the same, in a FETCHES entry (its client has writes on their way)
 _MISSING = object()
 
 
@@ -122,7 +124,7 @@ class _Upstream:
         #: A WATCH: per waiter, the downstream watcher it answers for (None: a local
         #: client, answered with the request's own answer, not the watch state).
         self.watchers: list[tuple[object, int] | None] | None = None
-        self.fetch = False  # a WAIT that fetches: sent in a WATCHES entry, joined by nothing
+        self.fetch = 0  # a WAIT that fetches: the entry kind it goes in (WATCHES, FETCHES); joined by nothing
 
 
 class _Fold:
@@ -393,7 +395,7 @@ class LinkUpstream:
                 if clean and first is not None and (first[0] is not waiter or first[1] == op):
                     req = (_WATCH, req, None)  # type: ignore[assignment]
                 elif op == Op.WAIT:  # (torch's get() is a WAIT, then a GET: fetch the value)
-                    req = (_FETCH, req, None)  # type: ignore[assignment]
+                    req = (_FETCH if clean else _FETCH_AFTER_WRITES, req, None)  # type: ignore[assignment]
         self._enqueue(waiter, ns, req)
         if op in NO_REPLY_OPS:
             self._unconfirmed.add(waiter)
@@ -404,20 +406,20 @@ class LinkUpstream:
         return None
 
     def submit_watching(self, req: Request, waiter: Waiter, watcher: tuple[object, int], ns: bytes,
-                        watch_absent: bool = True) -> bytes | None:
-        """A WATCH from a front-end linked to this one (``watcher``: its session and
-        watch id): answered from this one's watch when it can, else sent upstream
-        alike. A WAIT of its WATCHES entry (``watch_absent=False``, a WAIT that
-        fetches) always goes upstream, joining nothing: its client may have writes
-        still on their way (an agent's SET of its role record, just before), which
-        must execute first. The front-end below is told of every invalidation of the
-        key from now on (even before the answer: so it may let WAITs join its own)."""
+                        how: int = WATCH_READ) -> bytes | None:
+        """A watching read from a front-end linked to this one (``watcher``: its session
+        and watch id; ``how``: its entry's kind, see ``core.watch_state``): answered from
+        this one's watch when it can, else sent upstream alike. A FETCH_AFTER_WRITES
+        always goes upstream, joining nothing: its client has writes on their way (an
+        agent's SET of its role record, just before), which must execute first. The
+        front-end below is told of every invalidation of the key from now on (even
+        before the answer: so it may let WAITs join its own)."""
         if self.dead is not None:
             raise StoreError(self.dead)
         op = req[0]
         k = (ns, req[1] if op == Op.GET else req[1][0])
         self.stats.requests += 1
-        if watch_absent:  # (a WATCH is sent only for a client with nothing outstanding)
+        if how != FETCH_AFTER_WRITES:  # (its client has nothing outstanding)
             value = self._watched_value(op, k)
             if value is not _MISSING:
                 self.stats.watch_answers += 1
@@ -425,7 +427,8 @@ class LinkUpstream:
                 return encode_watch_state(True, value) + _answer_from(op, value)  # type: ignore[arg-type]
             if op == Op.WAIT and self._join_wait(k, waiter, watcher):
                 return None
-        self._enqueue(waiter, ns, (_WATCH if watch_absent else _FETCH, req, watcher))  # type: ignore[arg-type]
+        marker = _WATCH if how == WATCH_READ else _FETCH if how == FETCH else _FETCH_AFTER_WRITES
+        self._enqueue(waiter, ns, (marker, req, watcher))  # type: ignore[arg-type]
         return None
 
     def _enqueue(self, waiter: Waiter, ns: bytes, req: Request) -> None:
@@ -562,17 +565,18 @@ class LinkUpstream:
             op = req[0]
             since = last_of.get(waiter, -1)  # this client's previous request
             last_of[waiter] = i
-            if op == _WATCH or op == _FETCH:  # a read that also watches its key: merged only with its like
+            if op < 0:  # a read that also watches its key: merged only with its like
                 inner, watcher = req[1], req[2]  # type: ignore[misc]
                 keys = _keys(inner)
                 touched(ns, keys, write=False)
                 k = (ns, keys[0])
                 last_touch[k] = i
-                if op == _FETCH and k not in seen:  # (a second WAIT on the key is a poll)
+                if op != _WATCH and k not in seen:  # (a second WAIT on the key is a poll)
                     if len(seen) >= MAX_WATCHES:
                         seen.clear()
                     seen[k] = (waiter, Op.WAIT)
-                dk = (ns, b"w" + encode_request(inner))
+                # (a fetch after writes answers nobody else, nor is it answered with another)
+                dk = (ns, (b"a" if op == _FETCH_AFTER_WRITES else b"w") + encode_request(inner))
                 same = open_reads.get(dk)
                 if same is not None and since < same.pos:
                     same.waiters.append(waiter)
@@ -583,13 +587,13 @@ class LinkUpstream:
                     else:
                         stats.merged_reads += 1
                     continue
-                f = folds.get((_FETCH, ns)) if op == _FETCH else None
+                f = folds.get((op, ns)) if op != _WATCH else None
                 folded = (f is not None and since < f.pos and last_write.get(k, -1) < f.pos
                           and len(f.members or ()) < MAX_FOLD)
                 u = _Upstream(inner, cid_of(ns), waiter, f.pos if folded else i)  # type: ignore[union-attr]
                 u.wkey = k
                 u.watchers = [watcher]
-                u.fetch = op == _FETCH
+                u.fetch = 0 if op == _WATCH else WATCHES if op == _FETCH else FETCHES
                 if inner[0] == Op.WAIT:
                     u.group = True
                     self._wait_of[waiter] = u
@@ -605,7 +609,7 @@ class LinkUpstream:
                     stats.folded_waits += 1
                     continue
                 if u.fetch:
-                    folds[(_FETCH, ns)] = u
+                    folds[(op, ns)] = u
                 ops.append(u)
                 continue
             keys = _keys(req)
@@ -728,7 +732,7 @@ class LinkUpstream:
                 for m in members:
                     m.rid = self._new_id()
                     self._inflight[m.rid] = m
-                kind = WATCHES if u.fetch else WAITS
+                kind = u.fetch or WAITS
                 entries.append(entry_waits(u.cid, u.rid, [u.req[1][0]] + [m.req[1][0] for m in members], kind))
                 sent += len(members)
                 if u.fetch:
@@ -917,8 +921,8 @@ class LinkView:
         return self._link.submit(req, waiter, self._ns)
 
     def execute_watching(self, req: Request, waiter: Waiter, watcher: tuple[object, int],
-                         watch_absent: bool = True) -> bytes | None:
-        return self._link.submit_watching(req, waiter, watcher, self._ns, watch_absent)
+                         how: int = WATCH_READ) -> bytes | None:
+        return self._link.submit_watching(req, waiter, watcher, self._ns, how)
 
     def forget(self, waiter: Waiter) -> None:
         self._link.forget(waiter, self._ns)

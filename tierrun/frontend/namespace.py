@@ -43,12 +43,11 @@ class NamespacedUpstream:
             return encode_i64(sum(1 for k in self._core.keys() if k.startswith(p)))
         return self._core.execute(req, waiter)
 
-    def execute_watching(self, req: Request, waiter: Waiter, watcher: object,
-                         watch_absent: bool = True) -> bytes | None:
+    def execute_watching(self, req: Request, waiter: Waiter, watcher: object, how: int = 0) -> bytes | None:
         op = req[0]
         p = self._prefix
         req = (op, p + req[1]) if op == Op.GET else (op, tuple(p + k for k in req[1]))
-        return self._core.execute_watching(req, waiter, watcher, watch_absent)
+        return self._core.execute_watching(req, waiter, watcher, how)
 
     def forget(self, waiter: Waiter) -> None:
         self._core.forget(waiter)

@@ -18,6 +18,10 @@
                                       (n one-key WAITs that fetch, as WAITS: each is
                                       answered like a WATCH of it, but its key is
                                       watched only once it is there: see below)
+               | u8 FETCHES | u32 client | u64 rid | u32 n | n x (u32 len | key)
+                                      (the same, for clients with writes on their way:
+                                      a front-end passing it on answers none from its
+                                      own watches)
       A client is a namespace seen through the link, not a torch connection: a
       front-end opens one per namespace and sends every request in it under that id.
       Any number of its requests may be outstanding; a WAIT or BARRIER waits alone
@@ -63,7 +67,7 @@ VERSION = 5  # 2: sessions, resumption, heartbeats; 3: a client per namespace, C
 # 5: WATCHES
 
 HELLO, AUTH, WELCOME, ERROR, BATCH, REPLIES, SESSION, RESUMED, ACK, PONG, INVALIDATE, INVALIDATED = range(1, 13)
-OPEN, REQUEST, CANCEL, WAITS, WATCH, WATCHES = range(6)
+OPEN, REQUEST, CANCEL, WAITS, WATCH, WATCHES, FETCHES = range(7)
 #: A front-end answers from a watch only this long (seconds) after sending an ACK that
 #: the core answered with a PONG; the core, holding its answers for a front-end that
 #: does not confirm an invalidation, waits this long past that ACK's arrival, plus
@@ -164,12 +168,12 @@ def entry_cancel(client: int, rid: int) -> bytes:
 
 
 def entry_waits(client: int, rid: int, keys: list[bytes], kind: int = WAITS) -> bytes:
-    """A WAITS entry, or (``kind=WATCHES``) a WATCHES entry."""
+    """A WAITS entry, or (``kind``) a WATCHES or FETCHES entry."""
     return _waits.pack(kind, client, rid, len(keys)) + b"".join([_u32.pack(len(k)) + k for k in keys])
 
 
 def decode_keys(data: bytes, max_keys: int, max_key_bytes: int) -> list[bytes]:
-    """The keys of a WAITS or WATCHES entry (its ``data``, count first). O(len(data)); raises
+    """The keys of a WAITS, WATCHES or FETCHES entry (its ``data``, count first). O(len(data)); raises
     LinkError past the limits or on a malformed list."""
     try:
         (n,) = _u32.unpack_from(data, 0)
@@ -213,7 +217,7 @@ def decode_batch(payload: bytes) -> list[Entry]:
                 _, client, rid = _cancel.unpack_from(payload, pos)
                 pos += _CANCEL_SIZE
                 out.append((CANCEL, client, rid, b""))
-            elif kind == WAITS or kind == WATCHES:  # (data: the key count and the keys, for decode_keys)
+            elif kind == WAITS or kind == WATCHES or kind == FETCHES:  # (data: the key count and the keys)
                 start = pos + 13
                 _, client, rid, n = _waits.unpack_from(payload, pos)
                 pos = start + 4

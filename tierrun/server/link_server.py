@@ -29,14 +29,15 @@ from collections.abc import Callable
 from time import monotonic
 
 from ..core import StoreCore, StoreError
+from ..core.watch_state import FETCH, FETCH_AFTER_WRITES
 from ..frontend import Upstream
 from ..frontend.namespace import NamespacedUpstream
 from ..link import auth
 from ..link.config import LinkConfig
 from ..link.frames import (
     ACK, AUTH, BATCH, CANCEL, DEFAULT_MAX_FRAME, ERROR, FAILED, HANDSHAKE_MAX_FRAME, INVALIDATED, LINK_MAGIC, OK,
-    OPEN, REQUEST, RESUMED, SESSION, WAITS, WATCH, WATCH_LEASE, WATCHES, FrameDecoder, LinkError, decode_batch,
-    decode_count, decode_keys, decode_session, encode_count, encode_pong, encode_replies,
+    FETCHES, OPEN, REQUEST, RESUMED, SESSION, WAITS, WATCH, WATCH_LEASE, WATCHES, FrameDecoder, LinkError,
+    decode_batch, decode_count, decode_keys, decode_session, encode_count, encode_pong, encode_replies,
 )
 from ..link.outbox import Outbox
 from ..link.reply_gate import ReplyGate
@@ -191,16 +192,17 @@ class Session:
                         replies.append((r, OK, reply))
                     else:
                         client.tickets[r] = ticket
-            elif kind == WATCHES:  # (WAITs that fetch: their keys are watched once there)
+            elif kind == WATCHES or kind == FETCHES:  # (WAITs that fetch: their keys are watched once there)
                 client = clients.get(cid)
                 if client is None:
                     raise LinkError(f"request for unknown client {cid}")
                 keys = decode_keys(data, _LIMITS.max_keys_per_request, _LIMITS.max_key_bytes)
                 stats.operations += len(keys)
+                how = FETCH if kind == WATCHES else FETCH_AFTER_WRITES
                 for r, key in enumerate(keys, rid):
                     ticket = Ticket(client, r)
                     try:
-                        reply = client.upstream.execute_watching((Op.WAIT, (key,)), ticket, (self, r), False)
+                        reply = client.upstream.execute_watching((Op.WAIT, (key,)), ticket, (self, r), how)
                     except StoreError as err:
                         replies.append((r, FAILED, str(err).encode()))
                         continue
