@@ -33,6 +33,14 @@ async def watched(view, req):
         await settle()
 
 
+async def answer(view, req):
+    """What a new client asking ``req`` gets (from a watch, or once the loop settled)."""
+    client = Client()
+    ask(view, req, client)
+    await settle()
+    return client.replies
+
+
 def ask(view, req, client):
     """Send ``req`` as ``client``; an answer given at once (from a watch) is recorded too."""
     reply = view.execute(req, client)
@@ -154,10 +162,7 @@ def test_a_first_wait_fetches_its_key_and_its_first_write_starts_no_round():
         await settle()
         assert core.operations == operations + 1 and gate_of(core).rounds == 1
         assert leaf.stats.invalidations == 1
-        c = Client()
-        ask(leaf.view(), (Op.GET, b"/rank/0"), c)
-        await settle()
-        assert c.replies == [value(b"c")]
+        assert await answer(leaf.view(), (Op.GET, b"/rank/0")) == [value(b"c")]
 
     run(main())
 
@@ -220,10 +225,7 @@ def test_a_change_is_not_revealed_before_the_watchers_dropped_what_they_saw():
         original(confirmations.pop())
         await settle()
         assert w.replies == [value(b"")] and direct.replies == [value(b"new")]
-        reader = Client()
-        ask(watcher.view(), (Op.GET, b"/k"), reader)
-        await settle()
-        assert reader.replies == [value(b"new")]
+        assert await answer(watcher.view(), (Op.GET, b"/k")) == [value(b"new")]
 
     run(main())
 
@@ -295,10 +297,7 @@ def test_stacked_front_ends_answer_from_the_middle_and_pass_invalidations_down()
         assert w.replies == [CHECK_READY]
         for leaf, _ in leaves:
             assert leaf.stats.invalidations == 1
-            c = Client()
-            ask(leaf.view(), (Op.GET, b"/uid"), c)
-            await settle()
-            assert c.replies == [value(b"b")]
+            assert await answer(leaf.view(), (Op.GET, b"/uid")) == [value(b"b")]
 
     run(main())
 

@@ -29,7 +29,7 @@ from collections.abc import Callable
 from time import monotonic
 
 from ..core import StoreCore, StoreError
-from ..core.watch_state import FETCH, FETCH_AFTER_WRITES
+from ..core.watch_state import FETCH, FETCH_AFTER_WRITES, WATCH_READ
 from ..frontend import Upstream
 from ..frontend.namespace import NamespacedUpstream
 from ..link import auth
@@ -41,7 +41,7 @@ from ..link.frames import (
 )
 from ..link.outbox import Outbox
 from ..link.reply_gate import ReplyGate
-from ..protocol import Op, ProtocolError
+from ..protocol import Op, ProtocolError, Request
 from ..protocol.limits import Limits
 from ..protocol.parser import decode_request
 from ..protocol.opcodes import NO_REPLY_OPS, WAITING_OPS, WATCHABLE_OPS
@@ -165,16 +165,7 @@ class Session:
                 if req[0] not in WATCHABLE_OPS or (req[0] != Op.GET and len(req[1]) != 1):
                     raise LinkError(f"{Op(req[0]).name} cannot watch (only one-key CHECK, GET, WAIT)")
                 stats.operations += 1
-                ticket = Ticket(client, rid)
-                try:
-                    reply = client.upstream.execute_watching(req, ticket, (self, rid))
-                except StoreError as err:
-                    replies.append((rid, FAILED, str(err).encode()))
-                    continue
-                if reply is not None:
-                    replies.append((rid, OK, reply))
-                else:
-                    client.tickets[rid] = ticket
+                self._execute_watching(client, rid, req, WATCH_READ, replies)
             elif kind == OPEN:
                 if cid in clients:
                     raise LinkError(f"client {cid} opened twice")
@@ -200,16 +191,7 @@ class Session:
                 stats.operations += len(keys)
                 how = FETCH if kind == WATCHES else FETCH_AFTER_WRITES
                 for r, key in enumerate(keys, rid):
-                    ticket = Ticket(client, r)
-                    try:
-                        reply = client.upstream.execute_watching((Op.WAIT, (key,)), ticket, (self, r), how)
-                    except StoreError as err:
-                        replies.append((r, FAILED, str(err).encode()))
-                        continue
-                    if reply is not None:
-                        replies.append((r, OK, reply))
-                    else:
-                        client.tickets[r] = ticket
+                    self._execute_watching(client, r, (Op.WAIT, (key,)), how, replies)
             elif kind == CANCEL:
                 client = clients.get(cid)
                 ticket = None if client is None else client.tickets.pop(rid, None)
@@ -218,6 +200,21 @@ class Session:
         if replies and not self._flush_due:  # with the loop iteration's other answers: one frame
             self._flush_due = True
             self._loop.call_soon(self._flush_wakes)
+
+    def _execute_watching(self, client: RemoteClient, rid: int, req: Request, how: int,
+                          replies: list[tuple[int, int, bytes]]) -> None:
+        """A read that watches its key (``how``: see ``core.watch_state``): its answer (or
+        error) goes to ``replies``, or its ticket waits for the answer."""
+        ticket = Ticket(client, rid)
+        try:
+            reply = client.upstream.execute_watching(req, ticket, (self, rid), how)
+        except StoreError as err:
+            replies.append((rid, FAILED, str(err).encode()))
+            return
+        if reply is not None:
+            replies.append((rid, OK, reply))
+        else:
+            client.tickets[rid] = ticket
 
     def send(self, data: bytes) -> None:
         """Number, keep and (if connected) write one REPLIES frame."""
