@@ -2,10 +2,11 @@
 their batches.
 
 A batch is executed atomically and in order (the core is single-threaded and the whole
-batch runs in one callback). The answers a link's batches get during one loop
-iteration, and its deferred answers (WAIT, BARRIER) woken meanwhile, leave together:
-one REPLIES frame (one write) per link, however many batches arrived in one read and
-however many waiters a write released.
+batch runs in one callback). The answers of the batches of one read leave in one
+REPLIES frame (one write) at the end of that read, with any deferred answers (WAIT,
+BARRIER) of the link woken meanwhile; deferred answers woken by other links' batches
+leave together at the end of the loop iteration: one frame per link, however many
+waiters a write released.
 
 Watches (a WATCH entry: ``StoreCore.execute_watching``) are handed out per session;
 when a watched key changes, the :class:`ReplyGate` runs an invalidation round before
@@ -197,9 +198,6 @@ class Session:
                 ticket = None if client is None else client.tickets.pop(rid, None)
                 if ticket is not None:
                     client.upstream.forget(ticket)  # type: ignore[union-attr]
-        if replies and not self._flush_due:  # with the loop iteration's other answers: one frame
-            self._flush_due = True
-            self._loop.call_soon(self._flush_wakes)
 
     def _execute_watching(self, client: RemoteClient, rid: int, req: Request, how: int,
                           replies: list[tuple[int, int, bytes]]) -> None:
@@ -461,6 +459,9 @@ class LinkServerConnection(asyncio.Protocol):
                     self._session = self._server.attach(self, *decode_session(payload))
                 else:
                     raise LinkError(f"unexpected frame type {ftype}")
+            session = self._session
+            if session is not None and session._wakes:  # every answer of this read: one frame
+                session.flush_answers()
         except (LinkError, ProtocolError) as e:
             log.warning("closing link from %s: %s", self.peer, e)
             assert self._transport is not None
