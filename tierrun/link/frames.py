@@ -236,7 +236,7 @@ def decode_batch(payload: bytes) -> list[Entry]:
 def encode_replies(replies: list[tuple[int, int, bytes]]) -> bytes:
     return frame(
         REPLIES,
-        _u32.pack(len(replies)) + b"".join(_reply.pack(rid, st, len(b)) + b for rid, st, b in replies),
+        _u32.pack(len(replies)) + b"".join([_reply.pack(rid, st, len(b)) + b for rid, st, b in replies]),
     )
 
 
