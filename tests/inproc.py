@@ -116,7 +116,8 @@ async def linked(upstream, config=None, delay=0):
         server = LinkServer(lambda ns: upstream.view(ns.decode()), b"tok", lease=upstream.lease_left,
                             gate=gate_of(upstream))
     else:
-        server = LinkServer(core_upstreams(upstream), b"tok", gate=gate_of(upstream))
+        server = LinkServer(core_upstreams(upstream), b"tok", gate=gate_of(upstream),
+                            drop_watches=upstream.drop_watches_of)
     link = LinkUpstream(b"tok", on_lost=lambda reason: None, config=config)
     conn = link.connection()
     server_end = server.accept("test")

@@ -317,6 +317,24 @@ def test_histories_of_folded_sets_and_gets_are_linearizable():
     assert watched[0] > 20 and watched[1] >= 3 and watched[2] > 20, watched
 
 
+def test_histories_whose_watches_are_broken_for_room_are_linearizable(monkeypatch):
+    """The same crowded histories with a store host that keeps one watch per link
+    session: every new watch breaks the session's older one (an invalidation round, as
+    for a change of its key), at any point of any batch."""
+    import tierrun.core.store as store
+
+    monkeypatch.setattr(store, "MAX_WATCHES_PER_OWNER", 1)
+    invalidations = 0
+    for seed in range(2000, 2300):
+        rnd = random.Random(seed)
+        vocabulary = [rnd.choice(FOLDING_VOCABULARY) for _ in range(6)]
+        scripts = [[rnd.choice(vocabulary) for _ in range(rnd.randint(2, 5))] for _ in range(6)]
+        where = [rnd.choice([0, 1, 1, 3]) for _ in range(6)]
+        schedule = [(rnd.sample(range(6), 6), rnd.choice([0, 0, 1])) for _ in range(8)]
+        invalidations += sum(s.invalidations for s in check_history(scripts, where, schedule))
+    assert invalidations > 500, invalidations  # (about 2.5x what key changes alone cause)
+
+
 def check_history(scripts, where, schedule) -> list:
     """Run and check one history; returns the front-ends' coalescing statistics."""
     core, clients, calls, links = asyncio.run(run_history(scripts, where, schedule))

@@ -444,6 +444,96 @@ def test_one_multi_set_of_many_watched_keys_is_one_invalidation_round():
     assert rounds == [[0, 1, 2, 3, 4]]
 
 
+def test_an_owner_past_its_watch_limit_has_its_older_half_broken():
+    """Sans I/O. Watchers (owner, id) count against their owner (a link session): past
+    the limit, its older half is broken as if their keys had changed, so a finished
+    round's keys, which never change again, cannot pile up per node at the store host.
+    Other owners' watches, and watchers that are not pairs, are not touched."""
+    core = StoreCore()
+    core.max_watches_per_owner = 4
+    broken = []
+    core.on_watches_broken = lambda watchers: broken.append(list(watchers))
+    keys = [f"/k{i}".encode() for i in range(5)]
+    core.execute_watching((Op.GET, keys[0]), Client(), ("T", 0))
+    core.execute_watching((Op.GET, keys[0]), Client(), "plain")
+    for i, k in enumerate(keys):
+        core.execute_watching((Op.GET, k), Client(), ("S", i))
+    assert broken == [[("S", 0), ("S", 1)]]
+    assert core.num_watches == 3 + 2
+    core.execute((Op.SET, keys[0], b"1"), None)  # only the other owner's and the plain watch
+    core.execute((Op.SET, keys[1], b"1"), None)  # nobody's now
+    assert broken[1:] == [[("T", 0), "plain"]]
+    core.execute((Op.SET, keys[4], b"1"), None)
+    assert broken[2:] == [[("S", 4)]]
+    for i in range(5, 7):  # S holds 2 (k2, k3): 2 more, no eviction yet
+        core.execute_watching((Op.GET, f"/k{i}".encode()), Client(), ("S", i))
+    assert len(broken) == 3
+    waiter = Client()  # a WAIT watching its missing key counts too; woken, it watches anew
+    core.execute_watching((Op.WAIT, (b"/late",)), waiter, ("S", 9))
+    assert broken[3:] == [[("S", 2), ("S", 3)]]
+    core.execute((Op.SET, b"/late", b"v"), None)
+    assert broken[4:] == [[("S", 9)]] and waiter.replies == [encode_watch_state(True, b"v") + STOP_WAITING]
+    assert core.num_watches == 3  # /k5, /k6 and /late, all S's
+
+
+def test_a_session_that_ends_leaves_no_watches_at_the_store_host():
+    """Sans I/O, then through a link: the watches of a link session are dropped when the
+    session ends (no round: nobody answers from them any more)."""
+    core = StoreCore()
+    broken = []
+    core.on_watches_broken = lambda watchers: broken.append(list(watchers))
+    for i in range(3):
+        core.execute_watching((Op.GET, f"/k{i}".encode()), Client(), ("S", i))
+    core.execute_watching((Op.GET, b"/k0"), Client(), ("T", 0))
+    core.drop_watches_of("S")
+    assert core.num_watches == 1
+    core.execute((Op.SET, b"/k1", b"1"), None)
+    core.execute((Op.SET, b"/k0", b"1"), None)
+    assert broken == [[("T", 0)]]
+
+    async def main():
+        core = StoreCore()
+        link, _ = await linked(core)
+        for i in range(3):
+            await watched(link.view(), (Op.GET, f"/k{i}".encode()))
+        assert core.num_watches == 3
+        link.close()
+        await settle()
+        assert core.num_watches == 0
+
+    run(main())
+
+
+def test_a_front_end_whose_old_watches_are_broken_reads_again_and_sees_changes():
+    """Through a link, with a limit of 4 watches per session: watching a 5th key breaks
+    the front-end's 2 oldest (it forgets them and confirms); a later change of one of
+    them (no round for it) is seen by the next read there, which goes to the core again."""
+    async def main():
+        core = StoreCore()
+        core.max_watches_per_owner = 4
+        link, stats = await linked(core)
+        view = link.view()
+        keys = [f"/k{i}".encode() for i in range(5)]
+        for k in keys:
+            core.execute((Op.SET, k, b"old"), None)
+        for k in keys:
+            await watched(view, (Op.GET, k))
+        await settle()
+        assert link.stats.invalidations == 2 and core.num_watches == 3
+        rounds = gate_of(core).rounds
+        core.execute((Op.SET, keys[0], b"new"), None)
+        core.execute((Op.SET, keys[4], b"new"), None)
+        await settle()
+        assert gate_of(core).rounds == rounds + 1  # keys[4] only
+        before = stats.operations
+        assert await answer(view, (Op.GET, keys[0])) == [value(b"new")]
+        assert await answer(view, (Op.GET, keys[4])) == [value(b"new")]
+        assert await answer(view, (Op.GET, keys[3])) == [value(b"old")]  # still watched
+        assert stats.operations == before + 2
+
+    run(main())
+
+
 def test_watches_are_per_namespace():
     """Each rendezvous round's workers see their own namespace: a watch of a key in one
     is not answered for, nor broken by, the same key in another."""

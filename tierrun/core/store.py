@@ -12,6 +12,7 @@ from __future__ import annotations
 import re
 from collections import deque
 from collections.abc import Callable
+from itertools import islice
 from typing import Protocol
 
 from ..protocol import Op, Request
@@ -42,6 +43,13 @@ class Waiter(Protocol):
 #: Called with the watchers of a key that just changed, before anyone waiting on the
 #: key is woken: they must stop answering from what they saw (see ``execute_watching``).
 WatchesBroken = Callable[[list[object]], None]
+
+#: A watcher that is a pair ``(owner, id)`` (a link session and its watch id) counts
+#: against its owner: past this many standing watches, the owner's older half is
+#: broken like watches of changed keys (its front-end forgets them and watches anew
+#: on its next polls). So the keys of finished rounds, which never change again, do
+#: not pile up per node at the store host: at most this many registrations per owner.
+MAX_WATCHES_PER_OWNER = 8192
 
 
 class StoreError(Exception):
@@ -93,7 +101,11 @@ class StoreCore:
         # waiter -> [number of keys still missing, the keys it registered on]
         self._pending: dict[Waiter, list] = {}
         # key -> watchers who answer reads of it from what they saw (execute_watching)
-        self._watched: dict[bytes, list[object]] = {}
+        self._watched: dict[bytes, dict[object, None]] = {}
+        # owner -> its watchers (each on one key) and their keys, oldest first (see
+        # MAX_WATCHES_PER_OWNER)
+        self._owned: dict[object, dict[object, bytes]] = {}
+        self.max_watches_per_owner = MAX_WATCHES_PER_OWNER
         # a blocked watching WAIT's waiter -> (its key, its watcher): watched once woken
         self._watch_on_wake: dict[Waiter, tuple[bytes, object]] = {}
         #: Told of every change of a watched key (set by whoever hands out watches).
@@ -145,7 +157,7 @@ class StoreCore:
             self._wait(req, waiter)
             self._watch_on_wake[waiter] = (key, watcher)
             if how == WATCH_READ and key not in self._queues:  # watched as absent while it waits
-                self._watched.setdefault(key, []).append(watcher)
+                self._watch(key, watcher)
             return None
         reply = self._handlers[op](req, waiter)
         return self.watch_state(key, watcher) + reply  # type: ignore[operator]
@@ -154,11 +166,63 @@ class StoreCore:
         """Register ``watcher`` on ``key`` (unless it is a queue's): its state now."""
         if key in self._queues:
             return encode_watch_state(False, None)
-        self._watched.setdefault(key, []).append(watcher)
+        self._watch(key, watcher)
         return encode_watch_state(True, self._data.get(key))
 
+    def _watch(self, key: bytes, watcher: object) -> None:
+        """Register ``watcher`` on ``key``. O(1); past an owner's limit, O(limit) once
+        per limit / 2 registrations."""
+        self._watched.setdefault(key, {})[watcher] = None
+        if type(watcher) is tuple:
+            owned = self._owned.get(watcher[0])
+            if owned is None:
+                owned = self._owned[watcher[0]] = {}
+            owned[watcher] = key
+            if len(owned) > self.max_watches_per_owner:
+                self._evict(owned)
+
+    def _evict(self, owned: dict[object, bytes]) -> None:
+        """Break the older half of one owner's watches."""
+        watched = self._watched
+        evicted = []
+        for watcher, key in list(islice(owned.items(), len(owned) // 2)):
+            del owned[watcher]
+            watchers = watched.get(key)
+            if watchers is not None and watcher in watchers:
+                del watchers[watcher]
+                if not watchers:
+                    del watched[key]
+                evicted.append(watcher)
+        if evicted:
+            self.on_watches_broken(evicted)
+
+    def _disown(self, watchers: dict[object, None]) -> None:
+        """Their key changed: off their owners' lists. O(watchers)."""
+        owned_by = self._owned
+        for watcher in watchers:
+            if type(watcher) is tuple:
+                owned = owned_by.get(watcher[0])  # type: ignore[index]
+                if owned is not None:
+                    owned.pop(watcher, None)
+
     def _break_watches(self, key: bytes) -> None:
-        self.on_watches_broken(self._watched.pop(key))
+        watchers = self._watched.pop(key)
+        self._disown(watchers)
+        self.on_watches_broken(list(watchers))
+
+    def drop_watches_of(self, owner: object) -> None:
+        """``owner`` (a link session) is gone: drop its watches, without a round (it
+        answers nothing any more). O(its watches)."""
+        owned = self._owned.pop(owner, None)
+        if not owned:
+            return
+        watched = self._watched
+        for watcher, key in owned.items():
+            watchers = watched.get(key)
+            if watchers is not None:
+                watchers.pop(watcher, None)
+                if not watchers:
+                    del watched[key]
 
     @property
     def num_watches(self) -> int:
@@ -334,7 +398,9 @@ class StoreCore:
         for key, value in zip(req[1], req[2]):
             data[key] = value
             if key in watched:
-                broken += watched.pop(key)
+                watchers = watched.pop(key)
+                self._disown(watchers)
+                broken += watchers
         if broken:
             self.on_watches_broken(broken)
         for key in req[1]:

@@ -274,17 +274,20 @@ class LinkServer:
 
     def __init__(self, upstream_for: Callable[[bytes], Upstream], token: bytes | None,
                  config: LinkConfig | None = None, lease: Callable[[], float] = lambda: WATCH_LEASE,
-                 gate: ReplyGate | None = None) -> None:
+                 gate: ReplyGate | None = None,
+                 drop_watches: Callable[[Session], None] = lambda session: None) -> None:
         """``upstream_for(namespace)``: where a link client's requests go; ``lease()``:
         how long (seconds, at most WATCH_LEASE) a front-end may answer from its
         watches past the ACK being answered (a stacked front-end grants no longer
         than its own lease upstream still runs); ``gate``: the invalidation rounds of
-        the store (shared by every LinkServer of one core)."""
+        the store (shared by every LinkServer of one core); ``drop_watches(session)``:
+        called when a session ends, to free what its watches hold upstream."""
         self.upstream_for = upstream_for
         self.token = token
         self.config = config or LinkConfig()
         self.lease = lease
         self.gate = gate or ReplyGate()
+        self.drop_watches = drop_watches
         self.stats = LinkStats()
         self.sessions: dict[bytes, Session] = {}
         self.connections: set[LinkServerConnection] = set()
@@ -373,7 +376,8 @@ class LinkServer:
         if session.expiry is not None:
             session.expiry.cancel()
         session.drop_clients()
-        session.outbox.ack(session.outbox.sent)  # (watches of its keys may keep it a while)
+        self.drop_watches(session)
+        session.outbox.ack(session.outbox.sent)
         if session.conn is not None:
             session.conn.abort(reason)
 

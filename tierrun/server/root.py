@@ -33,7 +33,7 @@ async def serve_root(
     ``OSError`` if a bind fails.
     """
     core = StoreCore()
-    links = LinkServer(core_upstreams(core), token, link_config)
+    links = LinkServer(core_upstreams(core), token, link_config, drop_watches=core.drop_watches_of)
     core.on_watches_broken = break_watches
 
     def make_upstream(namespace: str) -> Upstream:
