@@ -474,6 +474,7 @@ def test_an_owner_past_its_watch_limit_has_its_older_half_broken():
     core.execute((Op.SET, b"/late", b"v"), None)
     assert broken[4:] == [[("S", 9)]] and waiter.replies == [encode_watch_state(True, b"v") + STOP_WAITING]
     assert core.num_watches == 3  # /k5, /k6 and /late, all S's
+    assert core.watches_evicted == 4
 
 
 def test_a_session_that_ends_leaves_no_watches_at_the_store_host():

@@ -106,6 +106,7 @@ class StoreCore:
         # MAX_WATCHES_PER_OWNER)
         self._owned: dict[object, dict[object, bytes]] = {}
         self.max_watches_per_owner = MAX_WATCHES_PER_OWNER
+        self.watches_evicted = 0  # broken for room, not because their key changed
         # a blocked watching WAIT's waiter -> (its key, its watcher): watched once woken
         self._watch_on_wake: dict[Waiter, tuple[bytes, object]] = {}
         #: Told of every change of a watched key (set by whoever hands out watches).
@@ -194,6 +195,7 @@ class StoreCore:
                     del watched[key]
                 evicted.append(watcher)
         if evicted:
+            self.watches_evicted += len(evicted)
             self.on_watches_broken(evicted)
 
     def _disown(self, watchers: dict[object, None]) -> None:

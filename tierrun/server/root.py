@@ -46,6 +46,7 @@ async def serve_root(
                 "links_accepted": st.links_accepted, "link_resumes": st.link_resumes,
                 "sessions_expired": st.sessions_expired, "link_batches": st.batches,
                 "link_operations": st.operations, "watches": core.num_watches,
+                "watches_evicted": core.watches_evicted,
                 "invalidation_rounds": links.gate.rounds, "invalidations_lapsed": links.gate.lapsed}
 
     pool = FrontEndPool(config.workers, links, config.frontend) if config.workers > 1 else None
