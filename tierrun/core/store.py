@@ -144,8 +144,9 @@ class StoreCore:
         """Run a one-key CHECK, GET or WAIT and watch its key for ``watcher``: answer
         its watch state (``watch_state.encode_watch_state``) followed by the reply, now,
         or (a WAIT on a missing key) through ``waiter.wake`` once the key is there.
-        Until the key next changes (``on_watches_broken`` gets the watcher), the watcher
-        may answer reads of it from that state; a WAIT that blocks watches its key as
+        Until the key next changes, or the watcher's owner has too many watches
+        (``MAX_WATCHES_PER_OWNER``; either way ``on_watches_broken`` gets the watcher),
+        the watcher may answer reads of it from that state; a WAIT that blocks watches its key as
         absent meanwhile (a change breaks that watch first, then wakes it, which
         watches the key anew), unless ``how`` is a FETCH: then it is watched only
         once it is woken (its watcher lets no other WAIT join it meanwhile, so its key's
