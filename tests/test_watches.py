@@ -4,6 +4,7 @@ can learn of the change. Driven in one event loop, links through in-memory pipes
 
 import asyncio
 import struct
+import time
 
 import pytest
 from inproc import Client, RootFrontEnd, gate_of, linked, settle, value
@@ -431,6 +432,12 @@ def test_a_node_proxy_answers_torchs_heartbeat_checks_without_the_store_host():
         assert all(r.check([DUMP.decode()]) for r in ranks)
         stats = root.stats()
         assert stats["invalidation_rounds"] == 1 and stats["invalidations_lapsed"] == 0
+        assert stats["watches"] >= 1  # (the ranks polled the key again: watched anew)
+        proxy.stop()  # its session ends: the store host drops its watches
+        deadline = time.monotonic() + 10
+        while root.stats()["watches"] and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert root.stats()["watches"] == 0
 
 
 def test_one_multi_set_of_many_watched_keys_is_one_invalidation_round():
