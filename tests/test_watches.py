@@ -440,6 +440,45 @@ def test_a_node_proxy_answers_torchs_heartbeat_checks_without_the_store_host():
         assert root.stats()["watches"] == 0
 
 
+def test_a_proxy_watching_more_keys_than_its_limit_stays_correct_end_to_end():
+    """Real processes, torch's client: two ranks read more keys through their proxy than
+    the store host keeps watches for per session (torch's get is a WAIT that fetches,
+    then a GET answered on the node). The store host breaks the older half in one
+    round; the proxy forgets those keys, reads one of them again from the store host,
+    and sees a change made to it meanwhile (a change that started no round)."""
+    import os
+    from datetime import timedelta
+
+    import torch.distributed as dist
+
+    from tierrun.core.store import MAX_WATCHES_PER_OWNER
+    from tierrun.server import StoreProcess
+
+    n = MAX_WATCHES_PER_OWNER + 8
+    env = dict(os.environ, TIERRUN_TOKEN="watch-limit-test-token")
+    with StoreProcess(host="127.0.0.1", port=0, controlled=True, env=env) as root, \
+            StoreProcess(command="proxy", host="127.0.0.1", port=0, controlled=True, env=env,
+                         extra_args=["--upstream", f"127.0.0.1:{root.port}"]) as proxy:
+        def client(port):
+            return dist.TCPStore("127.0.0.1", port, is_master=False, timeout=timedelta(seconds=20))
+
+        writer, a, b = client(root.port), client(proxy.port), client(proxy.port)
+        writer.multi_set([f"/k{i}" for i in range(n)], [f"v{i}" for i in range(n)])
+        for i in range(n):
+            assert a.get(f"/k{i}") == b.get(f"/k{i}") == f"v{i}".encode()
+        stats = root.stats()
+        half = (MAX_WATCHES_PER_OWNER + 1) // 2
+        assert stats["watches_evicted"] == half and stats["watches"] == n - half
+        assert stats["invalidation_rounds"] == 1 and stats["invalidations_lapsed"] == 0
+        writer.set("/k0", "new")  # evicted: no round
+        writer.set(f"/k{n - 1}", "new")  # still watched: a round
+        assert writer.get("/k0") == b"new"
+        assert a.get("/k0") == b"new" and b.get(f"/k{n - 1}") == b"new"
+        assert a.get(f"/k{half}") == f"v{half}".encode()
+        assert root.stats()["invalidation_rounds"] == 2
+        assert proxy.stats()["invalidations"] == half + 1
+
+
 def test_one_multi_set_of_many_watched_keys_is_one_invalidation_round():
     core = StoreCore()
     rounds = []
