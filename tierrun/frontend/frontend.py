@@ -10,6 +10,7 @@ from dataclasses import dataclass, field
 from typing import Protocol
 
 from ..core import Waiter
+from ..core.watch_state import WATCH_READ
 from ..protocol import Limits, Request
 from .connection import ClientConnection
 from .listen import DEFAULT_BACKLOG
@@ -29,9 +30,9 @@ class Upstream(Protocol):
     def forget(self, waiter: Waiter) -> None:
         """The waiter's connection closed: drop whatever it was waiting for."""
 
-    def execute_watching(self, req: Request, waiter: Waiter, watcher: object, how: int = 0) -> bytes | None:
+    def execute_watching(self, req: Request, waiter: Waiter, watcher: object, how: int = WATCH_READ) -> bytes | None:
         """A one-key CHECK, GET or WAIT that also watches its key, ``how``: one of
-        ``core.watch_state``'s WATCH_READ (0, a link's WATCH entry), FETCH (a WAIT of a
+        ``core.watch_state``'s WATCH_READ (a link's WATCH entry), FETCH (a WAIT of a
         WATCHES entry), FETCH_AFTER_WRITES (of a FETCHES entry): see
         ``StoreCore.execute_watching``."""
 

@@ -199,7 +199,7 @@ class LinkUpstream:
         self._beat_with_next_batch = False  # the heartbeat rides with the next batch
         self._reconnecting: asyncio.Task[None] | None = None
         self._pending: list[tuple[Waiter, bytes, Request]] = []
-        self._extra: list[bytes] = []  # CLOSE entries for the next batch
+        self._extra: list[bytes] = []  # CANCEL entries for the next batch
         self._inflight: dict[int, _Upstream] = {}
         self._ns_cids: dict[bytes, int] = {}  # namespace -> its link client id
         self._wait_of: dict[Waiter, _Upstream] = {}  # a client's WAIT or BARRIER upstream

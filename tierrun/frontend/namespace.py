@@ -8,6 +8,7 @@ address, a stale NCCL unique id), although one store serves the whole job.
 from __future__ import annotations
 
 from ..core import StoreCore, Waiter
+from ..core.watch_state import WATCH_READ
 from ..protocol import Op, Request
 from ..protocol.replies import encode_i64, encode_key_list
 
@@ -43,7 +44,7 @@ class NamespacedUpstream:
             return encode_i64(sum(1 for k in self._core.keys() if k.startswith(p)))
         return self._core.execute(req, waiter)
 
-    def execute_watching(self, req: Request, waiter: Waiter, watcher: object, how: int = 0) -> bytes | None:
+    def execute_watching(self, req: Request, waiter: Waiter, watcher: object, how: int = WATCH_READ) -> bytes | None:
         op = req[0]
         p = self._prefix
         req = (op, p + req[1]) if op == Op.GET else (op, tuple(p + k for k in req[1]))

@@ -63,8 +63,8 @@ from __future__ import annotations
 import struct
 
 LINK_MAGIC = 0xA7  # first byte a front-end sends: not an opcode of any torch version
-VERSION = 5  # 2: sessions, resumption, heartbeats; 3: a client per namespace, CANCEL; 4: watches;
-# 5: WATCHES
+VERSION = 6  # 2: sessions, resumption, heartbeats; 3: a client per namespace, CANCEL; 4: watches;
+# 5: WATCHES; 6: FETCHES
 
 HELLO, AUTH, WELCOME, ERROR, BATCH, REPLIES, SESSION, RESUMED, ACK, PONG, INVALIDATE, INVALIDATED = range(1, 13)
 OPEN, REQUEST, CANCEL, WAITS, WATCH, WATCHES, FETCHES = range(7)
