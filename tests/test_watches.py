@@ -276,6 +276,41 @@ def test_no_answer_from_a_watch_without_a_lease_or_for_a_client_with_a_write_in_
     run(main())
 
 
+def test_lone_waits_of_many_nodes_on_one_key_join_at_the_proxy_above():
+    """The exit barrier: one agent per node WAITs for the last member, so each node
+    fetches the key. The proxy above sends the first node's fetch as it is, the second
+    as a poll (a WATCH-WAIT), and every later node's WAIT joins that one: the core
+    sees two WAITs, however many nodes there are, and the write that releases them is
+    seen by everyone, whose GETs are then answered on their nodes."""
+    async def main():
+        core = StoreCore()
+        middle, root_stats = await linked(core)
+        leaves = [(await linked(middle))[0] for _ in range(6)]
+        agents = [Client() for _ in leaves]
+        for leaf, agent in zip(leaves, agents):
+            leaf.view().execute((Op.WAIT, (b"/last_member",)), agent)
+            await settle()
+        assert root_stats.operations == 2 and middle.stats.watch_joins == 4
+        assert core.num_waiters == 2
+        writer, _ = await linked(core)
+        w = Client()
+        writer.view().execute((Op.SET, b"/last_member", b"1"), w)
+        writer.view().execute((Op.CHECK, (b"/last_member",)), w)
+        await settle()
+        assert w.replies == [CHECK_READY]
+        assert all(a.replies == [STOP_WAITING] for a in agents)
+        operations = core.operations
+        for leaf in leaves:
+            assert leaf.view().execute((Op.GET, b"/last_member"), Client()) == value(b"1")
+        assert core.operations == operations
+        writer.view().execute((Op.SET, b"/last_member", b"2"), w)
+        await settle()
+        for leaf in leaves:
+            assert await answer(leaf.view(), (Op.GET, b"/last_member")) == [value(b"2")]
+
+    run(main())
+
+
 def test_stacked_front_ends_answer_from_the_middle_and_pass_invalidations_down():
     """In a tree, a WATCH from a front-end below is answered by the one above from its
     own watch; a change reaches the bottom before the writer hears back."""

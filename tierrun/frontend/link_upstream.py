@@ -32,7 +32,10 @@ one-key WAIT *fetches* it: it goes up in a WATCHES entry (folded like WAITS), wh
 answers carry the key's state too, so the GET of torch's get() (a WAIT, then a GET: an
 agent reading its rank assignment, a Gloo rank a peer's address) is answered on the
 node; such a WAIT watches its key only once it is there (nothing joins it), so the
-write that releases it costs no invalidation round. Answers from watches (and joins)
+write that releases it costs no invalidation round. A proxy that takes other
+front-ends' links treats a second front-end's fetch of a key as a poll (the exit
+barrier: one agent per node WAITs for its last member): it goes up as a WATCH-WAIT,
+which later ones join. Answers from watches (and joins)
 only for a client with nothing outstanding: every earlier request of it answered, none
 since without an answer (a SET), so its own writes are executed (and their
 invalidations in) first; such a client's reads are sent plain, its WAITs fetch in a
@@ -427,6 +430,11 @@ class LinkUpstream:
                 return encode_watch_state(True, value) + _answer_from(op, value)  # type: ignore[arg-type]
             if op == Op.WAIT and self._join_wait(k, waiter, watcher):
                 return None
+            if how == FETCH and k in self._seen and self._churn.get(k, 0) < MAX_CHURN:
+                # a second front-end's WAIT on the key: a poll (one agent per node
+                # waiting for the exit barrier's last member), so it waits upstream
+                # watching the key as absent, and later ones join it here
+                how = WATCH_READ
         marker = _WATCH if how == WATCH_READ else _FETCH if how == FETCH else _FETCH_AFTER_WRITES
         self._enqueue(waiter, ns, (marker, req, watcher))  # type: ignore[arg-type]
         return None
