@@ -26,8 +26,9 @@ the last one SETs last_member, WAIT).
 COMPARE_SET its node record, ADD to the arrival count (the last SETs all_arrived),
 APPEND to the arrivals, WAIT for all_arrived, GET the count
 (every node runs P: torch's agent then computes ranks without the store); while the
-ranks run, a standing WAIT on the round's failed key and the heartbeat (every second,
-ADD its beat counter; nodes 0-2 also MULTI_GET every other node's); then the same exit
+ranks run, a standing WAIT on the round's failed key and the heartbeat (ADD its beat
+counter at once, then on every whole second of the wall clock; nodes 0-2 also MULTI_GET
+every other node's half a second later); then the same exit
 barrier.
 Per rank, --traffic nccl (default): connect, VALIDATE+PING, ADD init/; NCCL's unique-id
 broadcast (rank 0 SETs it, the others WAIT and GET it: torch's get is WAIT+GET); a
@@ -65,6 +66,7 @@ from servers import process_cpu_seconds, start_torch
 from tierrun.protocol import Op
 from tierrun.protocol.opcodes import NO_REPLY_OPS, VALIDATION_MAGIC
 from tierrun.protocol.requests import encode_request
+from tierrun.rendezvous.liveness import until
 from tierrun.server import StoreProcess
 
 SETUPS = ("torch", "tierrun-flat", "tiered", "tree", "tree-10ms")
@@ -214,9 +216,10 @@ class Cluster:
         its number of workers, write its record, count its arrival (the last SETs the key
         all wait for), append to the arrivals, wait, read the count (all alike: torch's
         agent computes ranks locally); then, while its workers run, a
-        standing WAIT on the round's ``failed`` key and its heartbeat (every second, ADD
-        its beat counter; the first 3 ranks also read every other node's in one
-        MULTI_GET)."""
+        standing WAIT on the round's ``failed`` key and its heartbeat, as
+        ``liveness.Heartbeat`` sends it: ADD its beat counter at once, then on each whole
+        second of the wall clock; the first 3 ranks also read every other node's in one
+        MULTI_GET half a second after each beat."""
         base = "/tierrun/job/static/0"
         same = f"{base}/local_world_size/{self.p}".encode()
         await agent.call(Op.ADD, same, 1)
@@ -232,12 +235,14 @@ class Cluster:
         mine = f"{base}/beat/{n}".encode()
         theirs = tuple(f"{base}/beat/{j}".encode() for j in range(self.k) if j != n) if n < 3 else ()
 
-        async def beat() -> None:
+        async def beat() -> None:  # on liveness.Heartbeat's schedule
+            await beater.call(Op.ADD, mine, 1)
             while True:
-                await beater.call(Op.ADD, mine, 1)
-                if theirs:  # the first 3 ranks watch every other node
+                if theirs:  # the first 3 ranks watch every other node, half an interval later
+                    await asyncio.sleep(until(0.5, 1.0, time.time()))
                     await beater.call(Op.MULTI_GET, theirs)
-                await asyncio.sleep(1.0)
+                await asyncio.sleep(until(0.0, 1.0, time.time()))
+                await beater.call(Op.ADD, mine, 1)
 
         beating = asyncio.ensure_future(beat())
         await asyncio.gather(*(self.rank(n * self.p + i, target) for i in range(self.p)))

@@ -6,7 +6,7 @@ import threading
 import time
 
 from tierrun.client import StoreClient
-from tierrun.rendezvous.liveness import WATCHERS, Heartbeat, watched_by
+from tierrun.rendezvous.liveness import WATCHERS, Heartbeat, until, watched_by
 
 
 def test_the_first_ranks_watch_everyone_the_others_only_beat():
@@ -40,3 +40,39 @@ def test_a_silent_member_is_declared_dead_by_every_watcher_once(store):
         for b in beats:
             b.stop()
     assert sorted(dead) == [(w, silent) for w in range(WATCHERS)]
+
+
+def test_until_gives_the_next_moment_at_a_phase_of_the_interval():
+    assert until(0.0, 1.0, 100.25) == 0.75
+    assert until(0.5, 1.0, 100.25) == 0.25
+    assert until(0.5, 1.0, 100.75) == 0.75
+    assert until(0.0, 1.0, 100.0) == 1.0  # (never 0: a beat just happened)
+    assert 0 < until(0.0, 2.0, 7.3) <= 2.0 and (7.3 + until(0.0, 2.0, 7.3)) % 2.0 < 1e-9
+
+
+def test_every_member_beats_at_the_same_moments_of_the_wall_clock(store):
+    """Beats fall on multiples of the interval, on every node alike, so the store host
+    gets them together (front-ends carry them up in a few batches): between 0.3 and
+    0.7 of an interval no counter moves, and across the next multiple each moves once."""
+    n, interval = 5, 1.0
+    key = lambda name: f"/aligned/{name}".encode()  # noqa: E731
+    beats = []
+    try:
+        for m in range(n):  # members that start at different moments
+            beats.append(Heartbeat(("127.0.0.1", store.port), key, m, [], interval, 10.0, lambda m: None).start())
+            time.sleep(0.17)
+        with StoreClient(("127.0.0.1", store.port)) as c:
+            def counters() -> list[int]:
+                return [int(v or b"0") for v in c.multi_get([key(f"beat/{m}") for m in range(n)], wait=False)]
+
+            time.sleep(until(0.3, interval, time.time()))
+            early = counters()
+            time.sleep(until(0.7, interval, time.time()))
+            late = counters()
+            time.sleep(until(0.3, interval, time.time()))
+            after = counters()
+    finally:
+        for b in beats:
+            b.stop()
+    assert min(early) >= 1 and early == late
+    assert after == [v + 1 for v in late]
