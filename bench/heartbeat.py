@@ -6,6 +6,12 @@ set-up, with ``--heartbeats`` LOW and HIGH beats per rank, and reports what the 
 HIGH - LOW seconds of beating cost node 0, per second: requests it parsed and CPU
 seconds, against torch's server flat, in the same run. Medians of --repeat runs;
 writes docs/bench/heartbeat.json and its section of docs/benchmarks.md.
+
+--agents tierrun: tierrun's set-ups also run what tierrun's agents of a static job send
+while the job runs (wireup.py --agents tierrun): each node's liveness beat, an ADD once
+a second on the wall clock's whole seconds, and the first 3 nodes' MULTI_GET of every
+node's counter; torch's set-up is torchrun's static job, which has no liveness (its
+server sees only the ranks' CHECKs). Writes heartbeat_tierrun_agents.
 """
 
 from __future__ import annotations
@@ -26,6 +32,8 @@ def main() -> None:
     p.add_argument("--low", type=int, default=2, help="heartbeats per rank in the short run")
     p.add_argument("--high", type=int, default=12, help="heartbeats per rank in the long run")
     p.add_argument("--repeat", type=int, default=3)
+    p.add_argument("--agents", choices=("torch", "tierrun"), default="torch",
+                   help="agent traffic of tierrun's set-ups (see wireup.py --agents)")
     args = p.parse_args()
     raise_fd_limit()
     k, pp = map(int, args.size.split("x"))
@@ -35,14 +43,16 @@ def main() -> None:
         for setup in SETUPS:
             got = {}
             for beats in (args.low, args.high):
-                sim = types.SimpleNamespace(procs=2, traffic="nccl", heartbeats=beats, fanout=8, agents="torch")
+                sim = types.SimpleNamespace(procs=2, traffic="nccl", heartbeats=beats, fanout=8, agents=args.agents)
                 got[beats] = wireup.measure(setup, k, pp, sim)
             r = {m: (got[args.high][m] - got[args.low][m]) / seconds for m in ("requests", "frames", "cpu_s")}
             per_second[setup].append(r)
             print(f"run {i + 1} {setup}: {r}", flush=True)
     med = {s: {m: statistics.median(r[m] for r in rs) for m in rs[0]} for s, rs in per_second.items()}
     torch = med["torch"]
-    lines = [f"{args.size}, each rank CHECKing the dump key once a second; per second of beating "
+    agents = ("" if args.agents == "torch" else "; tierrun's set-ups: tierrun's agents too (each node's liveness "
+              "ADD once a second, the first 3 nodes' MULTI_GET of every counter), torch's: torchrun's static job")
+    lines = [f"{args.size}, each rank CHECKing the dump key once a second{agents}; per second of beating "
              f"(runs with {args.high} and {args.low} beats per rank, the difference over {seconds} s), "
              f"medians of {args.repeat} runs.", "",
              "| set-up | node-0 requests / s | node-0 frames / s | node-0 CPU ms / s | CPU: torch / set-up |",
@@ -52,8 +62,9 @@ def main() -> None:
         lines.append(f"| {setup} | {m['requests']:,.0f} | {m['frames']:,.0f} | {1000 * m['cpu_s']:.1f} | {ratio} |")
     table = "\n".join(lines)
     print(table)
-    write_json("heartbeat", {"args": vars(args), "per_second": per_second})
-    write_section("heartbeat", table)
+    name = "heartbeat" if args.agents == "torch" else "heartbeat_tierrun_agents"
+    write_json(name, {"args": vars(args), "per_second": per_second})
+    write_section(name, table)
 
 
 if __name__ == "__main__":
