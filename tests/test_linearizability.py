@@ -36,20 +36,21 @@ from tierrun.protocol import Op
 from tierrun.protocol.opcodes import CHECK_NOT_READY, CHECK_READY, NO_REPLY_OPS, STOP_WAITING
 from tierrun.protocol.replies import encode_bytes, encode_i64, encode_many, encode_queue_pop
 
-COUNTERS = (b"/a", b"/b")  # always present, always numbers: ADD, GET, COMPARE_SET go here
-FREE = b"/d"  # set, deleted, appended to, waited for
-NEW = b"/e"  # absent until set: a SET of it changes GETNUMKEYS
-QUEUE = b"/q"
+# numbered keys: a fetch of one makes a front-end read the others ahead (PEEKS)
+COUNTERS = (b"/k2", b"/k3")  # always present, always numbers: ADD, GET, COMPARE_SET go here
+FREE = b"/k0"  # set, deleted, appended to, waited for
+NEW = b"/k1"  # absent until set: a SET of it changes GETNUMKEYS
+QUEUE = b"/k4"
 DIGITS = st.sampled_from([b"0", b"1", b"2", b"3"])
 
 _hot = (  # what coalescing touches most, on one key: drawn more often, so that it collides
-    st.tuples(st.just(Op.SET), st.just(b"/a"), DIGITS),
-    st.tuples(st.just(Op.GET), st.just(b"/a")),
-    st.tuples(st.just(Op.ADD), st.just(b"/a"), st.integers(-2, 3)),
+    st.tuples(st.just(Op.SET), st.just(b"/k2"), DIGITS),
+    st.tuples(st.just(Op.GET), st.just(b"/k2")),
+    st.tuples(st.just(Op.ADD), st.just(b"/k2"), st.integers(-2, 3)),
     st.tuples(st.just(Op.WAIT), st.just((FREE,))),
     # distinct keys: SETs and GETs of several keys fold into one MULTI_SET / MULTI_GET
-    st.tuples(st.just(Op.SET), st.just(b"/b"), DIGITS),
-    st.tuples(st.just(Op.GET), st.just(b"/b")),
+    st.tuples(st.just(Op.SET), st.just(b"/k3"), DIGITS),
+    st.tuples(st.just(Op.GET), st.just(b"/k3")),
 )
 ops = st.one_of(
     *_hot * 4,
@@ -58,11 +59,11 @@ ops = st.one_of(
     st.tuples(st.just(Op.SET), st.just(NEW), DIGITS),
     st.tuples(st.just(Op.ADD), st.sampled_from(COUNTERS), st.integers(-2, 3)),
     st.tuples(st.just(Op.COMPARE_SET), st.sampled_from(COUNTERS), st.sampled_from([b"", b"0", b"1", b"2"]), DIGITS),
-    st.tuples(st.just(Op.CHECK), st.sampled_from([(FREE,), (b"/a", FREE), (b"/a",)])),
-    st.tuples(st.just(Op.WAIT), st.sampled_from([(FREE,), (b"/a", FREE)])),
+    st.tuples(st.just(Op.CHECK), st.sampled_from([(FREE,), (b"/k2", FREE), (b"/k2",)])),
+    st.tuples(st.just(Op.WAIT), st.sampled_from([(FREE,), (b"/k2", FREE)])),
     st.tuples(st.just(Op.DELETE_KEY), st.just(FREE)),
     st.tuples(st.just(Op.APPEND), st.just(FREE), DIGITS),
-    st.tuples(st.just(Op.MULTI_GET), st.sampled_from([COUNTERS, (b"/a", b"/a"), (b"/b", b"/a")])),
+    st.tuples(st.just(Op.MULTI_GET), st.sampled_from([COUNTERS, (b"/k2", b"/k2"), (b"/k3", b"/k2")])),
     st.tuples(st.just(Op.MULTI_SET), st.just(COUNTERS), st.tuples(DIGITS, DIGITS)),
     st.tuples(st.just(Op.QUEUE_PUSH), st.just(QUEUE), DIGITS),
     st.tuples(st.just(Op.QUEUE_POP), st.just(QUEUE)),
@@ -276,7 +277,7 @@ FOLDING_VOCABULARY = (
     [(Op.SET, k, d) for k in COUNTERS + (FREE, NEW) for d in (b"1", b"2")]
     + [(Op.GET, k) for k in COUNTERS + (FREE, NEW)] * 2
     + [(Op.WAIT, (k,)) for k in COUNTERS + (FREE, NEW)]
-    + [(Op.ADD, b"/a", 1), (Op.APPEND, FREE, b"3"), (Op.DELETE_KEY, NEW), (Op.GETNUMKEYS,)]
+    + [(Op.ADD, b"/k2", 1), (Op.APPEND, FREE, b"3"), (Op.DELETE_KEY, NEW), (Op.GETNUMKEYS,)]
 )
 # mostly node front-ends (where batches form), mostly no loop turn between requests
 where = st.lists(st.sampled_from([0, 1, 1, 1, 2, 3, 3, 4]), min_size=4, max_size=4)
@@ -352,9 +353,9 @@ def check_history(scripts, where, schedule) -> list:
 def test_the_checker_rejects_a_stale_read():
     """The model is not vacuous: a GET that misses a SET answered before it began fails,
     and so does one that misses its own client's earlier SET."""
-    calls = [Call(0, (Op.ADD, b"/a", 1), 1, 2, encode_i64(1)), Call(1, (Op.GET, b"/a"), 3, 4, encode_bytes(b"0"))]
+    calls = [Call(0, (Op.ADD, b"/k2", 1), 1, 2, encode_i64(1)), Call(1, (Op.GET, b"/k2"), 3, 4, encode_bytes(b"0"))]
     assert not linearizable(calls)
     calls[1].reply = encode_bytes(b"1")
     assert linearizable(calls)
-    own = [Call(0, (Op.SET, b"/a", b"1"), 1, 3), Call(0, (Op.GET, b"/a"), 2, 3, encode_bytes(b"0"))]
+    own = [Call(0, (Op.SET, b"/k2", b"1"), 1, 3), Call(0, (Op.GET, b"/k2"), 2, 3, encode_bytes(b"0"))]
     assert not linearizable(own)

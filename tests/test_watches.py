@@ -311,6 +311,70 @@ def test_lone_waits_of_many_nodes_on_one_key_join_at_the_proxy_above():
     run(main())
 
 
+def test_a_walk_through_numbered_keys_is_read_ahead_a_fetch_per_lookahead():
+    """Gloo's address exchange: each rank WAITs for and GETs every rank's key in turn.
+    A key's fetch also peeks at the next LOOKAHEAD keys (present ones come back
+    watched), so through a stacked proxy the core sees one fetch per LOOKAHEAD + 1
+    keys, every answer is right, a peeked key's change is seen below, and a key that
+    was absent when peeked is fetched when it is read."""
+    async def main():
+        from tierrun.frontend.link_upstream import LOOKAHEAD
+
+        core = StoreCore()
+        n = 4 * (LOOKAHEAD + 1)
+        for j in range(n):
+            if j != 20:  # (rank 20 has not written its address yet)
+                core.execute((Op.SET, b"/pg/cpu/%d" % j, b"addr%d" % j), None)
+        middle, root_stats = await linked(core)
+        leaf, _ = await linked(middle)
+        rank = Client()
+        late = asyncio.get_running_loop().call_later(0.05, core.execute, (Op.SET, b"/pg/cpu/20", b"addr20"), None)
+        for j in range(n):
+            key = b"/pg/cpu/%d" % j
+            for req in ((Op.WAIT, (key,)), (Op.WAIT, (key,)), (Op.GET, key)):
+                reply = leaf.view().execute(req, rank)
+                while reply is None and not rank.replies:
+                    await asyncio.sleep(0.001)
+                assert (reply if reply is not None else rank.replies.pop()) == (
+                    STOP_WAITING if req[0] == Op.WAIT else value(b"addr%d" % j))
+        late.cancel()
+        assert root_stats.batches <= 2 * 4 + 2, root_stats.batches
+        assert middle.stats.peeks_sent >= n - 8 and leaf.stats.peeks_sent >= n - 8
+        writer, _ = await linked(core)
+        w = Client()
+        writer.view().execute((Op.SET, b"/pg/cpu/5", b"moved"), w)
+        writer.view().execute((Op.CHECK, (b"/pg/cpu/5",)), w)
+        await settle()
+        assert w.replies == [CHECK_READY]
+        assert await answer(leaf.view(), (Op.GET, b"/pg/cpu/5")) == [value(b"moved")]
+
+    run(main())
+
+
+def test_a_peek_registers_nothing_for_an_absent_key():
+    """The core answers a PEEKS entry at once: a key with a value comes back watched,
+    an absent key (or a queue's) unwatched, and nothing waits for it."""
+    async def main():
+        core = StoreCore()
+        core.execute((Op.SET, b"/k1", b"v"), None)
+        core.execute((Op.QUEUE_PUSH, b"/k3", b"x"), None)
+        link, _ = await linked(core)
+        got = []
+
+        class Peeker:
+            def wake(self, reply):
+                got.append(reply)
+
+        from tierrun.core.watch_state import PEEK
+        for key in (b"/k1", b"/k2", b"/k3"):
+            reply = core.execute_watching((Op.WAIT, (key,)), Peeker(), ("owner", key), PEEK)
+            got.append(reply)
+        assert got == [encode_watch_state(True, b"v"), UNWATCHABLE, UNWATCHABLE]
+        assert core.num_watches == 1 and core.num_waiters == 0
+
+    run(main())
+
+
 def test_stacked_front_ends_answer_from_the_middle_and_pass_invalidations_down():
     """In a tree, a WATCH from a front-end below is answered by the one above from its
     own watch; a change reaches the bottom before the writer hears back."""

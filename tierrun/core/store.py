@@ -30,7 +30,7 @@ from ..protocol.replies import (
     encode_queue_pop,
     encode_u32,
 )
-from .watch_state import WATCH_READ, encode_watch_state
+from .watch_state import PEEK, UNWATCHABLE, WATCH_READ, encode_watch_state
 
 
 class Waiter(Protocol):
@@ -151,10 +151,14 @@ class StoreCore:
         watches the key anew), unless ``how`` is a FETCH: then it is watched only
         once it is woken (its watcher lets no other WAIT join it meanwhile, so its key's
         first write starts no invalidation round for it). A queue's key is not watched.
-        O(1) more than the request."""
+        ``how`` PEEK (a front-end reading ahead, for no client): only the key's state, and
+        only a key that holds a value is watched; nothing waits. O(1) more than the
+        request."""
         self.operations += 1
         op = req[0]
         key = req[1] if op == Op.GET else req[1][0]
+        if how == PEEK:
+            return self.watch_state(key, watcher) if key in self._data else UNWATCHABLE
         if op == Op.WAIT and not self._present(key):
             self._wait(req, waiter)
             self._watch_on_wake[waiter] = (key, watcher)

@@ -16,8 +16,9 @@ ABSENT, VALUE, UNWATCHABLE = b"\x00", b"\x01", b"\x02"
 #: WAITs may join it); FETCH: a WAIT watched only once its key is there, of a client
 #: with nothing outstanding (a front-end above may answer it from its own watch);
 #: FETCH_AFTER_WRITES: the same, of a client with writes on their way up, which must
-#: execute first (only the core answers it).
-WATCH_READ, FETCH, FETCH_AFTER_WRITES = range(3)
+#: execute first (only the core answers it); PEEK: no client's read, a front-end reading
+#: ahead: the key's state at once, the key watched only if it holds a value.
+WATCH_READ, FETCH, FETCH_AFTER_WRITES, PEEK = range(4)
 _u64 = struct.Struct("<Q")
 
 

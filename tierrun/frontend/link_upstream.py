@@ -53,6 +53,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import re
 import secrets
 import socket
 import struct
@@ -62,11 +63,12 @@ from collections.abc import Callable
 from time import monotonic
 
 from ..core import StoreError, Waiter
-from ..core.watch_state import FETCH, FETCH_AFTER_WRITES, WATCH_READ, decode_watch_answer, encode_watch_state
+from ..core.watch_state import FETCH, FETCH_AFTER_WRITES, PEEK, WATCH_READ, decode_watch_answer, encode_watch_state
 from ..link import auth
 from ..link.config import LinkConfig
 from ..link.frames import (
-    ACK, DEFAULT_MAX_FRAME, ERROR, FETCHES, HANDSHAKE_MAX_FRAME, HELLO, INVALIDATE, INVALIDATED, LINK_MAGIC, OK, PONG,
+    ACK, DEFAULT_MAX_FRAME, ERROR, FETCHES, HANDSHAKE_MAX_FRAME, HELLO, INVALIDATE, INVALIDATED, LINK_MAGIC, OK, PEEKS,
+    PONG,
     REPLIES, RESUMED, SESSION_ID_BYTES, WAITS, WATCH_LEASE, WATCHES, WELCOME, FrameDecoder, LinkError, decode_count,
     decode_invalidate, decode_pong, decode_replies, encode_batch, encode_count, encode_session, entry_cancel,
     entry_open, entry_request, entry_waits, entry_watch,
@@ -95,6 +97,11 @@ MAX_CHURN = 4
 _WATCH = -1  # a pending request ``(_WATCH, request, watcher or None)``: send it as a WATCH
 _FETCH = -2  # ``(_FETCH, WAIT request, watcher or None)``: send it in a WATCHES entry
 _FETCH_AFTER_WRITES = -3  # the same, in a FETCHES entry (its client has writes on their way)
+_PEEK = -4  # ``(_PEEK, WAIT request, watcher)``: a front-end below reading ahead, in a PEEKS entry
+_ENTRY_KIND = {_WATCH: 0, _FETCH: WATCHES, _FETCH_AFTER_WRITES: FETCHES, _PEEK: PEEKS}  # (0: a WATCH entry)
+#: A key's fetch also peeks at this many keys after it (the same name, numbered on).
+LOOKAHEAD = 16
+_TRAILING_NUMBER = re.compile(rb"[0-9]{1,18}\Z")
 _MISSING = object()
 
 
@@ -127,7 +134,8 @@ class _Upstream:
         #: A WATCH: per waiter, the downstream watcher it answers for (None: a local
         #: client, answered with the request's own answer, not the watch state).
         self.watchers: list[tuple[object, int] | None] | None = None
-        self.fetch = 0  # a WAIT that fetches: the entry kind it goes in (WATCHES, FETCHES); joined by nothing
+        self.fetch = 0  # a WAIT that fetches: the entry kind it goes in (WATCHES, FETCHES); joined by
+        # nothing; or a peek (PEEKS)
 
 
 class _Fold:
@@ -169,6 +177,7 @@ class CoalescingStats:
         self.watches_sent = 0  # reads sent as WATCH entries
         self.watch_answers = 0  # reads answered from a watch (no request upstream)
         self.watch_joins = 0  # WAITs that joined a WAIT sent earlier, through its watch
+        self.peeks_sent = 0  # keys read ahead (PEEKS entries), of our own or for front-ends below
         self.invalidations = 0  # watches the core invalidated
 
     def as_dict(self) -> dict[str, int]:
@@ -221,6 +230,8 @@ class LinkUpstream:
         #: request again, is a poll
         self._seen: dict[tuple[bytes, bytes], tuple[Waiter, int]] = {}
         self._churn: dict[tuple[bytes, bytes], int] = {}  # invalidations per key
+        self._peeking: dict[tuple[bytes, bytes], _Upstream] = {}  # peeks awaiting their answer
+        self._peeked: dict[tuple[bytes, bytes], None] = {}  # keys read ahead before (not again)
         self._lease_until = 0.0  # answer from watches only before this (monotonic)
         self._unanswered: dict[Waiter, int] = {}  # client -> its requests awaiting answers
         self._unconfirmed: set[Waiter] = set()  # clients whose last request has no answer
@@ -422,6 +433,8 @@ class LinkUpstream:
         op = req[0]
         k = (ns, req[1] if op == Op.GET else req[1][0])
         self.stats.requests += 1
+        if how == PEEK:
+            return self._peek(k, req, waiter, watcher)
         if how != FETCH_AFTER_WRITES:  # (its client has nothing outstanding)
             value = self._watched_value(op, k)
             if value is not _MISSING:
@@ -438,6 +451,43 @@ class LinkUpstream:
         marker = _WATCH if how == WATCH_READ else _FETCH if how == FETCH else _FETCH_AFTER_WRITES
         self._enqueue(waiter, ns, (marker, req, watcher))  # type: ignore[arg-type]
         return None
+
+    def _peek(self, k: tuple[bytes, bytes], req: Request, waiter: Waiter, watcher: tuple[object, int]) -> bytes | None:
+        """A front-end below reads ahead: answered from this one's watch, or with the
+        answer of the peek of the key already on its way up, or sent up."""
+        if monotonic() < self._lease_until and k in self._cache:
+            self.stats.watch_answers += 1
+            self._downstream.setdefault(k, []).append(watcher)
+            return encode_watch_state(True, self._cache[k])
+        u = self._peeking.get(k)
+        if u is not None:  # (told of invalidations from now on, as a WATCH that joins)
+            u.waiters.append(waiter)
+            u.watchers.append(watcher)  # type: ignore[union-attr]
+            self._downstream.setdefault(k, []).append(watcher)
+            return None
+        self._enqueue(waiter, k[0], (_PEEK, req, watcher))  # type: ignore[arg-type]
+        return None
+
+    def _lookahead(self, ns: bytes, key: bytes) -> list[bytes]:
+        """The keys to read ahead after fetching ``key``: if the key before it (trailing
+        number - 1) was fetched or read ahead in an earlier batch (Gloo's ranks read every
+        rank's key in turn; agents that each read their own key at once read nothing
+        ahead), the next LOOKAHEAD keys not watched, nor read ahead before (the caller
+        then marks ``key`` as fetched). O(LOOKAHEAD)."""
+        m = _TRAILING_NUMBER.search(key)
+        if m is None:
+            return []
+        base, n = key[: m.start()], int(m.group())
+        peeked, cache, churn = self._peeked, self._cache, self._churn
+        if (ns, base + str(n - 1).encode()) not in peeked:
+            return []
+        ahead = []
+        for i in range(n + 1, n + 1 + LOOKAHEAD):
+            k = (ns, base + str(i).encode())
+            if k not in peeked and k not in cache and churn.get(k, 0) < MAX_CHURN:
+                peeked[k] = None
+                ahead.append(k[1])
+        return ahead
 
     def _enqueue(self, waiter: Waiter, ns: bytes, req: Request) -> None:
         """Put a request in the next batch."""
@@ -545,6 +595,7 @@ class LinkUpstream:
         last_touch: dict[tuple[bytes, bytes], int] = {}  # (ns, key): place of the last request on it
         last_write: dict[tuple[bytes, bytes], int] = {}
         last_of: dict[Waiter, int] = {}  # client: place of its last request
+        ahead: list[tuple[bytes, bytes]] = []  # keys fetched: read the keys after them too
         stats = self.stats
         seen = self._seen
 
@@ -579,17 +630,20 @@ class LinkUpstream:
                 touched(ns, keys, write=False)
                 k = (ns, keys[0])
                 last_touch[k] = i
-                if op != _WATCH and k not in seen:  # (a second WAIT on the key is a poll)
-                    if len(seen) >= MAX_WATCHES:
+                if (op == _FETCH or op == _FETCH_AFTER_WRITES) and k not in seen:  # (a second WAIT
+                    if len(seen) >= MAX_WATCHES:  # on the key is a poll)
                         seen.clear()
                     seen[k] = (waiter, Op.WAIT)
                 # (a fetch after writes answers nobody else, nor is it answered with another)
-                dk = (ns, (b"a" if op == _FETCH_AFTER_WRITES else b"w") + encode_request(inner))
+                dk = (ns, (b"a" if op == _FETCH_AFTER_WRITES else b"p" if op == _PEEK else b"w")
+                      + encode_request(inner))
                 same = open_reads.get(dk)
                 if same is not None and since < same.pos:
                     same.waiters.append(waiter)
                     same.watchers.append(watcher)  # type: ignore[union-attr]
-                    if inner[0] == Op.WAIT:
+                    if op == _PEEK:
+                        self._downstream.setdefault(k, []).append(watcher)
+                    elif inner[0] == Op.WAIT:
                         self._wait_of[waiter] = same
                         stats.merged_waits += 1
                     else:
@@ -601,8 +655,12 @@ class LinkUpstream:
                 u = _Upstream(inner, cid_of(ns), waiter, f.pos if folded else i)  # type: ignore[union-attr]
                 u.wkey = k
                 u.watchers = [watcher]
-                u.fetch = 0 if op == _WATCH else WATCHES if op == _FETCH else FETCHES
-                if inner[0] == Op.WAIT:
+                u.fetch = _ENTRY_KIND[op]
+                if op == _PEEK:
+                    self._peeking[k] = u
+                elif op == _FETCH:
+                    ahead.append(k)
+                if inner[0] == Op.WAIT and op != _PEEK:
                     u.group = True
                     self._wait_of[waiter] = u
                     if not u.fetch:  # (later WAITs on the key may join it)
@@ -614,7 +672,7 @@ class LinkUpstream:
                 if folded:  # (it waits from the fold's place: one WATCHES entry)
                     f.members = f.members or []  # type: ignore[union-attr]
                     f.members.append(u)  # type: ignore[union-attr]
-                    stats.folded_waits += 1
+                    stats.folded_waits += op != _PEEK
                     continue
                 if u.fetch:
                     folds[(op, ns)] = u
@@ -730,6 +788,27 @@ class LinkUpstream:
                 u.group = True
                 self._wait_of[waiter] = u
             ops.append(u)
+        if len(self._peeked) >= MAX_WATCHES:
+            self._peeked.clear()
+        reads = [(ns, key, self._lookahead(ns, key)) for ns, key in ahead]
+        for ns, key, peeks in reads:  # read the keys after fetched ones: PEEKS, at the batch's end
+            self._peeked[(ns, key)] = None  # (the fetch of the key after it reads ahead)
+            for peek in peeks:
+                k = (ns, peek)
+                if k in self._peeking or k in reads_on:
+                    continue
+                u = _Upstream((Op.WAIT, (peek,)), cid_of(ns), None, len(pending))
+                u.wkey = k
+                u.watchers = []
+                u.fetch = PEEKS
+                self._peeking[k] = u
+                f = folds.get((_PEEK, ns))
+                if f is not None and len(f.members or ()) < MAX_FOLD:
+                    f.members = f.members or []
+                    f.members.append(u)
+                else:
+                    folds[(_PEEK, ns)] = u
+                    ops.append(u)
         answered_at_once = 0
         sent = len(ops)
         for u in ops:
@@ -743,7 +822,9 @@ class LinkUpstream:
                 kind = u.fetch or WAITS
                 entries.append(entry_waits(u.cid, u.rid, [u.req[1][0]] + [m.req[1][0] for m in members], kind))
                 sent += len(members)
-                if u.fetch:
+                if u.fetch == PEEKS:
+                    stats.peeks_sent += 1 + len(members)
+                elif u.fetch:
                     stats.watches_sent += 1 + len(members)
                 continue
             req = u.req
@@ -789,6 +870,8 @@ class LinkUpstream:
                 reason = data.decode(errors="replace")
                 if u.wkey is not None and self._waiting_on.get(u.wkey) is u:
                     del self._waiting_on[u.wkey]
+                if u.wkey is not None and self._peeking.get(u.wkey) is u:
+                    del self._peeking[u.wkey]
                 for w in u.waiters:
                     if u.group:
                         self._wait_of.pop(w, None)
@@ -830,6 +913,14 @@ class LinkUpstream:
         assert k is not None
         if self._waiting_on.get(k) is u:
             del self._waiting_on[k]
+        if u.fetch == PEEKS:
+            if self._peeking.get(k) is u:
+                del self._peeking[k]
+            if not watched:  # (nothing was registered: the front-ends below will not hear of it)
+                below = self._downstream.get(k)
+                for watcher in u.watchers or ():
+                    if below is not None and watcher in below:
+                        below.remove(watcher)
         if watched:
             if len(self._cache) >= MAX_WATCHES:
                 self._cache.clear()  # (forgetting is always safe; the core's invalidations

@@ -22,6 +22,10 @@
                                       (the same, for clients with writes on their way:
                                       a front-end passing it on answers none from its
                                       own watches)
+               | u8 PEEKS   | u32 client | u64 rid | u32 n | n x (u32 len | key)
+                                      (a front-end reading ahead: each key's watch
+                                      state, the key watched if it holds a value,
+                                      answered at once; nothing waits: see below)
       A client is a namespace seen through the link, not a torch connection: a
       front-end opens one per namespace and sends every request in it under that id.
       Any number of its requests may be outstanding; a WAIT or BARRIER waits alone
@@ -50,6 +54,10 @@ seconds from sending an ACK whose PONG it received (the core heard from it then)
 A WATCH of a WAIT that blocks watches its key as absent while it waits (its front-end
 lets later WAITs on the key join it, so the key's first write starts a round); a WAIT
 of a WATCHES entry does not (nothing joins it: its key's first write just wakes it).
+A PEEKS entry is a front-end reading keys no client asked for yet (the keys after a
+fetched key: Gloo's ranks read every rank's address in turn): a key with a value
+answers its state (VALUE) and is watched, as after a WATCH of a GET; any other key
+answers UNWATCHABLE and nothing is registered. The answers carry no request's answer.
 
 BATCH, REPLIES and INVALIDATE frames are numbered 1, 2, ... per session and direction
 (implicitly, in order), so a link that drops and reconnects resumes with nothing lost
@@ -63,11 +71,11 @@ from __future__ import annotations
 import struct
 
 LINK_MAGIC = 0xA7  # first byte a front-end sends: not an opcode of any torch version
-VERSION = 6  # 2: sessions, resumption, heartbeats; 3: a client per namespace, CANCEL; 4: watches;
-# 5: WATCHES; 6: FETCHES
+VERSION = 7  # 2: sessions, resumption, heartbeats; 3: a client per namespace, CANCEL; 4: watches;
+# 5: WATCHES; 6: FETCHES; 7: PEEKS
 
 HELLO, AUTH, WELCOME, ERROR, BATCH, REPLIES, SESSION, RESUMED, ACK, PONG, INVALIDATE, INVALIDATED = range(1, 13)
-OPEN, REQUEST, CANCEL, WAITS, WATCH, WATCHES, FETCHES = range(7)
+OPEN, REQUEST, CANCEL, WAITS, WATCH, WATCHES, FETCHES, PEEKS = range(8)
 #: A front-end answers from a watch only this long (seconds) after sending an ACK that
 #: the core answered with a PONG; the core, holding its answers for a front-end that
 #: does not confirm an invalidation, waits this long past that ACK's arrival, plus
@@ -168,7 +176,7 @@ def entry_cancel(client: int, rid: int) -> bytes:
 
 
 def entry_waits(client: int, rid: int, keys: list[bytes], kind: int = WAITS) -> bytes:
-    """A WAITS entry, or (``kind``) a WATCHES or FETCHES entry."""
+    """A WAITS entry, or (``kind``) a WATCHES, FETCHES or PEEKS entry."""
     return _waits.pack(kind, client, rid, len(keys)) + b"".join([_u32.pack(len(k)) + k for k in keys])
 
 
@@ -217,7 +225,7 @@ def decode_batch(payload: bytes) -> list[Entry]:
                 _, client, rid = _cancel.unpack_from(payload, pos)
                 pos += _CANCEL_SIZE
                 out.append((CANCEL, client, rid, b""))
-            elif kind == WAITS or kind == WATCHES or kind == FETCHES:  # (data: the key count and the keys)
+            elif WAITS <= kind <= PEEKS:  # (not WATCH, above; data: the key count and the keys)
                 start = pos + 13
                 _, client, rid, n = _waits.unpack_from(payload, pos)
                 pos = start + 4

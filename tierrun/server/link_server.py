@@ -30,14 +30,14 @@ from collections.abc import Callable
 from time import monotonic
 
 from ..core import StoreCore, StoreError
-from ..core.watch_state import FETCH, FETCH_AFTER_WRITES, WATCH_READ
+from ..core.watch_state import FETCH, FETCH_AFTER_WRITES, PEEK, WATCH_READ
 from ..frontend import Upstream
 from ..frontend.namespace import NamespacedUpstream
 from ..link import auth
 from ..link.config import LinkConfig
 from ..link.frames import (
     ACK, AUTH, BATCH, CANCEL, DEFAULT_MAX_FRAME, ERROR, FAILED, HANDSHAKE_MAX_FRAME, INVALIDATED, LINK_MAGIC, OK,
-    FETCHES, OPEN, REQUEST, RESUMED, SESSION, WAITS, WATCH, WATCH_LEASE, WATCHES, FrameDecoder, LinkError,
+    FETCHES, OPEN, PEEKS, REQUEST, RESUMED, SESSION, WAITS, WATCH, WATCH_LEASE, WATCHES, FrameDecoder, LinkError,
     decode_batch, decode_count, decode_keys, decode_session, encode_count, encode_pong, encode_replies,
 )
 from ..link.outbox import Outbox
@@ -184,13 +184,13 @@ class Session:
                         replies.append((r, OK, reply))
                     else:
                         client.tickets[r] = ticket
-            elif kind == WATCHES or kind == FETCHES:  # (WAITs that fetch: their keys are watched once there)
-                client = clients.get(cid)
+            elif kind == WATCHES or kind == FETCHES or kind == PEEKS:  # (WAITs that fetch: their
+                client = clients.get(cid)  # keys are watched once there; peeks: see frames.py)
                 if client is None:
                     raise LinkError(f"request for unknown client {cid}")
                 keys = decode_keys(data, _LIMITS.max_keys_per_request, _LIMITS.max_key_bytes)
                 stats.operations += len(keys)
-                how = FETCH if kind == WATCHES else FETCH_AFTER_WRITES
+                how = FETCH if kind == WATCHES else FETCH_AFTER_WRITES if kind == FETCHES else PEEK
                 for r, key in enumerate(keys, rid):
                     self._execute_watching(client, r, (Op.WAIT, (key,)), how, replies)
             elif kind == CANCEL:
