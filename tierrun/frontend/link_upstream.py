@@ -35,7 +35,11 @@ node; such a WAIT watches its key only once it is there (nothing joins it), so t
 write that releases it costs no invalidation round. A proxy that takes other
 front-ends' links treats a second front-end's fetch of a key as a poll (the exit
 barrier: one agent per node WAITs for its last member): it goes up as a WATCH-WAIT,
-which later ones join. Answers from watches (and joins)
+which later ones join. A fetch of a key whose trailing number follows that of a key
+fetched (or read ahead) in an earlier batch also *reads ahead*: a PEEKS entry asks for the
+state of the next LOOKAHEAD keys, which the core answers at once, watching those that
+hold a value (Gloo's ranks read every rank's address in turn: one fetch per LOOKAHEAD
+keys instead of one per key). Answers from watches (and joins)
 only for a client with nothing outstanding: every earlier request of it answered, none
 since without an answer (a SET), so its own writes are executed (and their
 invalidations in) first; such a client's reads are sent plain, its WAITs fetch in a
