@@ -313,10 +313,11 @@ def test_lone_waits_of_many_nodes_on_one_key_join_at_the_proxy_above():
 
 def test_a_walk_through_numbered_keys_is_read_ahead_a_fetch_per_lookahead():
     """Gloo's address exchange: each rank WAITs for and GETs every rank's key in turn.
-    A key's fetch also peeks at the next LOOKAHEAD keys (present ones come back
-    watched), so through a stacked proxy the core sees one fetch per LOOKAHEAD + 1
-    keys, every answer is right, a peeked key's change is seen below, and a key that
-    was absent when peeked is fetched when it is read."""
+    Once two keys were fetched in order, a key's fetch also peeks at the next
+    LOOKAHEAD keys, twice as many each time (present ones come back watched), so
+    through a stacked proxy the core sees a few fetches for all the keys, every answer
+    is right, a peeked key's change is seen below, and a key that was absent when
+    peeked is fetched when it is read."""
     async def main():
         from tierrun.frontend.link_upstream import LOOKAHEAD
 

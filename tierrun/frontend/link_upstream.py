@@ -103,8 +103,10 @@ _FETCH = -2  # ``(_FETCH, WAIT request, watcher or None)``: send it in a WATCHES
 _FETCH_AFTER_WRITES = -3  # the same, in a FETCHES entry (its client has writes on their way)
 _PEEK = -4  # ``(_PEEK, WAIT request, watcher)``: a front-end below reading ahead, in a PEEKS entry
 _ENTRY_KIND = {_WATCH: 0, _FETCH: WATCHES, _FETCH_AFTER_WRITES: FETCHES, _PEEK: PEEKS}  # (0: a WATCH entry)
-#: A key's fetch also peeks at this many keys after it (the same name, numbered on).
+#: A key's fetch also peeks at this many keys after it (the same name, numbered on),
+#: twice as many each time the reads go on in order, up to MAX_LOOKAHEAD.
 LOOKAHEAD = 16
+MAX_LOOKAHEAD = 256
 _TRAILING_NUMBER = re.compile(rb"[0-9]{1,18}\Z")
 _MISSING = object()
 
@@ -236,6 +238,7 @@ class LinkUpstream:
         self._churn: dict[tuple[bytes, bytes], int] = {}  # invalidations per key
         self._peeking: dict[tuple[bytes, bytes], _Upstream] = {}  # peeks awaiting their answer
         self._peeked: dict[tuple[bytes, bytes], None] = {}  # keys read ahead before (not again)
+        self._lookahead_of: dict[tuple[bytes, bytes], int] = {}  # (ns, name less its number) -> last
         self._lease_until = 0.0  # answer from watches only before this (monotonic)
         self._unanswered: dict[Waiter, int] = {}  # client -> its requests awaiting answers
         self._unconfirmed: set[Waiter] = set()  # clients whose last request has no answer
@@ -476,8 +479,9 @@ class LinkUpstream:
         """The keys to read ahead after fetching ``key``: if the key before it (trailing
         number - 1) was fetched or read ahead in an earlier batch (Gloo's ranks read every
         rank's key in turn; agents that each read their own key at once read nothing
-        ahead), the next LOOKAHEAD keys not watched, nor read ahead before (the caller
-        then marks ``key`` as fetched). O(LOOKAHEAD)."""
+        ahead), the next LOOKAHEAD keys not watched, nor read ahead before, twice as
+        many as last time for the same name (up to MAX_LOOKAHEAD), as a file system reads
+        ahead (the caller then marks ``key`` as fetched). O(keys read ahead)."""
         m = _TRAILING_NUMBER.search(key)
         if m is None:
             return []
@@ -485,8 +489,12 @@ class LinkUpstream:
         peeked, cache, churn = self._peeked, self._cache, self._churn
         if (ns, base + str(n - 1).encode()) not in peeked:
             return []
+        sizes = self._lookahead_of
+        if len(sizes) >= MAX_WATCHES:
+            sizes.clear()
+        size = sizes[(ns, base)] = min(2 * sizes.get((ns, base), LOOKAHEAD // 2), MAX_LOOKAHEAD)
         ahead = []
-        for i in range(n + 1, n + 1 + LOOKAHEAD):
+        for i in range(n + 1, n + 1 + size):
             k = (ns, base + str(i).encode())
             if k not in peeked and k not in cache and churn.get(k, 0) < MAX_CHURN:
                 peeked[k] = None
@@ -925,6 +933,9 @@ class LinkUpstream:
                 for watcher in u.watchers or ():
                     if below is not None and watcher in below:
                         below.remove(watcher)
+                m = _TRAILING_NUMBER.search(k[1])  # past the last key (or ahead of the writers):
+                if m is not None:  # read ahead less from here on
+                    self._lookahead_of.pop((k[0], k[1][: m.start()]), None)
         if watched:
             if len(self._cache) >= MAX_WATCHES:
                 self._cache.clear()  # (forgetting is always safe; the core's invalidations
