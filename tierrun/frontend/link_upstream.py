@@ -32,19 +32,19 @@ one-key WAIT *fetches* it: it goes up in a WATCHES entry (folded like WAITS), wh
 answers carry the key's state too, so the GET of torch's get() (a WAIT, then a GET: an
 agent reading its rank assignment, a Gloo rank a peer's address) is answered on the
 node; such a WAIT watches its key only once it is there (nothing joins it), so the
-write that releases it costs no invalidation round. A proxy that takes other
-front-ends' links treats a second front-end's fetch of a key as a poll (the exit
-barrier: one agent per node WAITs for its last member): it goes up as a WATCH-WAIT,
-which later ones join. A fetch of a key whose trailing number follows that of a key
-fetched (or read ahead) in an earlier batch also *reads ahead*: a PEEKS entry asks for the
-state of the next LOOKAHEAD keys, which the core answers at once, watching those that
-hold a value (Gloo's ranks read every rank's address in turn: one fetch per LOOKAHEAD
-keys instead of one per key). Answers from watches (and joins)
-only for a client with nothing outstanding: every earlier request of it answered, none
-since without an answer (a SET), so its own writes are executed (and their
-invalidations in) first; such a client's reads are sent plain, its WAITs fetch in a
-FETCHES entry, which no front-end on the way answers from its watches. A key invalidated ``MAX_CHURN`` times is not watched again
-(it changes too often).
+write that releases it costs no invalidation round. A proxy that takes other front-ends'
+links treats a second front-end's fetch of a key as a poll (the exit barrier: one agent
+per node WAITs for its last member): it goes up as a WATCH-WAIT, which later ones join.
+A fetch of a key whose trailing number follows that of a key fetched (or read ahead) in
+an earlier batch also *reads ahead*: a PEEKS entry asks for the state of the next
+LOOKAHEAD keys (twice as many each time the reads go on in order, up to MAX_LOOKAHEAD),
+which the core answers at once, watching those that hold a value (Gloo's ranks read every
+rank's address in turn: a few fetches instead of one per key). Answers from watches (and joins) only for a client with nothing outstanding: every
+earlier request of it answered, none since without an answer (a SET), so its own writes
+are executed (and their invalidations in) first; such a client's reads are sent plain,
+its WAITs fetch in a FETCHES entry, which no front-end on the way answers from its
+watches. A key invalidated ``MAX_CHURN`` times is not watched again (it changes too
+often).
 
 Every request of a namespace travels under one link client id (opened once per session:
 an OPEN entry costs the core as much as a request), whoever sent it; the core matches
@@ -72,10 +72,9 @@ from ..link import auth
 from ..link.config import LinkConfig
 from ..link.frames import (
     ACK, DEFAULT_MAX_FRAME, ERROR, FETCHES, HANDSHAKE_MAX_FRAME, HELLO, INVALIDATE, INVALIDATED, LINK_MAGIC, OK, PEEKS,
-    PONG,
-    REPLIES, RESUMED, SESSION_ID_BYTES, WAITS, WATCH_LEASE, WATCHES, WELCOME, FrameDecoder, LinkError, decode_count,
-    decode_invalidate, decode_pong, decode_replies, encode_batch, encode_count, encode_session, entry_cancel,
-    entry_open, entry_request, entry_waits, entry_watch,
+    PONG, REPLIES, RESUMED, SESSION_ID_BYTES, WAITS, WATCH_LEASE, WATCHES, WELCOME, FrameDecoder, LinkError,
+    decode_count, decode_invalidate, decode_pong, decode_replies, encode_batch, encode_count, encode_session,
+    entry_cancel, entry_open, entry_request, entry_waits, entry_watch,
 )
 from ..link.outbox import Outbox
 from ..link.reply_gate import break_watches
@@ -238,7 +237,8 @@ class LinkUpstream:
         self._churn: dict[tuple[bytes, bytes], int] = {}  # invalidations per key
         self._peeking: dict[tuple[bytes, bytes], _Upstream] = {}  # peeks awaiting their answer
         self._peeked: dict[tuple[bytes, bytes], None] = {}  # keys read ahead before (not again)
-        self._lookahead_of: dict[tuple[bytes, bytes], int] = {}  # (ns, name less its number) -> last
+        #: (ns, a key name less its trailing number) -> how many keys it last read ahead
+        self._lookahead_of: dict[tuple[bytes, bytes], int] = {}
         self._lease_until = 0.0  # answer from watches only before this (monotonic)
         self._unanswered: dict[Waiter, int] = {}  # client -> its requests awaiting answers
         self._unconfirmed: set[Waiter] = set()  # clients whose last request has no answer
