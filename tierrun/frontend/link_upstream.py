@@ -38,13 +38,13 @@ per node WAITs for its last member): it goes up as a WATCH-WAIT, which later one
 A fetch of a key whose trailing number follows that of a key fetched (or read ahead) in
 an earlier batch also *reads ahead*: a PEEKS entry asks for the state of the next
 LOOKAHEAD keys (twice as many each time the reads go on in order, up to MAX_LOOKAHEAD),
-which the core answers at once, watching those that hold a value (Gloo's ranks read every
-rank's address in turn: a few fetches instead of one per key). Answers from watches (and joins) only for a client with nothing outstanding: every
-earlier request of it answered, none since without an answer (a SET), so its own writes
-are executed (and their invalidations in) first; such a client's reads are sent plain,
-its WAITs fetch in a FETCHES entry, which no front-end on the way answers from its
-watches. A key invalidated ``MAX_CHURN`` times is not watched again (it changes too
-often).
+which the core answers at once, watching those that hold a value (Gloo's ranks read
+every rank's address in turn: a few fetches instead of one per key). Answers from
+watches (and joins) only for a client with nothing outstanding: every earlier request of
+it answered, none since without an answer (a SET), so its own writes are executed (and
+their invalidations in) first; such a client's reads are sent plain, its WAITs fetch in
+a FETCHES entry, which no front-end on the way answers from its watches. A key
+invalidated ``MAX_CHURN`` times is not watched again (it changes too often).
 
 Every request of a namespace travels under one link client id (opened once per session:
 an OPEN entry costs the core as much as a request), whoever sent it; the core matches
