@@ -153,3 +153,37 @@ def test_torch_client_suite_through_the_proxy(tiered):
     with pytest.raises(dist.DistStoreError):
         c2.wait(["never"])
     assert c2.add("after-timeout", 1) == 1
+
+
+def test_a_heartbeat_riding_with_a_batch_is_answered_in_one_write():
+    """A link that was busy sends its heartbeat with its next batch (one write, so the
+    store host reads both at once); the store host answers that read in one write too:
+    the heartbeat's PONG and the ADD's REPLIES frame together (before: two writes)."""
+    import asyncio
+
+    from inproc import Client, linked
+
+    from tierrun.core import StoreCore
+    from tierrun.link.frames import PONG, REPLIES
+
+    async def main():
+        core = StoreCore()
+        link, _ = await linked(core)
+        conn = link._conn  # (the connection made by linked())
+        reads = []
+        deliver = conn.data_received
+
+        def spy(data):
+            reads.append([ftype for ftype, _ in FrameDecoder().feed(data)])
+            deliver(data)
+
+        conn.data_received = spy
+        link._beat_with_next_batch = True  # (as _beat does for a link busy in the last interval)
+        client = Client()
+        link.view().execute((Op.ADD, b"/steps", 1), client)
+        for _ in range(20):
+            await asyncio.sleep(0)
+        assert client.replies == [struct.pack("<q", 1)]
+        assert reads == [[PONG, REPLIES]]
+
+    asyncio.run(main())

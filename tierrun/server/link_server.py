@@ -3,8 +3,9 @@ their batches.
 
 A batch is executed atomically and in order (the core is single-threaded and the whole
 batch runs in one callback). The answers of the batches of one read leave in one
-REPLIES frame (one write) at the end of that read, with any deferred answers (WAIT,
-BARRIER) of the link woken meanwhile; deferred answers woken by other links' batches
+REPLIES frame at the end of that read, with any deferred answers (WAIT, BARRIER) of
+the link woken meanwhile, in the same write as whatever else the read has this
+connection send (the PONG of a heartbeat that rode with a batch); deferred answers woken by other links' batches
 leave together at the end of the loop iteration: one frame per link, however many
 waiters a write released.
 
@@ -409,6 +410,8 @@ class LinkServerConnection(asyncio.Protocol):
         self._session: Session | None = None
         self._unacked_in = 0
         self._transport: asyncio.Transport | None = None
+        #: While a read is handled, what it writes, sent in one write at its end.
+        self._corked: list[bytes] | None = None
         self.last_rx = monotonic()  # (not the loop's clock: no getpid() per read)
 
     def connection_made(self, transport) -> None:  # type: ignore[override]
@@ -423,9 +426,19 @@ class LinkServerConnection(asyncio.Protocol):
             self.data_received(initial)
 
     def write(self, data: bytes) -> None:
+        if self._corked is not None:
+            self._corked.append(data)
+            return
         assert self._transport is not None
         if not self._transport.is_closing():
             self._transport.write(data)
+
+    def _uncork(self) -> None:
+        """Send what the read just handled wrote (a PONG and a REPLIES frame, often):
+        one write, not one per frame."""
+        out, self._corked = self._corked, None
+        if out:
+            self.write(out[0] if len(out) == 1 else b"".join(out))
 
     def data_received(self, data: bytes) -> None:
         self.last_rx = monotonic()  # (not the loop's clock: no getpid() per read)
@@ -435,6 +448,7 @@ class LinkServerConnection(asyncio.Protocol):
                 self.abort("not a link")
                 return
             data = data[1:]
+        self._corked = []
         try:
             for ftype, payload in self._decoder.feed(data):
                 session = self._session
@@ -469,10 +483,13 @@ class LinkServerConnection(asyncio.Protocol):
         except (LinkError, ProtocolError) as e:
             log.warning("closing link from %s: %s", self.peer, e)
             assert self._transport is not None
+            self._uncork()
             self.write(auth.error(str(e)))
             self._transport.close()  # after the ERROR frame is out
             if self._session is not None:  # a resent batch would fail the same way
                 self._server.expire(self._session, f"protocol error: {e}")
+        finally:
+            self._uncork()
 
     def _ack(self, session: Session) -> None:
         self._unacked_in = 0
