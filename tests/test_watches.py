@@ -49,6 +49,17 @@ def ask(view, req, client):
         client.wake(reply)
 
 
+async def write_through_own_link(core, key, v):
+    """SET ``key`` from a node of its own and wait until the write is done: its CHECK
+    after it answered (so every invalidation round it started is over)."""
+    writer, _ = await linked(core)
+    w = Client()
+    writer.view().execute((Op.SET, key, v), w)
+    writer.view().execute((Op.CHECK, (key,)), w)
+    await settle()
+    assert w.replies == [CHECK_READY]
+
+
 def test_heartbeat_checks_reach_the_core_once_then_see_the_dump_request():
     """NCCL's heartbeat monitor: every rank CHECKs the dump key once a second, forever.
     The second poll registers a watch; from then on no CHECK leaves the node, and the
@@ -292,19 +303,13 @@ def test_lone_waits_of_many_nodes_on_one_key_join_at_the_proxy_above():
             await settle()
         assert root_stats.operations == 2 and middle.stats.watch_joins == 4
         assert core.num_waiters == 2
-        writer, _ = await linked(core)
-        w = Client()
-        writer.view().execute((Op.SET, b"/last_member", b"1"), w)
-        writer.view().execute((Op.CHECK, (b"/last_member",)), w)
-        await settle()
-        assert w.replies == [CHECK_READY]
+        await write_through_own_link(core, b"/last_member", b"1")
         assert all(a.replies == [STOP_WAITING] for a in agents)
         operations = core.operations
         for leaf in leaves:
             assert leaf.view().execute((Op.GET, b"/last_member"), Client()) == value(b"1")
         assert core.operations == operations
-        writer.view().execute((Op.SET, b"/last_member", b"2"), w)
-        await settle()
+        await write_through_own_link(core, b"/last_member", b"2")
         for leaf in leaves:
             assert await answer(leaf.view(), (Op.GET, b"/last_member")) == [value(b"2")]
 
@@ -341,12 +346,7 @@ def test_a_walk_through_numbered_keys_is_read_ahead_a_fetch_per_lookahead():
         late.cancel()
         assert root_stats.batches <= 2 * 4 + 2, root_stats.batches
         assert middle.stats.peeks_sent >= n - 8 and leaf.stats.peeks_sent >= n - 8
-        writer, _ = await linked(core)
-        w = Client()
-        writer.view().execute((Op.SET, b"/pg/cpu/5", b"moved"), w)
-        writer.view().execute((Op.CHECK, (b"/pg/cpu/5",)), w)
-        await settle()
-        assert w.replies == [CHECK_READY]
+        await write_through_own_link(core, b"/pg/cpu/5", b"moved")
         assert await answer(leaf.view(), (Op.GET, b"/pg/cpu/5")) == [value(b"moved")]
 
     run(main())
@@ -390,12 +390,7 @@ def test_stacked_front_ends_answer_from_the_middle_and_pass_invalidations_down()
                 await settle()
         assert root_stats.operations == 2  # the middle's first read and its WATCH
         assert middle.stats.watch_answers >= 2  # the other leaves' WATCHes
-        w = Client()
-        core_writer, _ = await linked(core)
-        core_writer.view().execute((Op.SET, b"/uid", b"b"), w)
-        core_writer.view().execute((Op.CHECK, (b"/uid",)), w)
-        await settle()
-        assert w.replies == [CHECK_READY]
+        await write_through_own_link(core, b"/uid", b"b")
         for leaf, _ in leaves:
             assert leaf.stats.invalidations == 1
             assert await answer(leaf.view(), (Op.GET, b"/uid")) == [value(b"b")]

@@ -2,12 +2,12 @@
 their batches.
 
 A batch is executed atomically and in order (the core is single-threaded and the whole
-batch runs in one callback). The answers of the batches of one read leave in one
-REPLIES frame at the end of that read, with any deferred answers (WAIT, BARRIER) of
-the link woken meanwhile, in the same write as whatever else the read has this
-connection send (the PONG of a heartbeat that rode with a batch); deferred answers woken by other links' batches
-leave together at the end of the loop iteration: one frame per link, however many
-waiters a write released.
+batch runs in one callback). The answers of the batches of one read leave in one REPLIES
+frame at the end of that read, with any deferred answers (WAIT, BARRIER) of the link
+woken meanwhile, in the same write as whatever else the read has this connection send
+(the PONG of a heartbeat that rode with a batch); deferred answers woken by other links'
+batches leave together at the end of the loop iteration: one frame per link, however
+many waiters a write released.
 
 Watches (a WATCH entry: ``StoreCore.execute_watching``) are handed out per session;
 when a watched key changes, the :class:`ReplyGate` runs an invalidation round before
@@ -185,8 +185,9 @@ class Session:
                         replies.append((r, OK, reply))
                     else:
                         client.tickets[r] = ticket
-            elif kind == WATCHES or kind == FETCHES or kind == PEEKS:  # (WAITs that fetch: their
-                client = clients.get(cid)  # keys are watched once there; peeks: see frames.py)
+            elif kind == WATCHES or kind == FETCHES or kind == PEEKS:
+                # (WAITs that fetch: their keys are watched once there; peeks: see frames.py)
+                client = clients.get(cid)
                 if client is None:
                     raise LinkError(f"request for unknown client {cid}")
                 keys = decode_keys(data, _LIMITS.max_keys_per_request, _LIMITS.max_key_bytes)
