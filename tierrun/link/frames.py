@@ -241,7 +241,13 @@ def decode_batch(payload: bytes) -> list[Entry]:
         raise LinkError(f"malformed batch: {e}") from None
 
 
+_one_reply = struct.Struct("<IBIQBI")  # a REPLIES frame's header with its only reply's
+
+
 def encode_replies(replies: list[tuple[int, int, bytes]]) -> bytes:
+    if len(replies) == 1:  # (most frames of a start-up: one pack, no list)
+        rid, st, b = replies[0]
+        return _one_reply.pack(len(b) + 18, REPLIES, 1, rid, st, len(b)) + b
     return frame(
         REPLIES,
         _u32.pack(len(replies)) + b"".join([_reply.pack(rid, st, len(b)) + b for rid, st, b in replies]),

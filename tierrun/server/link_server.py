@@ -239,8 +239,13 @@ class Session:
         if wakes:
             frame = encode_replies(wakes)
             wakes.clear()  # (in place: a batch being executed appends to it)
-            if self.server.sessions.get(self.sid) is self:
-                self.server.gate.emit(self.send, frame)
+            server = self.server
+            if server.sessions.get(self.sid) is self:
+                gate = server.gate
+                if gate.closed:
+                    gate.emit(self.send, frame)
+                else:  # (what emit does, without the call: this runs once per batch)
+                    self.send(frame)
 
     def flush_answers(self) -> None:
         """Send the answers queued so far now (an invalidation round must follow them)."""
@@ -489,8 +494,10 @@ class LinkServerConnection(asyncio.Protocol):
             self._transport.close()  # after the ERROR frame is out
             if self._session is not None:  # a resent batch would fail the same way
                 self._server.expire(self._session, f"protocol error: {e}")
-        finally:
-            self._uncork()
+        finally:  # (what _uncork does, without the call: this runs once per read)
+            out, self._corked = self._corked, None
+            if out and not self._transport.is_closing():  # type: ignore[union-attr]
+                self._transport.write(out[0] if len(out) == 1 else b"".join(out))  # type: ignore[union-attr]
 
     def _ack(self, session: Session) -> None:
         self._unacked_in = 0
