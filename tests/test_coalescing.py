@@ -255,6 +255,44 @@ def test_a_client_request_never_joins_one_placed_before_its_own_earlier_request(
     run(main())
 
 
+def test_a_set_does_not_keep_its_client_out_of_a_merge_and_multi_sets_fold():
+    """A stacked front-end's link client carries many nodes' requests: one node's SET,
+    the next node's ADD of a shared counter. The SET has no answer, so the ADD still
+    joins the counter's run (and a client's ADDs join a run they are already in: their
+    answers leave in order); a lower front-end's MULTI_SET joins the SET fold. The
+    core sees one ADD and one MULTI_SET, and every answer is in-order execution's."""
+    async def main():
+        core = StoreCore()
+        link, stats = await linked(core)
+        view = link.view()
+        first, lower = Client(), Client()
+        view.execute((Op.ADD, b"/init", 1), first)
+        view.execute((Op.SET, b"/role/0", b"r0"), lower)
+        view.execute((Op.ADD, b"/init", 3), lower)
+        view.execute((Op.ADD, b"/init", 2), lower)
+        view.execute((Op.MULTI_SET, (b"/role/1", b"/role/2"), (b"r1", b"r2")), lower)
+        view.execute((Op.GET, b"/role/2"), lower)
+        await settle()
+        assert first.replies == [struct.pack("<q", 1)]
+        assert lower.replies == [struct.pack("<q", 4), struct.pack("<q", 6), value(b"r2")]
+        assert link.stats.merged_adds == 2 and link.stats.folded_sets == 2
+        assert stats.operations == 3  # the ADD, the MULTI_SET and the GET
+        assert core.snapshot() == {b"/init": b"6", b"/role/0": b"r0", b"/role/1": b"r1", b"/role/2": b"r2"}
+        # an answered request in between still keeps a client out: its answers' order
+        view.execute((Op.ADD, b"/init", 1), first)
+        view.execute((Op.GET, b"/role/0"), lower)
+        view.execute((Op.ADD, b"/init", 1), lower)
+        # and a SET fold takes no MULTI_SET of a key touched since the fold's place
+        view.execute((Op.SET, b"/role/3", b"r3"), first)
+        view.execute((Op.GET, b"/role/4"), Client())
+        view.execute((Op.MULTI_SET, (b"/role/4", b"/role/5"), (b"x", b"y")), Client())
+        await settle()
+        assert lower.replies[3:] == [value(b"r0"), struct.pack("<q", 8)]
+        assert link.stats.merged_adds == 2 and link.stats.folded_sets == 2
+
+    run(main())
+
+
 def test_appends_to_one_key_become_one():
     async def main():
         core = StoreCore()

@@ -277,7 +277,8 @@ FOLDING_VOCABULARY = (
     [(Op.SET, k, d) for k in COUNTERS + (FREE, NEW) for d in (b"1", b"2")]
     + [(Op.GET, k) for k in COUNTERS + (FREE, NEW)] * 2
     + [(Op.WAIT, (k,)) for k in COUNTERS + (FREE, NEW)]
-    + [(Op.ADD, b"/k2", 1), (Op.APPEND, FREE, b"3"), (Op.DELETE_KEY, NEW), (Op.GETNUMKEYS,)]
+    + [(Op.ADD, b"/k2", 1), (Op.ADD, b"/k2", 2), (Op.APPEND, FREE, b"3"), (Op.DELETE_KEY, NEW), (Op.GETNUMKEYS,)]
+    + [(Op.MULTI_SET, (FREE, NEW), (b"4", b"5"))]  # (a stacked front-end's SET fold takes it)
 )
 # mostly node front-ends (where batches form), mostly no loop turn between requests
 where = st.lists(st.sampled_from([0, 1, 1, 1, 2, 3, 3, 4]), min_size=4, max_size=4)

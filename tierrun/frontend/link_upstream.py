@@ -8,10 +8,10 @@ frame and executed atomically, in order, by the core. Within a batch:
   one ADD of the sum; the i-th caller gets ``final - sum + prefix_i``, exactly what
   sequential execution returns; consecutive APPENDs to one key, one APPEND of the
   concatenation (APPEND has no answer);
-- SETs of distinct keys fold into one MULTI_SET, GETs of distinct keys into one
-  MULTI_GET whose values are handed out, and one-key WAITs on distinct keys into one
-  WAITS link entry (each still waits, and is answered, on its own), run where the
-  fold's first request stands.
+- SETs (and MULTI_SETs: a lower front-end's folds) of distinct keys fold into one
+  MULTI_SET, GETs of distinct keys into one MULTI_GET whose values are handed out, and
+  one-key WAITs on distinct keys into one WAITS link entry (each still waits, and is
+  answered, on its own), run where the fold's first request stands.
   A request joins a fold only if it commutes with everything it moves ahead of: no
   request on its key (a GET or WAIT: no write to it; a SET: no request at all, nor a
   GETNUMKEYS or LIST_KEYS, whose answer a new key changes) since the fold's place.
@@ -19,7 +19,11 @@ frame and executed atomically, in order, by the core. Within a batch:
   assignment needs: one SET, WAIT and GET of a key of its own per node; one MULTI_SET,
   one WAITS and one MULTI_GET carry a whole batch of them.)
 A client's request joins an earlier merged or folded request only if the client has
-sent nothing since that one's place: its answers leave in the order it asked.
+sent nothing with an answer since that one's place (or, an ADD, only that run's ADDs):
+its answers leave in the order it asked. A SET, which has no answer, joins a fold past
+anything of its client's that does not touch its key, and does not stand in the way of
+its client's later requests: a stacked front-end's link client carries many nodes'
+requests, often a SET of one node and an ADD of the next.
 
 Across batches, only through watches (design.md's standing watch; link frames.py): a
 one-key CHECK, GET or WAIT of a key polled (read before by another client, or by the
@@ -91,7 +95,8 @@ _i64 = struct.Struct("<q")
 _u64 = struct.Struct("<Q")
 _DEDUP_OPS = frozenset({Op.WAIT, Op.CHECK, Op.GET, Op.MULTI_GET, Op.GETNUMKEYS, Op.QUEUE_LEN})
 _ALL_KEYS = b"\x00*"  # pseudo-key touched by every write: GETNUMKEYS depends on all
-#: At most this many requests in one fold (the core's limit is 128 Ki keys per request).
+#: At most this many requests (keys, in a SET fold) in one fold (the core's limit is 128 Ki
+#: keys per request).
 MAX_FOLD = 1024
 #: Keys a front-end watches at most (past it, it forgets them all and starts again).
 MAX_WATCHES = 16384
@@ -117,6 +122,22 @@ def _keys(req: Request) -> tuple[bytes, ...]:
     if op in (Op.GETNUMKEYS, Op.LIST_KEYS, Op.CANCEL_WAIT):
         return ()
     return (req[1],)
+
+
+def _same_run(earlier: tuple[Waiter, bytes, Request], ns: bytes, op: int, key: bytes) -> bool:
+    """Is ``earlier`` (a client's last request with an answer, at or after the place of the
+    open run of ``op`` on ``key``) in that run? Then the client's next one may join it: the
+    run's answers leave in order. (Runs are cut by any other request on their key, so an
+    ADD of the key in that stretch is in the run.)"""
+    req = earlier[2]
+    return req[0] == op and earlier[1] == ns and req[1] == key
+
+
+def _set_fold_size(f: _Upstream) -> int:
+    """Keys in a SET fold so far (it began with a SET or a MULTI_SET)."""
+    if f.fold is not None:
+        return len(f.fold.keys)
+    return 1 if f.req[0] == Op.SET else len(f.req[1])
 
 
 class _Upstream:
@@ -151,13 +172,18 @@ class _Fold:
 
     def __init__(self, u: _Upstream) -> None:
         req = u.req
+        if req[0] == Op.MULTI_SET:
+            self.keys, self.values = list(req[1]), list(req[2])  # type: ignore[misc]
+            self.slot: dict[bytes, int] = {}
+            self.picks: list[int] = []
+            return
         self.keys = [req[1]]
-        self.values: list[bytes] = [req[2]] if req[0] != Op.GET else []
+        self.values = [req[2]] if req[0] != Op.GET else []
         self.slot = {req[1]: 0}  # GET: key -> index of its value
         self.picks = [0] * len(u.waiters)  # GET: per waiter, the index of its value
 
     def request(self, op: int) -> Request:
-        if op == Op.SET:
+        if op == Op.SET or op == Op.MULTI_SET:
             return (Op.MULTI_SET, tuple(self.keys), tuple(self.values))
         if op == Op.GET:
             return (Op.MULTI_GET, tuple(self.keys))
@@ -606,7 +632,7 @@ class LinkUpstream:
         folds: dict[tuple[int, bytes], _Upstream] = {}  # (SET|GET|WAIT, ns): the latest foldable op
         last_touch: dict[tuple[bytes, bytes], int] = {}  # (ns, key): place of the last request on it
         last_write: dict[tuple[bytes, bytes], int] = {}
-        last_of: dict[Waiter, int] = {}  # client: place of its last request
+        last_of: dict[Waiter, int] = {}  # client: place of its last request with an answer
         ahead: list[tuple[bytes, bytes]] = []  # keys fetched: read the keys after them too
         stats = self.stats
         seen = self._seen
@@ -634,8 +660,9 @@ class LinkUpstream:
 
         for i, (waiter, ns, req) in enumerate(pending):
             op = req[0]
-            since = last_of.get(waiter, -1)  # this client's previous request
-            last_of[waiter] = i
+            since = last_of.get(waiter, -1)  # this client's previous request with an answer
+            if op < 0 or op not in NO_REPLY_OPS:  # (a SET has none: it has no place in their order)
+                last_of[waiter] = i
             if op < 0:  # a read that also watches its key: merged only with its like
                 inner, watcher = req[1], req[2]  # type: ignore[misc]
                 keys = _keys(inner)
@@ -756,7 +783,7 @@ class LinkUpstream:
                 run = runs.get(key)
                 touched(ns, keys, write=True)
                 last_touch[(ns, req[1])] = last_write[(ns, req[1])] = i
-                if run is not None and since < run.pos:
+                if run is not None and (since < run.pos or _same_run(pending[since], ns, op, req[1])):
                     if op == Op.ADD:
                         run.waiters.append(waiter)
                         run.deltas.append(req[2])  # type: ignore[union-attr]
@@ -773,20 +800,25 @@ class LinkUpstream:
                 runs[key] = u
                 ops.append(u)
                 continue
-            if op == Op.SET:
-                k = (ns, req[1])
+            if op == Op.SET or op == Op.MULTI_SET and keys:  # (a lower front-end's fold joins ours)
                 f = folds.get((Op.SET, ns))
-                joins = (f is not None and since < f.pos and last_touch.get(k, -1) < f.pos
-                         and last_touch.get((ns, _ALL_KEYS), -1) < f.pos
-                         and (f.fold is None or len(f.fold.keys) < MAX_FOLD))
+                # (no answer to keep in order: it only must not pass a request on its keys)
+                joins = (f is not None and last_touch.get((ns, _ALL_KEYS), -1) < f.pos
+                         and all(last_touch.get((ns, k), -1) < f.pos for k in keys)
+                         and _set_fold_size(f) + len(keys) <= MAX_FOLD)
                 touched(ns, keys, write=True)
-                last_touch[k] = last_write[k] = i
+                for k in keys:
+                    last_touch[(ns, k)] = last_write[(ns, k)] = i
                 if joins:
                     fold = f.fold or _Fold(f)  # type: ignore[union-attr]
                     f.fold = fold  # type: ignore[union-attr]
-                    fold.keys.append(req[1])
-                    fold.values.append(req[2])
-                    stats.folded_sets += 1
+                    if op == Op.SET:
+                        fold.keys.append(req[1])
+                        fold.values.append(req[2])
+                    else:
+                        fold.keys += req[1]
+                        fold.values += req[2]  # type: ignore[misc]
+                    stats.folded_sets += len(keys)
                     continue
                 u = _Upstream(req, cid_of(ns), None, i)
                 folds[(Op.SET, ns)] = u
