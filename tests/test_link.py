@@ -187,3 +187,55 @@ def test_a_heartbeat_riding_with_a_batch_is_answered_in_one_write():
         assert reads == [[PONG, REPLIES]]
 
     asyncio.run(main())
+
+
+def test_a_lone_request_frame_is_answered_like_any_batch(caplog):
+    """Most frames reaching the store host hold one request; it handles those in a
+    short path of its own. Answers, failures and waits come out as from the general
+    path: an ADD of a non-number fails that client only, a SET is answered by nothing,
+    a GET sees it, a WAIT (left to the general path) waits; a lone request for an
+    unknown client, or a malformed one, closes the link with the general path's reason."""
+    import asyncio
+
+    from inproc import Client, linked, settle, value
+
+    from tierrun.core import StoreCore
+
+    async def main():
+        core = StoreCore()
+        core.execute((Op.SET, b"/text", b"abc"), None)
+        link, stats = await linked(core)
+        view = link.view()
+        bad, setter, getter, waiter = Client(), Client(), Client(), Client()
+        view.execute((Op.ADD, b"/text", 1), bad)
+        await settle()
+        view.execute((Op.SET, b"/k", b"v"), setter)
+        await settle()
+        view.execute((Op.GET, b"/k"), getter)
+        await settle()
+        view.execute((Op.WAIT, (b"/later",)), waiter)
+        await settle()
+        assert bad.replies and bad.replies[0][0] == "dropped" and "not a number" in bad.replies[0][1]
+        assert setter.replies == [] and getter.replies == [value(b"v")] and waiter.replies == []
+        core.execute((Op.SET, b"/later", b"1"), None)
+        await settle()
+        assert waiter.replies == [b"\x00"] and stats.batches == 4 and stats.operations == 4
+        return link
+
+    link = asyncio.run(main())
+    assert link.dead is None
+
+    for entry, reason in [
+        (entry_request(77, 1, encode_request((Op.GET, b"/k"))), "request for unknown client 77"),
+        (entry_request(1, 1, encode_request((Op.GET, b"/k")) + b"!"), "a link entry must hold exactly one request"),
+    ]:
+        async def broken(entry=entry):
+            link, _ = await linked(StoreCore())
+            link.view().execute((Op.GET, b"/x"), Client())  # (opens client 1)
+            await settle()
+            link._send(encode_batch([entry]))
+            await settle()
+
+        caplog.clear()
+        asyncio.run(broken())
+        assert reason in caplog.text

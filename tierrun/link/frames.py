@@ -116,14 +116,14 @@ class FrameDecoder:
     """Bytes in, ``(type, payload)`` frames out. O(bytes read)."""
 
     def __init__(self, max_frame: int = DEFAULT_MAX_FRAME) -> None:
-        self._buf = bytearray()
+        self.partial = bytearray()  # the start of a frame not yet whole
         self.max_frame = max_frame
 
     def feed(self, data: bytes) -> list[tuple[int, bytes]]:
         """Frames read from ``data`` (and what was buffered). One copy per frame: while
         nothing is buffered, whole frames are cut from ``data`` itself; a partial frame
         is buffered until it is whole (O(bytes read), not a copy per read)."""
-        buf = self._buf
+        buf = self.partial
         if buf:
             buf += data
             if len(buf) < 5:
@@ -242,12 +242,19 @@ def decode_batch(payload: bytes) -> list[Entry]:
 
 
 _one_reply = struct.Struct("<IBIQBI")  # a REPLIES frame's header with its only reply's
+#: A BATCH frame's header with its first entry's, when that is a REQUEST: length, type,
+#: entries, kind, client, rid, request length (the request follows).
+lone_request = struct.Struct("<IBIBIQI")
+
+
+def encode_reply(rid: int, status: int, data: bytes) -> bytes:
+    """A REPLIES frame of one answer (most frames of a start-up)."""
+    return _one_reply.pack(len(data) + 18, REPLIES, 1, rid, status, len(data)) + data
 
 
 def encode_replies(replies: list[tuple[int, int, bytes]]) -> bytes:
-    if len(replies) == 1:  # (most frames of a start-up: one pack, no list)
-        rid, st, b = replies[0]
-        return _one_reply.pack(len(b) + 18, REPLIES, 1, rid, st, len(b)) + b
+    if len(replies) == 1:
+        return encode_reply(*replies[0])
     return frame(
         REPLIES,
         _u32.pack(len(replies)) + b"".join([_reply.pack(rid, st, len(b)) + b for rid, st, b in replies]),

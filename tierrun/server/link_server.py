@@ -39,7 +39,8 @@ from ..link.config import LinkConfig
 from ..link.frames import (
     ACK, AUTH, BATCH, CANCEL, DEFAULT_MAX_FRAME, ERROR, FAILED, HANDSHAKE_MAX_FRAME, INVALIDATED, LINK_MAGIC, OK,
     FETCHES, OPEN, PEEKS, REQUEST, RESUMED, SESSION, WAITS, WATCH, WATCH_LEASE, WATCHES, FrameDecoder, LinkError,
-    decode_batch, decode_count, decode_keys, decode_session, encode_count, encode_pong, encode_replies,
+    decode_batch, decode_count, decode_keys, decode_session, encode_count, encode_pong, encode_replies, encode_reply,
+    lone_request,
 )
 from ..link.outbox import Outbox
 from ..link.reply_gate import ReplyGate
@@ -54,6 +55,7 @@ MAX_SHARED_NAMESPACES = 1024
 
 
 _LIMITS = Limits()
+_LONE_SIZE = lone_request.size  # (a lone request's bytes start here)
 
 
 class RemoteClient:
@@ -448,6 +450,10 @@ class LinkServerConnection(asyncio.Protocol):
 
     def data_received(self, data: bytes) -> None:
         self.last_rx = monotonic()  # (not the loop's clock: no getpid() per read)
+        session = self._session
+        if (session is not None and not self._decoder.partial and len(data) > _LONE_SIZE
+                and not session._wakes and self._lone_request(session, data)):
+            return
         if self._first_byte:
             self._first_byte = False
             if data[0] != LINK_MAGIC:
@@ -498,6 +504,46 @@ class LinkServerConnection(asyncio.Protocol):
             out, self._corked = self._corked, None
             if out and not self._transport.is_closing():  # type: ignore[union-attr]
                 self._transport.write(out[0] if len(out) == 1 else b"".join(out))  # type: ignore[union-attr]
+
+    def _lone_request(self, session: Session, data: bytes) -> bool:
+        """Handle ``data`` if it is exactly one BATCH of one request that is answered at
+        once (a node's counter ADD, its SET of a record: most of a start-up's frames at
+        the store host) and nothing is held: what the general path does, in one call
+        and one write, with no decoder, batch loop or answer queue: each call costs the
+        store host on caches gone cold since its last frame (a cold replay of a 512x8
+        start-up's captured frames: ~14% less CPU per frame; live, below the wire-up
+        benchmark's noise). False (nothing done) for anything else, which the general
+        path handles, errors included."""
+        length, ftype, n, kind, cid, rid, size = lone_request.unpack_from(data)
+        if (ftype != BATCH or n != 1 or kind != REQUEST or length + 4 != len(data)
+                or size + _LONE_SIZE != len(data) or self._server.gate.closed):
+            return False
+        client = session.clients.get(cid)
+        if client is None:
+            return False
+        try:
+            req = decode_request(data[_LONE_SIZE:])
+        except ProtocolError:
+            return False
+        if req[0] in WAITING_OPS:
+            return False
+        stats = self._server.stats
+        stats.batches += 1
+        stats.operations += 1
+        session.received += 1
+        try:
+            reply = client.upstream.execute(req, client)
+        except StoreError as err:
+            session.send(encode_reply(rid, FAILED, str(err).encode()))
+        else:
+            if reply is not None:
+                session.send(encode_reply(rid, OK, reply))
+            elif req[0] not in NO_REPLY_OPS:
+                client.pending.append(rid)  # (a stacked front-end's: answered later)
+        self._unacked_in += 1
+        if self._unacked_in >= self._server.config.ack_every:
+            self._ack(session)
+        return True
 
     def _ack(self, session: Session) -> None:
         self._unacked_in = 0
