@@ -242,6 +242,31 @@ def test_a_change_is_not_revealed_before_the_watchers_dropped_what_they_saw():
     run(main())
 
 
+def test_a_lone_add_of_a_watched_counter_is_answered_only_after_the_round():
+    """A frame of one ADD takes the store host's short path; if the counter is watched,
+    the ADD starts a round and its own answer (which reveals the change) waits for it."""
+    async def main():
+        core = StoreCore()
+        core.execute((Op.SET, b"/n", b"5"), None)
+        watcher, _ = await linked(core)
+        writer, _ = await linked(core)
+        await watched(watcher.view(), (Op.GET, b"/n"))
+        confirmations = []
+        original = watcher._on_invalidate
+        watcher._on_invalidate = lambda payload: confirmations.append(payload)  # not yet
+        assert await answer(writer.view(), (Op.GET, b"/other")) == [value(b"")]  # (opens its id)
+        w = Client()
+        writer.view().execute((Op.ADD, b"/n", 1), w)  # (a frame of its own)
+        await settle()
+        assert w.replies == [] and gate_of(core).closed and confirmations  # held
+        original(confirmations.pop())
+        await settle()
+        assert w.replies == [struct.pack("<q", 6)]
+        assert await answer(watcher.view(), (Op.GET, b"/n")) == [value(b"6")]
+
+    run(main())
+
+
 def test_a_watcher_that_never_confirms_holds_answers_only_until_its_lease_ends():
     async def main():
         core = StoreCore()

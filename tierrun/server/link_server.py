@@ -534,12 +534,20 @@ class LinkServerConnection(asyncio.Protocol):
         try:
             reply = client.upstream.execute(req, client)
         except StoreError as err:
-            session.send(encode_reply(rid, FAILED, str(err).encode()))
+            frame = encode_reply(rid, FAILED, str(err).encode())
         else:
-            if reply is not None:
-                session.send(encode_reply(rid, OK, reply))
-            elif req[0] not in NO_REPLY_OPS:
-                client.pending.append(rid)  # (a stacked front-end's: answered later)
+            if reply is None:
+                if req[0] not in NO_REPLY_OPS:
+                    client.pending.append(rid)  # (a stacked front-end's: answered later)
+                frame = b""
+            else:
+                frame = encode_reply(rid, OK, reply)
+        if frame:
+            gate = self._server.gate
+            if gate.closed:  # (the request changed a watched key: the round goes first)
+                gate.emit(session.send, frame)
+            else:
+                session.send(frame)
         self._unacked_in += 1
         if self._unacked_in >= self._server.config.ack_every:
             self._ack(session)
