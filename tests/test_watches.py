@@ -49,6 +49,26 @@ def ask(view, req, client):
         client.wake(reply)
 
 
+async def watched_with_late_confirmation(core, key, v):
+    """``key`` = ``v``, watched (by a GET poll) through one link, whose invalidations wait
+    until the test calls ``confirm()``, and a second link to write with. Returns (the
+    watcher's link, the writer's link, confirm)."""
+    core.execute((Op.SET, key, v), None)
+    watcher, _ = await linked(core)
+    writer, _ = await linked(core)
+    await watched(watcher.view(), (Op.GET, key))
+    assert watcher._cache  # watched
+    held = []
+    original = watcher._on_invalidate
+    watcher._on_invalidate = held.append  # not yet
+
+    def confirm():
+        assert held, "no invalidation arrived"
+        original(held.pop())
+
+    return watcher, writer, confirm
+
+
 async def write_through_own_link(core, key, v):
     """SET ``key`` from a node of its own and wait until the write is done: its CHECK
     after it answered (so every invalidation round it started is over)."""
@@ -218,14 +238,7 @@ def test_a_change_is_not_revealed_before_the_watchers_dropped_what_they_saw():
     the key confirmed the invalidation; meanwhile the watchers answer nothing stale."""
     async def main():
         core = StoreCore()
-        core.execute((Op.SET, b"/k", b"old"), None)
-        watcher, _ = await linked(core)
-        writer, _ = await linked(core)
-        await watched(watcher.view(), (Op.GET, b"/k"))
-        assert watcher._cache  # watched
-        confirmations = []
-        original = watcher._on_invalidate
-        watcher._on_invalidate = lambda payload: confirmations.append(payload)  # not yet
+        watcher, writer, confirm = await watched_with_late_confirmation(core, b"/k", b"old")
         w = Client()
         writer.view().execute((Op.SET, b"/k", b"new"), w)
         writer.view().execute((Op.GET, b"/other"), w)
@@ -234,7 +247,7 @@ def test_a_change_is_not_revealed_before_the_watchers_dropped_what_they_saw():
         root = RootFrontEnd(core)
         direct = Client()
         assert root.execute((Op.GET, b"/k"), direct) is None  # the root's own clients too
-        original(confirmations.pop())
+        confirm()
         await settle()
         assert w.replies == [value(b"")] and direct.replies == [value(b"new")]
         assert await answer(watcher.view(), (Op.GET, b"/k")) == [value(b"new")]
@@ -247,19 +260,13 @@ def test_a_lone_add_of_a_watched_counter_is_answered_only_after_the_round():
     the ADD starts a round and its own answer (which reveals the change) waits for it."""
     async def main():
         core = StoreCore()
-        core.execute((Op.SET, b"/n", b"5"), None)
-        watcher, _ = await linked(core)
-        writer, _ = await linked(core)
-        await watched(watcher.view(), (Op.GET, b"/n"))
-        confirmations = []
-        original = watcher._on_invalidate
-        watcher._on_invalidate = lambda payload: confirmations.append(payload)  # not yet
+        watcher, writer, confirm = await watched_with_late_confirmation(core, b"/n", b"5")
         assert await answer(writer.view(), (Op.GET, b"/other")) == [value(b"")]  # (opens its id)
         w = Client()
         writer.view().execute((Op.ADD, b"/n", 1), w)  # (a frame of its own)
         await settle()
-        assert w.replies == [] and gate_of(core).closed and confirmations  # held
-        original(confirmations.pop())
+        assert w.replies == [] and gate_of(core).closed  # held
+        confirm()
         await settle()
         assert w.replies == [struct.pack("<q", 6)]
         assert await answer(watcher.view(), (Op.GET, b"/n")) == [value(b"6")]

@@ -241,13 +241,8 @@ class Session:
         if wakes:
             frame = encode_replies(wakes)
             wakes.clear()  # (in place: a batch being executed appends to it)
-            server = self.server
-            if server.sessions.get(self.sid) is self:
-                gate = server.gate
-                if gate.closed:
-                    gate.emit(self.send, frame)
-                else:  # (what emit does, without the call: this runs once per batch)
-                    self.send(frame)
+            if self.server.sessions.get(self.sid) is self:
+                self.server.gate.emit(self.send, frame)
 
     def flush_answers(self) -> None:
         """Send the answers queued so far now (an invalidation round must follow them)."""
@@ -500,23 +495,20 @@ class LinkServerConnection(asyncio.Protocol):
             self._transport.close()  # after the ERROR frame is out
             if self._session is not None:  # a resent batch would fail the same way
                 self._server.expire(self._session, f"protocol error: {e}")
-        finally:  # (what _uncork does, without the call: this runs once per read)
-            out, self._corked = self._corked, None
-            if out and not self._transport.is_closing():  # type: ignore[union-attr]
-                self._transport.write(out[0] if len(out) == 1 else b"".join(out))  # type: ignore[union-attr]
+        finally:
+            self._uncork()
 
     def _lone_request(self, session: Session, data: bytes) -> bool:
         """Handle ``data`` if it is exactly one BATCH of one request that is answered at
         once (a node's counter ADD, its SET of a record: most of a start-up's frames at
-        the store host) and nothing is held: what the general path does, in one call
-        and one write, with no decoder, batch loop or answer queue: each call costs the
-        store host on caches gone cold since its last frame (a cold replay of a 512x8
-        start-up's captured frames: ~14% less CPU per frame; live, below the wire-up
-        benchmark's noise). False (nothing done) for anything else, which the general
-        path handles, errors included."""
+        the store host) while none of the link's answers is queued: what the general
+        path does, in one call and one write, with no decoder, batch loop or answer
+        queue: each call costs the store host on caches gone cold since its last frame
+        (a cold replay of a 512x8 start-up's captured frames: ~10% less CPU per frame;
+        live, below the wire-up benchmark's noise). False (nothing done) for anything
+        else, which the general path handles, errors included."""
         length, ftype, n, kind, cid, rid, size = lone_request.unpack_from(data)
-        if (ftype != BATCH or n != 1 or kind != REQUEST or length + 4 != len(data)
-                or size + _LONE_SIZE != len(data) or self._server.gate.closed):
+        if ftype != BATCH or n != 1 or kind != REQUEST or length + 4 != len(data) or size + _LONE_SIZE != len(data):
             return False
         client = session.clients.get(cid)
         if client is None:
@@ -542,12 +534,8 @@ class LinkServerConnection(asyncio.Protocol):
                 frame = b""
             else:
                 frame = encode_reply(rid, OK, reply)
-        if frame:
-            gate = self._server.gate
-            if gate.closed:  # (the request changed a watched key: the round goes first)
-                gate.emit(session.send, frame)
-            else:
-                session.send(frame)
+        if frame:  # (through the gate: if the request changed a watched key, the round goes first)
+            self._server.gate.emit(session.send, frame)
         self._unacked_in += 1
         if self._unacked_in >= self._server.config.ack_every:
             self._ack(session)
