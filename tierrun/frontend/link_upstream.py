@@ -19,11 +19,11 @@ frame and executed atomically, in order, by the core. Within a batch:
   assignment needs: one SET, WAIT and GET of a key of its own per node; one MULTI_SET,
   one WAITS and one MULTI_GET carry a whole batch of them.)
 A client's request joins an earlier merged or folded request only if the client has
-sent nothing with an answer since that one's place (or, an ADD, only that run's ADDs):
-its answers leave in the order it asked. A SET, which has no answer, joins a fold past
-anything of its client's that does not touch its key, and does not stand in the way of
-its client's later requests: a stacked front-end's link client carries many nodes'
-requests, often a SET of one node and an ADD of the next.
+sent nothing since that one's place (or, an ADD, only that run's ADDs): its requests
+take effect, and its answers leave, in the order it sent them (design.md's
+per-connection order). A SET counts too: it has no answer, but the client's next
+answer tells it the SET was done, and a read moved ahead of it could be answered (from
+a watch, or before the SET's invalidation round) while the SET is still on its way.
 
 Across batches, only through watches (design.md's standing watch; link frames.py): a
 one-key CHECK, GET or WAIT of a key polled (read before by another client, or by the
@@ -125,8 +125,8 @@ def _keys(req: Request) -> tuple[bytes, ...]:
 
 
 def _same_run(earlier: tuple[Waiter, bytes, Request], ns: bytes, op: int, key: bytes) -> bool:
-    """Is ``earlier`` (a client's last request with an answer, at or after the place of the
-    open run of ``op`` on ``key``) in that run? Then the client's next one may join it: the
+    """Is ``earlier`` (a client's last request, at or after the place of the open run of
+    ``op`` on ``key``) in that run? Then the client's next one may join it: the
     run's answers leave in order. (Runs are cut by any other request on their key, so an
     ADD of the key in that stretch is in the run.)"""
     req = earlier[2]
@@ -632,7 +632,7 @@ class LinkUpstream:
         folds: dict[tuple[int, bytes], _Upstream] = {}  # (SET|GET|WAIT, ns): the latest foldable op
         last_touch: dict[tuple[bytes, bytes], int] = {}  # (ns, key): place of the last request on it
         last_write: dict[tuple[bytes, bytes], int] = {}
-        last_of: dict[Waiter, int] = {}  # client: place of its last request with an answer
+        last_of: dict[Waiter, int] = {}  # client: place of its last request
         ahead: list[tuple[bytes, bytes]] = []  # keys fetched: read the keys after them too
         stats = self.stats
         seen = self._seen
@@ -660,9 +660,8 @@ class LinkUpstream:
 
         for i, (waiter, ns, req) in enumerate(pending):
             op = req[0]
-            since = last_of.get(waiter, -1)  # this client's previous request with an answer
-            if op < 0 or op not in NO_REPLY_OPS:  # (a SET has none: it has no place in their order)
-                last_of[waiter] = i
+            since = last_of.get(waiter, -1)  # this client's previous request
+            last_of[waiter] = i
             if op < 0:  # a read that also watches its key: merged only with its like
                 inner, watcher = req[1], req[2]  # type: ignore[misc]
                 keys = _keys(inner)
@@ -802,8 +801,7 @@ class LinkUpstream:
                 continue
             if op == Op.SET or op == Op.MULTI_SET and keys:  # (a lower front-end's fold joins ours)
                 f = folds.get((Op.SET, ns))
-                # (no answer to keep in order: it only must not pass a request on its keys)
-                joins = (f is not None and last_touch.get((ns, _ALL_KEYS), -1) < f.pos
+                joins = (f is not None and since < f.pos and last_touch.get((ns, _ALL_KEYS), -1) < f.pos
                          and all(last_touch.get((ns, k), -1) < f.pos for k in keys)
                          and _set_fold_size(f) + len(keys) <= MAX_FOLD)
                 touched(ns, keys, write=True)
