@@ -332,9 +332,9 @@ def test_histories_of_a_polled_counter_are_linearizable():
     them: a write's answer reaching its client before a watching front-end has heard of
     the change lets that front-end's next read be stale. The random histories above
     rarely make this race (it needs polls of one key on one front-end, a write of it
-    alone in a batch from another, and a read right after the write's answer): this
-    test caught a store-host short path that answered such an ADD at once (22 of these
-    300 seeds failed on it)."""
+    alone in a batch from another, and a read right after the write's answer). Written
+    after such a bug was fixed (eeed776: a store-host short path answered such an ADD
+    at once), it fails on that bug in 22 of these 300 seeds."""
     watch_answers = invalidations = 0
     for seed in range(300):
         rnd = random.Random(seed)
