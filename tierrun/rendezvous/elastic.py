@@ -106,6 +106,9 @@ class ElasticRendezvousHandler(StoreRendezvousHandler):
         return "tierrun"
 
     def next_rendezvous(self) -> RendezvousInfo:
+        # (the proxy's death also fails this node's workers, and torch's agent restarts
+        # failed workers, calling this, without asking num_nodes_waiting first)
+        self.replace_dead_proxy()
         self.job.start()
         store = self.job.client()
         if self.is_closed():
