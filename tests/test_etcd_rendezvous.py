@@ -111,6 +111,32 @@ def test_rounds_stable_ranks_waiting_nodes_and_closing(etcd):
     waiting.shutdown()
 
 
+def test_a_restart_after_losing_the_store_host_does_not_wait_for_its_lease(etcd):
+    """The store host dies (its store closes; its etcd lease, 10 s, lives on). torch's
+    agent restarts the survivors' failed workers by calling next_rendezvous without
+    asking num_nodes_waiting first: next_rendezvous itself marks the host lost, so the
+    next round closes as soon as both survivors are back, not after the lease or the
+    20 s last call."""
+    handlers = [_handler(etcd, "host-lost", f"127.0.1.{k}", nnodes=(2, 3), last_call_timeout="20")
+                for k in (1, 2, 3)]
+    infos = _rendezvous_all(handlers)
+    host = next(h for h, i in zip(handlers, infos) if i.rank == 0)
+    survivors = [h for h in handlers if h is not host]
+    host._stop_round_watch()
+    host._keepalive_stop.set()  # dead: no renewals, no revoke, its store's sockets close
+    host.job.stop()
+    deadline = time.monotonic() + 10
+    while any(h.job.lost() is None for h in survivors):
+        assert time.monotonic() < deadline, "the survivors never saw the store close"
+        time.sleep(0.05)
+    t0 = time.monotonic()
+    again = _rendezvous_all(survivors)
+    assert sorted(i.rank for i in again) == [0, 1] and {i.world_size for i in again} == {2}
+    assert time.monotonic() - t0 < 6, "the re-form waited for the dead host's lease"
+    for h in survivors:
+        h.shutdown()
+
+
 def test_too_few_nodes_time_out_naming_who_arrived(etcd):
     from torch.distributed.elastic.rendezvous import RendezvousTimeoutError
 

@@ -133,6 +133,9 @@ class EtcdRendezvousHandler(StoreRendezvousHandler):
             ) from e
 
     def _next_rendezvous(self) -> RendezvousInfo:
+        # (the store host's loss also fails this node's workers, and torch's agent
+        # restarts failed workers, calling this, without asking num_nodes_waiting first)
+        self._store_lost()
         self._stop_round_watch()
         self._ensure_lease()
         if self.is_closed():
@@ -408,9 +411,7 @@ class EtcdRendezvousHandler(StoreRendezvousHandler):
         with self._lock:
             r = self._round
             changed = r in self._changed or self._lease_lost
-        if self.job is not None and (lost := self.job.lost()) is not None:
-            log.warning("node %s lost round %d's store on %s (%s); re-forming", self.node_addr, r, self.job.host, lost)
-            self._report_store_lost(r, lost)
+        if self._store_lost():
             return 1
         if not changed:
             return 0
@@ -419,18 +420,25 @@ class EtcdRendezvousHandler(StoreRendezvousHandler):
         except EtcdUnavailable:
             return 1
 
-    def _report_store_lost(self, r: int, reason: str) -> None:
-        """Mark round r's store host lost, so the next round's last call does not wait
-        for it until its lease ends (if it is alive after all, it re-joins: one more
-        re-form). Best effort, once per round; two create-only requests."""
+    def _store_lost(self) -> bool:
+        """Whether this node has lost its round's store; if so, mark the round's store
+        host lost, so the next round's last call does not wait for it until its lease
+        ends (if it is alive after all, it re-joins: one more re-form). Best effort,
+        once per round: two create-only requests."""
+        if self.job is None or (lost := self.job.lost()) is None:
+            return False
+        with self._lock:
+            r = self._round
         if r in self._lost_reported:
-            return
+            return True
         self._lost_reported.add(r)
+        log.warning("node %s lost round %d's store on %s (%s); re-forming", self.node_addr, r, self.job.host, lost)
         try:
-            self._etcd.create(self._k(r, f"lost/{self._host_id}"), reason.encode())
+            self._etcd.create(self._k(r, f"lost/{self._host_id}"), lost.encode())
             self._etcd.create(self._k(r, "sig/changed"), f"store host {self.job.host} lost".encode())
         except EtcdUnavailable:
             pass
+        return True
 
     def _announce_leaving(self, reason: str) -> None:
         """Tell the others at once (``sig/changed``) and drop this node's keys (revoke
