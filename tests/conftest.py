@@ -1,9 +1,21 @@
+import os
 import uuid
 from datetime import timedelta
 
 import pytest
 
 from tierrun.server import StoreProcess
+
+
+@pytest.fixture(autouse=True)
+def _environ_restored():
+    """Rendezvous handlers run in the test process set variables for torch's agent in
+    ``os.environ`` (TORCH_ELASTIC_WORKER_IDENTICAL); the nodes later tests launch must
+    not inherit them."""
+    saved = dict(os.environ)
+    yield
+    os.environ.clear()
+    os.environ.update(saved)
 
 
 @pytest.fixture
