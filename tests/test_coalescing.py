@@ -178,6 +178,80 @@ def test_a_batch_window_merges_requests_from_several_loop_iterations():
     run(main())
 
 
+def test_a_contended_write_is_held_for_the_others_and_a_read_sends_it_at_once():
+    """A batch opening with a write to a key family another client wrote within the
+    last second (every node's count of a barrier) stays open contended_write_hold
+    seconds: the other clients' ADDs, loop turns later, join it. The first writer is
+    not held; a read closes a held batch at once (a hold of 60 s: only the read can
+    have sent it)."""
+    async def main():
+        core = StoreCore()
+        link, stats = await linked(core, LinkConfig(contended_write_hold=0.05))
+        view = link.view()
+        first, *others = [Client() for _ in range(4)]
+        view.execute((Op.ADD, b"/barrier/count", 1), first)
+        await settle()
+        assert first.replies == [struct.pack("<q", 1)] and stats.batches == 1  # not held
+        for c in others:
+            view.execute((Op.ADD, b"/barrier/count", 1), c)
+            await asyncio.sleep(0)  # a new loop iteration each time
+        await settle()
+        assert stats.batches == 1 and not any(c.replies for c in others)  # held
+        await asyncio.sleep(0.1)
+        await settle()
+        assert sorted(struct.unpack("<q", c.replies[0])[0] for c in others) == [2, 3, 4]
+        assert stats.batches == 2 and stats.operations == 2 and link.stats.held_batches == 1
+
+        link, stats = await linked(core, LinkConfig(contended_write_hold=60))
+        view = link.view()
+        a, b, reader = Client(), Client(), Client()
+        view.execute((Op.ADD, b"/role/1", 1), a)
+        await settle()
+        view.execute((Op.SET, b"/role/2", b"x"), b)  # (the same family: contended)
+        await settle()
+        assert stats.batches == 1 and link.stats.held_batches == 1
+        view.execute((Op.GET, b"/role/2"), reader)
+        await settle()
+        assert reader.replies == [value(b"x")] and stats.batches == 2
+
+    run(main())
+
+
+def test_a_clients_own_repeated_writes_are_not_held():
+    """A client writing one family again within a second (ranks counting their steps
+    in the store) is never held, at a node's front-end; a front-end relaying a
+    subtree's writes is (its repeats are other clients')."""
+    async def main():
+        core = StoreCore()
+        link, stats = await linked(core, LinkConfig(contended_write_hold=60))
+        view = link.view()
+        a, b, reader = Client(), Client(), Client()
+        view.execute((Op.ADD, b"/step", 1), a)
+        await settle()
+        view.execute((Op.ADD, b"/step", 1), b)  # held: a wrote it
+        view.execute((Op.GET, b"/other"), reader)  # ... until this read
+        await settle()
+        for _ in range(3):  # from now on both only repeat themselves
+            for c in (a, b):
+                view.execute((Op.ADD, b"/step", 1), c)
+                await settle()
+        assert len(a.replies) == 4 and len(b.replies) == 4 and link.stats.held_batches == 1
+
+        relay = Client()
+        relay.relay = True  # (as a stacked front-end's link client)
+        view.execute((Op.ADD, b"/step", 1), relay)  # held: b wrote it last
+        await settle()
+        assert link.stats.held_batches == 2 and relay.replies == []
+        view.execute((Op.ADD, b"/step", 1), a)  # a's repeat: not held; it sends the batch
+        await settle()
+        assert len(relay.replies) == 1 and len(a.replies) == 5
+        view.execute((Op.ADD, b"/step", 1), relay)  # the relay's repeat is held
+        await settle()
+        assert link.stats.held_batches == 3 and len(relay.replies) == 1
+
+    run(main())
+
+
 def test_sets_and_gets_of_distinct_keys_fold_into_one_multi_set_and_one_multi_get():
     """torch's rank assignment: each agent SETs a key of its own, later GETs another of
     its own. A batch of them reaches the core as one MULTI_SET / one MULTI_GET."""

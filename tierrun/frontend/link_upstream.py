@@ -1,7 +1,18 @@
 """A front-end's upstream over a link: batching and coalescing (design.md's rule).
 
 Requests that arrive during one event-loop iteration form one *batch*, sent in one
-frame and executed atomically, in order, by the core. Within a batch:
+frame and executed atomically, in order, by the core. A batch that opens with a
+*contended* write (an ADD, SET, MULTI_SET or APPEND to a key family, the key less its
+trailing number, that another client wrote within the last second: every node's count
+of a barrier or of torch's ``init/``, every node's role record) stays open
+``LinkConfig.contended_write_hold`` seconds (10 ms), so that the others' writes, which
+reach a node (and a stacked front-end) at different moments, leave with it: fewer
+frames at the store host, each of which costs it far more than the entries it carries.
+Any other request closes the held batch at once, so reads (and chains of them, such as
+Gloo's address exchange) never wait; a client repeating its own write of a family
+within the second (a counter in a loop) is not held either, except by a front-end
+relaying a subtree's writes, which cannot tell one client's repeats from another's.
+Within a batch:
 - identical read-only requests (WAIT, CHECK, GET, MULTI_GET, GETNUMKEYS, QUEUE_LEN)
   with no write to their keys between them are sent once and the answer fanned out;
 - consecutive ADDs to one key with no other operation on that key between them become
@@ -112,6 +123,9 @@ _ENTRY_KIND = {_WATCH: 0, _FETCH: WATCHES, _FETCH_AFTER_WRITES: FETCHES, _PEEK: 
 LOOKAHEAD = 16
 MAX_LOOKAHEAD = 256
 _TRAILING_NUMBER = re.compile(rb"[0-9]{1,18}\Z")
+#: A write is contended when another client wrote its key family this recently (seconds).
+CONTENDED_WITHIN = 1.0
+_HELD_WRITES = frozenset({Op.ADD, Op.SET, Op.MULTI_SET, Op.APPEND})
 _MISSING = object()
 
 
@@ -210,6 +224,7 @@ class CoalescingStats:
         self.watch_joins = 0  # WAITs that joined a WAIT sent earlier, through its watch
         self.peeks_sent = 0  # keys read ahead (PEEKS entries), of our own or for front-ends below
         self.invalidations = 0  # watches the core invalidated
+        self.held_batches = 0  # batches held open for a contended write (LinkConfig.contended_write_hold)
 
     def as_dict(self) -> dict[str, int]:
         return dict(vars(self))
@@ -268,6 +283,10 @@ class LinkUpstream:
         self._lease_until = 0.0  # answer from watches only before this (monotonic)
         self._unanswered: dict[Waiter, int] = {}  # client -> its requests awaiting answers
         self._unconfirmed: set[Waiter] = set()  # clients whose last request has no answer
+        #: (ns, key family) -> (its last writer, when): is a write contended
+        self._family_writer: dict[tuple[bytes, bytes], tuple[Waiter, float]] = {}
+        self._client_wrote: dict[tuple[tuple[bytes, bytes], Waiter], float] = {}  # ... by this client, when
+        self._hold: asyncio.TimerHandle | None = None  # the open batch is held until then
 
     # -- the session and its connections ----------------------------------------------
 
@@ -528,10 +547,51 @@ class LinkUpstream:
         return ahead
 
     def _enqueue(self, waiter: Waiter, ns: bytes, req: Request) -> None:
-        """Put a request in the next batch."""
+        """Put a request in the next batch, held open if it starts with a contended
+        write (``LinkConfig.contended_write_hold``), closed at once by anything else."""
+        hold = self.config.contended_write_hold
+        if hold and req[0] in _HELD_WRITES:
+            contended = self._contended(waiter, ns, req)
+        else:
+            contended = False
         if not self._pending and not self._extra:
-            self._schedule_flush()
+            if contended:
+                limit = self.config.batches_in_flight
+                if not limit or len(self._batches_awaiting) < limit:
+                    self.stats.held_batches += 1
+                    self._hold = asyncio.get_running_loop().call_later(hold, self._flush)
+            else:
+                self._schedule_flush()
+        elif self._hold is not None and not contended:
+            self._hold.cancel()
+            self._hold = None
+            asyncio.get_running_loop().call_soon(self._flush)
         self._pending.append((waiter, ns, req))
+
+    def _contended(self, waiter: Waiter, ns: bytes, req: Request) -> bool:
+        """Whether this write's key family (its first key, less the trailing number) was
+        written by another client within ``CONTENDED_WITHIN`` seconds (every node's
+        count of a barrier, its role record); notes this write. A client writing one
+        family again within that time (a counter in a loop) is not held, unless it
+        relays for a front-end below (``relay``: a subtree's writes, where repeats are
+        other clients'). O(key)."""
+        key = req[1][0] if req[0] == Op.MULTI_SET else req[1]
+        k = (ns, key.rstrip(b"0123456789"))
+        now = monotonic()
+        writers = self._family_writer
+        if len(writers) >= MAX_WATCHES:
+            writers.clear()
+        last = writers.get(k)
+        writers[k] = (waiter, now)
+        if not getattr(waiter, "relay", False):
+            mine = self._client_wrote
+            if len(mine) >= MAX_WATCHES:
+                mine.clear()
+            before = mine.get((k, waiter))
+            mine[(k, waiter)] = now
+            if before is not None and now - before < CONTENDED_WITHIN:
+                return False
+        return last is not None and last[0] is not waiter and now - last[1] < CONTENDED_WITHIN
 
     def _watched_value(self, op: int, k: tuple[bytes, bytes]) -> bytes | None | object:
         """``k``'s watched value (None: absent) when a CHECK, GET or WAIT of it can be
@@ -623,6 +683,9 @@ class LinkUpstream:
     def _flush(self) -> None:
         """Send the batch: merge and fold by the rule of this module's docstring. O(keys
         of the batch's requests): a few dict operations per key."""
+        if self._hold is not None:
+            self._hold.cancel()
+            self._hold = None
         pending, self._pending = self._pending, []
         entries, self._extra = self._extra, []
         ops: list[_Upstream] = []

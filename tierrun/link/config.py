@@ -28,6 +28,12 @@ class LinkConfig:
     #: their answers (0: no limit). Requests arriving meanwhile wait for the next batch,
     #: so under load batches grow by themselves, and an idle link adds no latency.
     batches_in_flight: int = 1
+    #: A batch that opens with a *contended* write (an ADD, SET, MULTI_SET or APPEND to
+    #: a key family, the key less its trailing number, that another client wrote within
+    #: ``CONTENDED_WITHIN`` seconds: a barrier's count, every node's role record) stays
+    #: open this long (seconds), so that the other clients' writes join it; any other
+    #: request closes it at once. 0: never held.
+    contended_write_hold: float = 0.01
 
     @classmethod
     def from_env(cls) -> LinkConfig:
@@ -41,4 +47,5 @@ class LinkConfig:
             grace=float(os.environ.get("TIERRUN_LINK_GRACE", d.grace)),
             batch_window=float(os.environ.get("TIERRUN_LINK_BATCH_WINDOW", d.batch_window)),
             batches_in_flight=int(os.environ.get("TIERRUN_LINK_BATCHES_IN_FLIGHT", d.batches_in_flight)),
+            contended_write_hold=float(os.environ.get("TIERRUN_LINK_WRITE_HOLD", d.contended_write_hold)),
         )

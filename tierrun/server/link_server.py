@@ -62,9 +62,11 @@ class RemoteClient:
     """A link client (one namespace of a front-end), as its upstream sees it: the waiter
     of its deferred answers. A WAIT or BARRIER waits under a :class:`Ticket` of its
     own, so any number may wait at once; a front-end's link upstream (a stacked
-    front-end) also defers every other answer, delivered in request order."""
+    front-end) also defers every other answer, delivered in request order. It
+    ``relay``\ s: its requests are a whole subtree's (see ``LinkUpstream._contended``)."""
 
     __slots__ = ("session", "upstream", "pending", "tickets")
+    relay = True
 
     def __init__(self, session: Session, upstream: Upstream) -> None:
         self.session = session
