@@ -10,6 +10,7 @@ import pytest
 from inproc import Client, linked, settle, value
 
 from tierrun.core import StoreCore
+from tierrun.frontend.link_upstream import HOLD_STRETCH
 from tierrun.link.config import LinkConfig
 from tierrun.protocol import Op
 
@@ -213,6 +214,42 @@ def test_a_contended_write_is_held_for_the_others_and_a_read_sends_it_at_once():
         view.execute((Op.GET, b"/role/2"), reader)
         await settle()
         assert reader.replies == [value(b"x")] and stats.batches == 2
+
+    run(main())
+
+
+def test_a_held_batch_waits_one_hold_after_each_joining_write_up_to_a_limit():
+    """Writers that keep coming keep a held batch open: it leaves one hold after the
+    last write that joined it (so a barrier's last writer waits no more than a hold per
+    front-end), but no later than HOLD_STRETCH holds after the write that opened it."""
+    async def main():
+        hold = 0.2
+        core = StoreCore()
+        link, stats = await linked(core, LinkConfig(contended_write_hold=hold))
+        view = link.view()
+        first, opener, joiner = Client(), Client(), Client()
+        view.execute((Op.ADD, b"/barrier/count", 1), first)
+        await settle()
+        view.execute((Op.ADD, b"/barrier/count", 1), opener)  # held from now
+        await asyncio.sleep(0.75 * hold)
+        view.execute((Op.ADD, b"/barrier/count", 1), joiner)  # ... until a hold from now
+        await asyncio.sleep(0.5 * hold)  # (past the opener's hold)
+        assert stats.batches == 1 and not opener.replies
+        await asyncio.sleep(hold)
+        await settle()
+        assert stats.batches == 2 and [len(c.replies) for c in (opener, joiner)] == [1, 1]
+
+        writers = [Client() for _ in range(2 * HOLD_STRETCH + 4)]
+        loop = asyncio.get_running_loop()
+        start = loop.time()
+        for c in writers:  # a write every half hold: each would stretch the hold again
+            view.execute((Op.ADD, b"/barrier/count", 1), c)
+            await asyncio.sleep(hold / 2)
+            if stats.batches > 2:
+                break
+        # the first of them left with the batch they opened, HOLD_STRETCH holds later
+        assert stats.batches > 2 and loop.time() - start < (HOLD_STRETCH + 1.5) * hold
+        assert writers[0].replies
 
     run(main())
 

@@ -8,6 +8,9 @@ of a barrier or of torch's ``init/``, every node's role record) stays open
 ``LinkConfig.contended_write_hold`` seconds (10 ms), so that the others' writes, which
 reach a node (and a stacked front-end) at different moments, leave with it: fewer
 frames at the store host, each of which costs it far more than the entries it carries.
+Each write that joins keeps it open one hold more, up to HOLD_STRETCH holds in all:
+writers that keep coming leave together, and the last one (a barrier's, which every
+other waits for) waits one hold at most.
 Any other request closes the held batch at once, so reads (and chains of them, such as
 Gloo's address exchange) never wait; a client repeating its own write of a family
 within the second (a counter in a loop) is not held either, except by a front-end
@@ -125,6 +128,8 @@ MAX_LOOKAHEAD = 256
 _TRAILING_NUMBER = re.compile(rb"[0-9]{1,18}\Z")
 #: A write is contended when another client wrote its key family this recently (seconds).
 CONTENDED_WITHIN = 1.0
+#: A held batch that other clients' writes keep joining stays open up to this many holds.
+HOLD_STRETCH = 4
 _HELD_WRITES = frozenset({Op.ADD, Op.SET, Op.MULTI_SET, Op.APPEND})
 _MISSING = object()
 
@@ -287,6 +292,8 @@ class LinkUpstream:
         self._family_writer: dict[tuple[bytes, bytes], tuple[Waiter, float]] = {}
         self._client_wrote: dict[tuple[tuple[bytes, bytes], Waiter], float] = {}  # ... by this client, when
         self._hold: asyncio.TimerHandle | None = None  # the open batch is held until then
+        self._hold_until = 0.0  # (monotonic) ... one hold after the last write that joined it,
+        self._hold_last = 0.0  # ... but no later than HOLD_STRETCH holds after its first
 
     # -- the session and its connections ----------------------------------------------
 
@@ -559,14 +566,29 @@ class LinkUpstream:
                 limit = self.config.batches_in_flight
                 if not limit or len(self._batches_awaiting) < limit:
                     self.stats.held_batches += 1
-                    self._hold = asyncio.get_running_loop().call_later(hold, self._flush)
+                    now = monotonic()
+                    self._hold_until = now + hold
+                    self._hold_last = now + HOLD_STRETCH * hold
+                    self._hold = asyncio.get_running_loop().call_later(hold, self._hold_over)
             else:
                 self._schedule_flush()
-        elif self._hold is not None and not contended:
-            self._hold.cancel()
-            self._hold = None
-            asyncio.get_running_loop().call_soon(self._flush)
+        elif self._hold is not None:
+            if not contended:
+                self._hold.cancel()
+                self._hold = None
+                asyncio.get_running_loop().call_soon(self._flush)
+            else:  # another writer joined: hold on while they keep coming
+                self._hold_until = min(monotonic() + hold, self._hold_last)
         self._pending.append((waiter, ns, req))
+
+    def _hold_over(self) -> None:
+        """The held batch leaves, unless a write joined it in its last hold: then it
+        waits one hold from that write (up to HOLD_STRETCH holds from its first)."""
+        left = self._hold_until - monotonic()
+        if left > 0.001:
+            self._hold = asyncio.get_running_loop().call_later(left, self._hold_over)
+        else:
+            self._flush()
 
     def _contended(self, waiter: Waiter, ns: bytes, req: Request) -> bool:
         """Whether this write's key family (its first key, less the trailing number) was

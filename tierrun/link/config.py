@@ -31,8 +31,9 @@ class LinkConfig:
     #: A batch that opens with a *contended* write (an ADD, SET, MULTI_SET or APPEND to
     #: a key family, the key less its trailing number, that another client wrote within
     #: ``CONTENDED_WITHIN`` seconds: a barrier's count, every node's role record) stays
-    #: open this long (seconds), so that the other clients' writes join it; any other
-    #: request closes it at once. 0: never held.
+    #: open this long (seconds), so that the other clients' writes join it, and as long
+    #: again after each write that joins it (up to ``HOLD_STRETCH`` times this in all);
+    #: any other request closes it at once. 0: never held.
     contended_write_hold: float = 0.01
 
     @classmethod
