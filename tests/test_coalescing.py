@@ -254,6 +254,31 @@ def test_a_held_batch_waits_one_hold_after_each_joining_write_up_to_a_limit():
     run(main())
 
 
+def test_records_of_a_family_being_read_are_not_held():
+    """Gloo's ranks each SET their address and WAIT for every other's, one by one:
+    holding a SET of a family that is being read would hold up its readers. Counts
+    (ADD) are still held: their readers wait for the last one anyway."""
+    async def main():
+        core = StoreCore()
+        link, stats = await linked(core, LinkConfig(contended_write_hold=60))
+        view = link.view()
+        a, b, reader = Client(), Client(), Client()
+        view.execute((Op.SET, b"/addr/0", b"x"), a)
+        view.execute((Op.WAIT, (b"/addr/1",)), reader)
+        await settle()
+        view.execute((Op.SET, b"/addr/1", b"y"), b)  # contended, but read: sent at once
+        await settle()
+        assert reader.replies and link.stats.held_batches == 0
+        view.execute((Op.ADD, b"/count", 1), a)
+        view.execute((Op.GET, b"/count"), reader)
+        await settle()
+        view.execute((Op.ADD, b"/count", 1), b)  # a count: held, though read
+        await settle()
+        assert link.stats.held_batches == 1 and b.replies == []
+
+    run(main())
+
+
 def test_a_clients_own_repeated_writes_are_not_held():
     """A client writing one family again within a second (ranks counting their steps
     in the store) is never held, at a node's front-end; a front-end relaying a

@@ -10,7 +10,9 @@ reach a node (and a stacked front-end) at different moments, leave with it: fewe
 frames at the store host, each of which costs it far more than the entries it carries.
 Each write that joins keeps it open one hold more, up to HOLD_STRETCH holds in all:
 writers that keep coming leave together, and the last one (a barrier's, which every
-other waits for) waits one hold at most.
+other waits for) waits one hold at most. A record (a SET, MULTI_SET or APPEND) of a
+family that was read through this front-end within the second is not held: its
+readers wait for it one by one (Gloo's ranks, every rank's address in turn).
 Any other request closes the held batch at once, so reads (and chains of them, such as
 Gloo's address exchange) never wait; a client repeating its own write of a family
 within the second (a counter in a loop) is not held either, except by a front-end
@@ -131,6 +133,7 @@ CONTENDED_WITHIN = 1.0
 #: A held batch that other clients' writes keep joining stays open up to this many holds.
 HOLD_STRETCH = 4
 _HELD_WRITES = frozenset({Op.ADD, Op.SET, Op.MULTI_SET, Op.APPEND})
+_NOTED_READS = frozenset({Op.GET, Op.WAIT, Op.CHECK, Op.MULTI_GET})
 _MISSING = object()
 
 
@@ -291,6 +294,7 @@ class LinkUpstream:
         #: (ns, key family) -> (its last writer, when): is a write contended
         self._family_writer: dict[tuple[bytes, bytes], tuple[Waiter, float]] = {}
         self._client_wrote: dict[tuple[tuple[bytes, bytes], Waiter], float] = {}  # ... by this client, when
+        self._family_read: dict[tuple[bytes, bytes], float] = {}  # (ns, key family) -> when last read
         self._hold: asyncio.TimerHandle | None = None  # the open batch is held until then
         self._hold_until = 0.0  # (monotonic) ... one hold after the last write that joined it,
         self._hold_last = 0.0  # ... but no later than HOLD_STRETCH holds after its first
@@ -557,10 +561,12 @@ class LinkUpstream:
         """Put a request in the next batch, held open if it starts with a contended
         write (``LinkConfig.contended_write_hold``), closed at once by anything else."""
         hold = self.config.contended_write_hold
-        if hold and req[0] in _HELD_WRITES:
-            contended = self._contended(waiter, ns, req)
-        else:
-            contended = False
+        contended = False
+        if hold:
+            if req[0] in _HELD_WRITES:
+                contended = self._contended(waiter, ns, req)
+            else:
+                self._note_read(ns, req[1] if req[0] < 0 else req)
         if not self._pending and not self._extra:
             if contended:
                 limit = self.config.batches_in_flight
@@ -605,6 +611,10 @@ class LinkUpstream:
             writers.clear()
         last = writers.get(k)
         writers[k] = (waiter, now)
+        if req[0] != Op.ADD:  # (a record, not a count: is it being read, one by one?)
+            read = self._family_read.get(k)
+            if read is not None and now - read < CONTENDED_WITHIN:
+                return False
         if not getattr(waiter, "relay", False):
             mine = self._client_wrote
             if len(mine) >= MAX_WATCHES:
@@ -614,6 +624,17 @@ class LinkUpstream:
             if before is not None and now - before < CONTENDED_WITHIN:
                 return False
         return last is not None and last[0] is not waiter and now - last[1] < CONTENDED_WITHIN
+
+    def _note_read(self, ns: bytes, req: Request) -> None:
+        """Note that a key family is being read through here: its writes are records
+        that clients wait for one by one (Gloo's addresses), not counts or records
+        read all at once when complete, so they are not held. O(key)."""
+        if req[0] in _NOTED_READS and req[1]:
+            reads = self._family_read
+            if len(reads) >= MAX_WATCHES:
+                reads.clear()
+            key = req[1] if req[0] == Op.GET else req[1][0]
+            reads[(ns, key.rstrip(b"0123456789"))] = monotonic()
 
     def _watched_value(self, op: int, k: tuple[bytes, bytes]) -> bytes | None | object:
         """``k``'s watched value (None: absent) when a CHECK, GET or WAIT of it can be
