@@ -117,3 +117,23 @@ def test_progress_bar_on_a_terminal(tmp_path):
     assert "2/3 nodes |" in text and "missing: node rank 2" in text, text[-3000:]
     assert "3/3 nodes |" in text and "all joined" in text, text[-3000:]
     assert "[tierrun] rendezvous" not in text  # a bar, not log lines
+
+
+def test_a_node_started_before_the_store_host_says_what_it_waits_for(tmp_path):
+    """Tiered, 2 nodes: node 1 starts 3 s before node 0 (the store host). Node 1 says
+    every progress interval what it is waiting for, then that it reached it; the job runs."""
+    port = free_port()
+    logs = [tmp_path / f"node{k}.log" for k in range(2)]
+    env = {"TIERRUN_TOKEN": "a-job-token"}
+    common = ("--progress_interval", "1", "--enable_tiered_parallel_tcpstore", "true", SCRIPTS / "ddp_toy.py")
+    early = static_node(1, 2, port, *common, log=logs[1], env=env)
+    time.sleep(3)
+    host = static_node(0, 2, port, *common, log=logs[0], env=env)
+    assert finish([host, early]) == [0, 0], logs[1].read_text()[-3000:]
+    waiting = logs[1].read_text()
+    said = [line for line in waiting.splitlines() if "still waiting for" in line]
+    assert said, waiting[-3000:]
+    assert said[0].startswith(f"[tierrun] node 127.0.1.2: still waiting for the job's store host 127.0.1.1:{port} after ")
+    assert "(giving up after 900 s)" in said[0]  # torch's LaunchConfig default rendezvous timeout
+    assert f"[tierrun] node 127.0.1.2: reached the job's store host 127.0.1.1:{port} after" in waiting
+    assert "still waiting" not in logs[0].read_text()  # the store host waits for no store

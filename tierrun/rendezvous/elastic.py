@@ -109,8 +109,7 @@ class ElasticRendezvousHandler(StoreRendezvousHandler):
         # (the proxy's death also fails this node's workers, and torch's agent restarts
         # failed workers, calling this, without asking num_nodes_waiting first)
         self.replace_dead_proxy()
-        self.job.start()
-        store = self.job.client()
+        store = self.connect()
         if self.is_closed():
             raise RendezvousClosedError(f"rendezvous '{self.run_id}' is closed: the job has ended")
         r = max(self._round + 1, int(store.add(f"{self._base}/round", 0)))

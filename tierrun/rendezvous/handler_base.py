@@ -11,7 +11,7 @@ import threading
 import time
 from collections.abc import Callable, Iterator
 
-from torch.distributed import PrefixStore
+from torch.distributed import PrefixStore, TCPStore
 from torch.distributed.elastic.agent.server.api import _TERMINAL_STATE_SYNC_ID
 from torch.distributed.elastic.rendezvous import (
     RendezvousConnectionError, RendezvousError, RendezvousHandler,
@@ -20,7 +20,7 @@ from torch.distributed.elastic.utils.store import _barrier_nonblocking
 
 from ..client import StoreClient, StoreClientError
 from ..link.config import LinkConfig
-from ..report.progress import MODES, Arrivals, RendezvousProgress
+from ..report.progress import MODES, Arrivals, RendezvousProgress, StillWaiting
 from . import liveness
 from .job_store import JobStore
 
@@ -142,6 +142,27 @@ class StoreRendezvousHandler(RendezvousHandler):
             yield
         finally:
             progress.stop()
+
+    def connect(self) -> TCPStore:
+        """Start this node's store processes and connect to the job's store: blocks
+        until it answers, up to the store timeout, and raises
+        ``RendezvousConnectionError`` saying what is unreachable. A node that does not
+        host the store says every progress interval that it is still waiting, and for
+        what (unless ``progress=off``): a node started before the store host, or with a
+        wrong address, would otherwise wait the whole timeout in silence."""
+        if self.job.hosting or self._progress_mode == "off" or self.job.ready():
+            self.job.start()
+            return self.job.client()
+        notice = StillWaiting(self.node_addr, lambda: self.job.upstream_name,
+                              self.job.timeout.total_seconds(), self._progress_interval).start()
+        reached = False
+        try:
+            self.job.start()
+            store = self.job.client()
+            reached = True
+            return store
+        finally:
+            notice.stop(reached)
 
     def check_store_host(self) -> None:
         """Raise ``RendezvousConnectionError`` if this node has lost the job's store. O(1),

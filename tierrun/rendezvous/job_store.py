@@ -96,6 +96,10 @@ class JobStore:
             if tree is not None and tree.has_children:  # tell the children where to link
                 self.client().set(tree.key(tree.rank), f"{_bracket(tree.addr)}:{proxy.link_port}")
 
+    def ready(self) -> bool:
+        """``start`` and ``client`` have nothing left to do (they return at once)."""
+        return self._client is not None and (not self.tiered or self.proxy is not None)
+
     def _parent_address(self, tree: TreePlace) -> str:
         """Where the parent node's proxy takes links, as it published it: one plain
         connection to the store host (WAIT + GET), closed at once. Blocks up to the

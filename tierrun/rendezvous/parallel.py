@@ -65,8 +65,7 @@ class ParallelRendezvousHandler(StoreRendezvousHandler):
     def next_rendezvous(self) -> RendezvousInfo:
         self._raise_if_failed()
         self._round += 1
-        self.job.start()
-        store = self.job.client()
+        store = self.connect()
         base = self._base(self._round)
         workers_key = self._count_local_world_size(store, base)
         self._arrive(store, base)

@@ -1,5 +1,6 @@
 """Live rendezvous progress on the store host: nodes joined / expected, elapsed time,
-and, once ``interval`` seconds have passed, the nodes still missing.
+and, once ``interval`` seconds have passed, the nodes still missing. On the other
+nodes, while they cannot reach the store yet: what they wait for, and for how long.
 
 A tqdm bar when stderr is a terminal; plain lines every ``interval`` seconds when it is
 not (CI, Slurm logs), so a log shows who was missing without a bar's control codes.
@@ -110,6 +111,41 @@ class RendezvousProgress:
                     bar.set_postfix_str("all joined", refresh=False)
                     bar.refresh()
                     break
+
+
+class StillWaiting:
+    """Says every ``interval`` seconds that this node is still waiting for ``what()``
+    (a description read at each line, as it may change), until ``stop()``; once it has
+    said so, ``stop()`` says how long it took. Its own thread; no store traffic.
+    ``start()`` returns at once."""
+
+    def __init__(self, node: str, what: Callable[[], str], timeout: float, interval: float = 5.0) -> None:
+        self._node = node
+        self._what = what
+        self._timeout = timeout
+        self._interval = interval
+        self._done = threading.Event()
+        self._said = False
+        self._thread = threading.Thread(target=self._run, name="tierrun-still-waiting", daemon=True)
+        self._start = time.monotonic()
+
+    def start(self) -> StillWaiting:
+        self._thread.start()
+        return self
+
+    def stop(self, reached: bool) -> None:
+        """``reached``: the wait ended because the store answered (else it failed)."""
+        self._done.set()
+        self._thread.join(timeout=5)
+        if self._said and reached:
+            _say(f"node {self._node}: reached {self._what()} after {time.monotonic() - self._start:.0f} s")
+
+    def _run(self) -> None:
+        while not self._done.wait(self._interval):
+            _say(f"node {self._node}: still waiting for {self._what()} after "
+                 f"{time.monotonic() - self._start:.0f} s (giving up after {self._timeout:.0f} s). "
+                 "Is that node up, and its port reachable from this one?")
+            self._said = True
 
 
 def _screen() -> dict[str, int]:
