@@ -275,6 +275,14 @@ def test_records_of_a_family_being_read_are_not_held():
         view.execute((Op.ADD, b"/count", 1), b)  # a count: held, though read
         await settle()
         assert link.stats.held_batches == 1 and b.replies == []
+        # records read all at once (one WAIT for all of them, as torch's rank
+        # assignment does) are still held
+        view.execute((Op.SET, b"/role/0", b"r"), a)
+        view.execute((Op.WAIT, (b"/role/0", b"/role/1")), reader)
+        await settle()
+        view.execute((Op.SET, b"/role/1", b"s"), b)
+        await settle()
+        assert link.stats.held_batches == 2
 
     run(main())
 

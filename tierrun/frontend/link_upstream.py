@@ -133,7 +133,7 @@ CONTENDED_WITHIN = 1.0
 #: A held batch that other clients' writes keep joining stays open up to this many holds.
 HOLD_STRETCH = 4
 _HELD_WRITES = frozenset({Op.ADD, Op.SET, Op.MULTI_SET, Op.APPEND})
-_NOTED_READS = frozenset({Op.GET, Op.WAIT, Op.CHECK, Op.MULTI_GET})
+_NOTED_READS = frozenset({Op.GET, Op.WAIT, Op.CHECK})
 _MISSING = object()
 
 
@@ -626,10 +626,12 @@ class LinkUpstream:
         return last is not None and last[0] is not waiter and now - last[1] < CONTENDED_WITHIN
 
     def _note_read(self, ns: bytes, req: Request) -> None:
-        """Note that a key family is being read through here: its writes are records
-        that clients wait for one by one (Gloo's addresses), not counts or records
-        read all at once when complete, so they are not held. O(key)."""
-        if req[0] in _NOTED_READS and req[1]:
+        """Note that a key family is being read one key at a time through here: its
+        writes are records that clients wait for one by one (Gloo's addresses), not
+        counts or records read all at once when complete (torch's rank assignment WAITs
+        for every node's role record in one request, then MULTI_GETs them), so they are
+        not held. O(key)."""
+        if req[0] in _NOTED_READS and (req[0] == Op.GET or len(req[1]) == 1):
             reads = self._family_read
             if len(reads) >= MAX_WATCHES:
                 reads.clear()
