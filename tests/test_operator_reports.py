@@ -120,14 +120,18 @@ def test_progress_bar_on_a_terminal(tmp_path):
 
 
 def test_a_node_started_before_the_store_host_says_what_it_waits_for(tmp_path):
-    """Tiered, 2 nodes: node 1 starts 3 s before node 0 (the store host). Node 1 says
-    every progress interval what it is waiting for, then that it reached it; the job runs."""
+    """Tiered, 2 nodes: node 1 starts first, node 0 (the store host) once node 1 has
+    said, as it does every progress interval, what it is waiting for; then node 1 says
+    that it reached it, and the job runs."""
     port = free_port()
     logs = [tmp_path / f"node{k}.log" for k in range(2)]
     env = {"TIERRUN_TOKEN": "a-job-token"}
     common = ("--progress_interval", "1", "--enable_tiered_parallel_tcpstore", "true", SCRIPTS / "ddp_toy.py")
     early = static_node(1, 2, port, *common, log=logs[1], env=env)
-    time.sleep(3)
+    deadline = time.monotonic() + 60
+    while "still waiting for" not in logs[1].read_text() and early.poll() is None:
+        assert time.monotonic() < deadline, logs[1].read_text()[-3000:]
+        time.sleep(0.2)
     host = static_node(0, 2, port, *common, log=logs[0], env=env)
     assert finish([host, early]) == [0, 0], logs[1].read_text()[-3000:]
     waiting = logs[1].read_text()
