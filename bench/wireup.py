@@ -499,15 +499,20 @@ def main() -> None:
         for setup, m in by.items():
             lines.append(f"| {size} | {setup} | {m['connections']:,.0f} | {m['requests']:,.0f} | "
                          f"{m['frames']:,.0f} | {m['cpu_s']:.2f} | {m['wall_s']:.2f} |")
-    lines += ["", f"Ratios torch / tierrun's tiered set-ups (tree fanout {args.fanout}; higher: tierrun cheaper):", "",
-              "| K x P | set-up | connections | requests | frames | node-0 CPU | wall |",
-              "|---|---|---:|---:|---:|---:|---:|"]
+    lines += ["", f"Ratios torch / tierrun's tiered set-ups (tree fanout {args.fanout}; higher: tierrun cheaper). "
+              "Node-0 CPU is the ratio of the medians; per round, the ratio within each round "
+              "(torch's run and tierrun's of the same round): median, and lowest-highest, which shows "
+              "how much of the figure is the machine's noise:", "",
+              "| K x P | set-up | connections | requests | frames | node-0 CPU | node-0 CPU per round | wall |",
+              "|---|---|---:|---:|---:|---:|---:|---:|"]
     for size, by in med.items():
         for setup in TIERED:
             t, c = by["torch"], by[setup]
             q = {m: t[m] / c[m] if c[m] else float("inf") for m in t}
+            paired = [a["cpu_s"] / b["cpu_s"] for a, b in zip(runs[size]["torch"], runs[size][setup])]
             lines.append(f"| {size} | {setup} | {q['connections']:.0f}x | {q['requests']:.1f}x | "
-                         f"{q['frames']:.1f}x | {q['cpu_s']:.1f}x | {q['wall_s']:.2f}x |")
+                         f"{q['frames']:.1f}x | {q['cpu_s']:.1f}x | {statistics.median(paired):.1f}x "
+                         f"({min(paired):.1f}-{max(paired):.1f}) | {q['wall_s']:.2f}x |")
     table = "\n".join(lines)
     print(table)
     name = ("wireup" if args.traffic == "nccl" else "wireup_gloo") + ("_tierrun_agents" if args.agents == "tierrun" else "")
