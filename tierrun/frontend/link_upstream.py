@@ -137,6 +137,12 @@ _NOTED_READS = frozenset({Op.GET, Op.WAIT, Op.CHECK})
 _MISSING = object()
 
 
+def _family(ns: bytes, key: bytes) -> tuple[bytes, bytes]:
+    """A key's family, as the contended-write hold tells writers and readers apart: the
+    key less its trailing number, in its namespace."""
+    return ns, key.rstrip(b"0123456789")
+
+
 def _keys(req: Request) -> tuple[bytes, ...]:
     op = req[0]
     if op in (Op.CHECK, Op.WAIT, Op.MULTI_GET, Op.MULTI_SET):
@@ -603,8 +609,7 @@ class LinkUpstream:
         family again within that time (a counter in a loop) is not held, unless it
         relays for a front-end below (``relay``: a subtree's writes, where repeats are
         other clients'). O(key)."""
-        key = req[1][0] if req[0] == Op.MULTI_SET else req[1]
-        k = (ns, key.rstrip(b"0123456789"))
+        k = _family(ns, req[1][0] if req[0] == Op.MULTI_SET else req[1])
         now = monotonic()
         writers = self._family_writer
         if len(writers) >= MAX_WATCHES:
@@ -635,8 +640,7 @@ class LinkUpstream:
             reads = self._family_read
             if len(reads) >= MAX_WATCHES:
                 reads.clear()
-            key = req[1] if req[0] == Op.GET else req[1][0]
-            reads[(ns, key.rstrip(b"0123456789"))] = monotonic()
+            reads[_family(ns, req[1] if req[0] == Op.GET else req[1][0])] = monotonic()
 
     def _watched_value(self, op: int, k: tuple[bytes, bytes]) -> bytes | None | object:
         """``k``'s watched value (None: absent) when a CHECK, GET or WAIT of it can be
