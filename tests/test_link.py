@@ -189,6 +189,85 @@ def test_a_heartbeat_riding_with_a_batch_is_answered_in_one_write():
     asyncio.run(main())
 
 
+def test_every_link_beats_on_the_same_ticks_of_the_wall_clock(monkeypatch):
+    """Idle links' heartbeats fall on whole multiples of the interval of the wall clock,
+    whenever each link was opened: they reach the store host together, which reads them
+    in one wake-up instead of one each. (Links opened 70 ms apart, beating every 200 ms
+    from their own start, could not all beat within 50 ms of the same ticks.)"""
+    import asyncio
+
+    from inproc import linked
+
+    from tierrun.core import StoreCore
+    from tierrun.frontend.link_upstream import LinkConnection
+    from tierrun.link.config import LinkConfig
+
+    beats = []
+    ack = LinkConnection.ack
+
+    def noted(self, after=b""):
+        beats.append(time.time())
+        ack(self, after)
+
+    monkeypatch.setattr(LinkConnection, "ack", noted)
+
+    async def main():
+        core, config = StoreCore(), LinkConfig(heartbeat_interval=0.2)
+        for _ in range(3):
+            await linked(core, config)
+            await asyncio.sleep(0.07)
+        beats.clear()  # (each link's ACK on connecting)
+        await asyncio.sleep(0.9)
+
+    asyncio.run(main())
+    assert len(beats) >= 9
+    off_tick = [min(t % 0.2, 0.2 - t % 0.2) for t in beats]
+    assert max(off_tick) < 0.05, off_tick
+
+
+def test_a_silent_link_is_closed_when_its_timeout_runs_out():
+    """The store host checks its links when the one heard from least recently would be
+    overdue, not on a fixed tick: a link silent since t is closed at t + timeout (give or
+    take a loop turn), one heard from since is kept until it falls silent in turn."""
+    import asyncio
+
+    from tierrun.link.config import LinkConfig
+    from tierrun.server.link_server import LinkServer
+
+    closed = {}
+
+    class Transport:
+        def __init__(self, name):
+            self.name, self.closing = name, False
+
+        def write(self, data):
+            pass
+
+        def is_closing(self):
+            return self.closing
+
+        def abort(self):
+            self.closing = True
+            closed[self.name] = time.monotonic()
+
+    async def main():
+        server = LinkServer(lambda ns: None, b"tok", config=LinkConfig(heartbeat_timeout=0.3))
+        silent = server.accept("silent")
+        silent.connection_made(Transport("silent"))
+        talking = server.accept("talking")
+        talking.connection_made(Transport("talking"))
+        for _ in range(6):
+            await asyncio.sleep(0.1)
+            talking.last_rx = time.monotonic()
+        await asyncio.sleep(0.6)
+        server.close()
+        return silent.last_rx, talking.last_rx
+
+    silent_since, talking_since = asyncio.run(main())
+    assert 0.3 <= closed["silent"] - silent_since < 0.55
+    assert 0.3 <= closed["talking"] - talking_since < 0.55
+
+
 def test_a_lone_request_frame_is_answered_like_any_batch(caplog):
     """Most frames reaching the store host hold one request; it handles those in a
     short path of its own. Answers, failures and waits come out as from the general

@@ -308,7 +308,7 @@ class LinkServer:
         session ends with the connection (no grace period); ``sniffed=False``: the link's
         first byte is still to come (a listener that takes only links)."""
         if self._watchdog is None:
-            self._schedule_watchdog()
+            self._schedule_watchdog(self.config.heartbeat_timeout)
         return LinkServerConnection(self, peer, initial, token or self.token, resumable, sniffed)
 
     def take(self, transport: asyncio.Transport, peer: str, initial: bytes) -> None:
@@ -317,17 +317,23 @@ class LinkServer:
         transport.set_protocol(conn)
         conn.connection_made(transport)
 
-    def _schedule_watchdog(self) -> None:
-        loop = asyncio.get_running_loop()
-        self._watchdog = loop.call_later(self.config.heartbeat_interval, self._check_heartbeats)
+    def _schedule_watchdog(self, delay: float) -> None:
+        self._watchdog = asyncio.get_running_loop().call_later(delay, self._check_heartbeats)
 
     def _check_heartbeats(self) -> None:
-        """Close connections silent for longer than the heartbeat timeout. O(links)."""
-        deadline = monotonic() - self.config.heartbeat_timeout
+        """Close connections silent for longer than the heartbeat timeout; come back when
+        the least recently heard of the others would be (not every interval: an idle
+        store host wakes for its links' heartbeats only). O(links)."""
+        now = monotonic()
+        timeout = self.config.heartbeat_timeout
+        deadline = now - timeout
+        oldest = now
         for conn in list(self.connections):
             if conn.last_rx < deadline:
-                conn.abort(f"nothing heard for {self.config.heartbeat_timeout:g} s")
-        self._schedule_watchdog()
+                conn.abort(f"nothing heard for {timeout:g} s")
+            elif conn.last_rx < oldest:
+                oldest = conn.last_rx
+        self._schedule_watchdog(oldest + timeout - now + 0.01)  # (>= 0.01: aborted ones are not counted)
 
     def attach(self, conn: LinkServerConnection, sid: bytes, fresh: bool, replies_received: int) -> Session:
         """Open or resume a session on ``conn``; write RESUMED and what the front-end
