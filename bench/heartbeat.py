@@ -12,16 +12,32 @@ while the job runs (wireup.py --agents tierrun): each node's liveness beat, an A
 a second on the wall clock's whole seconds, and the first 3 nodes' MULTI_GET of every
 node's counter; torch's set-up is torchrun's static job, which has no liveness (its
 server sees only the ranks' CHECKs). Writes heartbeat_tierrun_agents.
+
+--idle: what idle connections cost node 0 a second, nothing else running: torch's server
+with every agent's and rank's connection open (K x (P + 1): torch's protocol has no
+liveness, so they cost it nothing), tierrun's store with one link per node (tiered) and
+with 8 (tree). What a link costs is its heartbeat: an ACK a second and its PONG. Writes
+heartbeat_idle.
 """
 
 from __future__ import annotations
 
 import argparse
+import asyncio
+import os
+import random
+import secrets
 import statistics
+import subprocess
+import sys
+import time
 import types
 
 import wireup
 from report import raise_fd_limit, write_json, write_section
+from servers import process_cpu_seconds, start_torch
+
+from tierrun.server import StoreProcess
 
 SETUPS = ("torch", "tiered", "tree")
 
@@ -34,9 +50,17 @@ def main() -> None:
     p.add_argument("--repeat", type=int, default=3)
     p.add_argument("--agents", choices=("torch", "tierrun"), default="torch",
                    help="agent traffic of tierrun's set-ups (see wireup.py --agents)")
+    p.add_argument("--idle", action="store_true", help="measure idle connections instead (see above)")
+    p.add_argument("--idle-child", nargs=3, help=argparse.SUPPRESS)
     args = p.parse_args()
     raise_fd_limit()
+    if args.idle_child:
+        idle_child(args.idle_child[0], int(args.idle_child[1]), int(args.idle_child[2]))
+        return
     k, pp = map(int, args.size.split("x"))
+    if args.idle:
+        idle(k, pp, args)
+        return
     seconds = args.high - args.low
     per_second: dict[str, list[dict]] = {s: [] for s in SETUPS}
     for i in range(args.repeat):
@@ -65,6 +89,80 @@ def main() -> None:
     name = "heartbeat" if args.agents == "torch" else "heartbeat_tierrun_agents"
     write_json(name, {"args": vars(args), "per_second": per_second})
     write_section(name, table)
+
+
+IDLE_SECONDS = 6.0
+
+
+def idle_child(kind: str, port: int, count: int) -> None:
+    """Open ``count`` connections to node 0 (``torch``: torch clients, handshake done;
+    ``link``: front-end links, each opened at a random moment of a second, as nodes
+    start at different moments) and keep them open, idle, until stdin closes."""
+    from tierrun.frontend.link_upstream import connect_link
+    from tierrun.server.eventloop import run
+
+    async def main() -> None:
+        if kind == "torch":
+            conns = [await wireup.connect("127.0.0.1", port) for _ in range(count)]
+        else:
+            token = os.environ["TIERRUN_TOKEN"].encode()
+
+            async def node() -> object:
+                await asyncio.sleep(random.random())
+                return await connect_link("127.0.0.1", port, token, lambda reason: os._exit(1))
+
+            conns = await asyncio.gather(*(node() for _ in range(count)))
+        print("ready", flush=True)
+        await asyncio.get_running_loop().run_in_executor(None, sys.stdin.readline)
+        del conns
+
+    run(main())
+
+
+def idle_cost(kind: str, count: int) -> float:
+    """Node 0's CPU seconds per second with ``count`` idle connections (two client
+    processes), over IDLE_SECONDS, after a second's settling."""
+    env = dict(os.environ, TIERRUN_TOKEN=secrets.token_hex(16))
+    if kind == "torch":
+        server = start_torch()
+        port, pid, stop = server.port, server.pid, server.stop
+    else:
+        store = StoreProcess(host="127.0.0.1", port=0, controlled=True, env=env)
+        port, pid, stop = store.start(), store.pid, store.stop
+    children = [subprocess.Popen([sys.executable, __file__, "--idle-child", kind, str(port), str(n)],
+                                 stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, env=env)
+                for n in (count // 2, count - count // 2)]
+    try:
+        for c in children:
+            if c.stdout.readline().strip() != "ready":
+                raise RuntimeError(f"idle {kind} x {count}: a client process did not start")
+        time.sleep(1.0)
+        cpu0 = process_cpu_seconds(pid)
+        time.sleep(IDLE_SECONDS)
+        return (process_cpu_seconds(pid) - cpu0) / IDLE_SECONDS
+    finally:
+        for c in children:
+            c.kill()
+            c.wait()
+        stop()
+
+
+def idle(k: int, pp: int, args) -> None:
+    setups = {"torch": ("torch", k * (pp + 1)), "tiered": ("link", k), "tree": ("link", 8)}
+    runs: dict[str, list[float]] = {s: [] for s in setups}
+    for i in range(args.repeat):
+        for setup, (kind, count) in setups.items():
+            runs[setup].append(idle_cost(kind, count))
+            print(f"run {i + 1} {setup} ({count} connections): {1000 * runs[setup][-1]:.2f} ms/s", flush=True)
+    lines = [f"{args.size}, every connection open and idle for {IDLE_SECONDS:g} s; node-0 CPU per second, "
+             f"medians of {args.repeat} runs.", "",
+             "| set-up | node-0 connections | node-0 CPU ms / s |", "|---|---:|---:|"]
+    for setup, (kind, count) in setups.items():
+        lines.append(f"| {setup} | {count:,} | {1000 * statistics.median(runs[setup]):.2f} |")
+    table = "\n".join(lines)
+    print(table)
+    write_json("heartbeat_idle", {"args": vars(args), "cpu_s_per_s": runs})
+    write_section("heartbeat_idle", table)
 
 
 if __name__ == "__main__":
