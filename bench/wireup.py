@@ -8,10 +8,11 @@ tests/fixtures and read from torch's sources) against three set-ups, in the same
   tiered        tierrun's store with a node front-end per simulated node (the proxy's own
                 components: FrontEnd + LinkUpstream): agents and ranks connect to their
                 node's front-end on loopback; only the K front-ends link to node 0
-  tree          tiered, with front-ends stacked (--store-fanout F, default 8): nodes 0..F-1
-                link to node 0's store, node n >= F to the front-end of node n // F - 1
-                (which also accepts links: LinkServer over its own upstream), so node 0
-                sees F links
+  tree          tiered, with front-ends stacked (--store-fanout F, default 8) in the
+                launcher's tree (rendezvous.job_store.TreePlace): F nodes link to node 0's
+                store, the others to another node's front-end (which also accepts links:
+                LinkServer over its own upstream), so node 0 sees F links; node 0's own
+                front-end is a leaf of the tree
   tree-10ms     tree, every front-end keeping its batch open 10 ms
                 (TIERRUN_LINK_BATCH_WINDOW=0.01): fewer, larger batches, 10 ms more
                 latency per level
@@ -37,7 +38,10 @@ dump key one second apart, as ProcessGroupNCCL's heartbeat monitor does.
 --traffic gloo: Gloo's full-mesh address exchange instead of the unique id (each rank
 SETs its address, then WAIT, WAIT, GET of every rank's: O(W^2) requests; small K only).
 
-Node 0 is the store server process. Reported per set-up: connections node 0 accepted,
+Node 0 is the store server process and, in the tiered set-ups, node 0's own front-end,
+a node proxy process (`tierrun proxy`) as the launcher starts it on every node, node 0
+included; the other nodes' front-ends run inside the simulator processes. Node 0's CPU
+is both processes' (the torch set-up: its server's). Reported per set-up: connections node 0 accepted,
 requests it parsed (flat: every request; tiered: operations carried by links), frames it
 received (flat: one per request; tiered: link batches), its CPU seconds (/proc), and the
 wall time from start to every rank done. All simulated nodes share this machine's cores
@@ -66,6 +70,7 @@ from servers import process_cpu_seconds, start_torch
 from tierrun.protocol import Op
 from tierrun.protocol.opcodes import NO_REPLY_OPS, VALIDATION_MAGIC
 from tierrun.protocol.requests import encode_request
+from tierrun.rendezvous.job_store import TreePlace
 from tierrun.rendezvous.liveness import until
 from tierrun.server import StoreProcess
 
@@ -162,10 +167,17 @@ async def connect(host: str, port: int) -> SimClient:
 # -- the simulated cluster ----------------------------------------------------------------
 
 
+def tree_address(n: int, port: int) -> tuple[str, int]:
+    """Where node n's front-end takes its children's links (a loopback address per node)."""
+    return f"127.3.{n // 250}.{n % 250 + 1}", port
+
+
 class Cluster:
     def __init__(self, k: int, p: int, traffic: str, heartbeats: int, root: tuple[str, int],
-                 tiered: bool, fanout: int = 0, tree_port: int = 0, tierrun_agents: bool = False) -> None:
+                 tiered: bool, fanout: int = 0, tree_port: int = 0, tierrun_agents: bool = False,
+                 node0_proxy: tuple[str, int] | None = None) -> None:
         self.k, self.p, self.w = k, p, k * p
+        self.node0_proxy = node0_proxy
         self.tierrun_agents = tierrun_agents
         self.traffic = traffic
         self.heartbeats = heartbeats
@@ -175,13 +187,14 @@ class Cluster:
         self.tree_port = tree_port
 
     def tree_address(self, n: int) -> tuple[str, int]:
-        """Where node n's front-end takes its children's links (a loopback address per node)."""
-        return f"127.3.{n // 250}.{n % 250 + 1}", self.tree_port
+        return tree_address(n, self.tree_port)
 
     async def node(self, n: int) -> None:
         target = self.root
         if self.tiered:
-            target = await self.front_end(n)
+            # node 0's own front-end runs in its own process (measure() starts it), as
+            # the launcher runs it: its CPU is node 0's
+            target = self.node0_proxy if n == 0 else await self.front_end(n)
         agent = await connect(*target)
         await agent.call(Op.ADD, b"init/", 1)
         if self.tierrun_agents:
@@ -263,10 +276,10 @@ class Cluster:
             os._exit(1)  # the parent sees EOF and reports the failure
 
         token = os.environ["TIERRUN_TOKEN"].encode()
-        f = self.fanout
-        upstream = self.root if not f or n < f else self.tree_address(n // f - 1)
+        place = TreePlace(n, self.k, self.fanout or self.k, "", "")
+        upstream = self.root if place.parent is None else self.tree_address(place.parent)
         link = await connect_link(*upstream, token, lost, 120, LinkConfig.from_env())
-        if f and (n + 1) * f < self.k:  # it has children: take their links
+        if place.has_children:  # take their links
             links = LinkServer(lambda ns: link.view(ns.decode()), token, lease=link.lease_left)
             await asyncio.get_running_loop().create_server(
                 lambda: links.accept(sniffed=False), *self.tree_address(n))
@@ -303,13 +316,14 @@ class Cluster:
 
 
 def sim_child(setup: str, k: int, p: int, procs: int, index: int, port: int, traffic: str,
-              heartbeats: int, fanout: int, tree_port: int, agents: str) -> None:
+              heartbeats: int, fanout: int, tree_port: int, agents: str, node0_port: int) -> None:
     """Simulate nodes index, index + procs, ...; start when told on stdin."""
     from tierrun.server.eventloop import run
 
     raise_fd_limit()
     cluster = Cluster(k, p, traffic, heartbeats, ("127.0.0.1", port), setup in TIERED,
-                      fanout if setup in TREES else 0, tree_port, agents == "tierrun" and setup != "torch")
+                      fanout if setup in TREES else 0, tree_port, agents == "tierrun" and setup != "torch",
+                      ("127.0.0.1", node0_port))
     print("ready", flush=True)
     sys.stdin.readline()
 
@@ -345,9 +359,19 @@ def measure(setup: str, k: int, p: int, args) -> dict:
         port = store.start()
         pid = store.pid
     tree_port = free_port()
+    proxy = None  # node 0's own front-end, in its own process as the launcher starts it
+    if setup in TIERED:
+        place = TreePlace(0, k, args.fanout if setup in TREES else k, "", "")
+        extra = ["--upstream", f"127.0.0.1:{port}"]
+        if place.has_children:
+            extra += ["--link-listen", "%s:%d" % tree_address(0, tree_port)]
+        proxy = StoreProcess(host="127.0.0.1", port=0, controlled=True, env=env, command="proxy",
+                             extra_args=extra)
+        proxy_port = proxy.start()
     sims = [subprocess.Popen([sys.executable, __file__, "--sim-child", setup, str(k), str(p), str(args.procs),
                               str(i), str(port), args.traffic, str(args.heartbeats),
-                              str(args.fanout), str(tree_port), args.agents],
+                              str(args.fanout), str(tree_port), args.agents,
+                              str(proxy_port if proxy else 0)],
                              stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, env=env)
             for i in range(args.procs)]
     try:
@@ -355,6 +379,7 @@ def measure(setup: str, k: int, p: int, args) -> dict:
             if s.stdout.readline().strip() != "ready":
                 raise RuntimeError(f"{setup}: a simulator did not start")
         cpu0 = process_cpu_seconds(pid)
+        proxy_cpu0 = process_cpu_seconds(proxy.pid) if proxy else 0.0
         t0 = time.perf_counter()
         for s in sims:
             s.stdin.write("go\n")
@@ -362,6 +387,7 @@ def measure(setup: str, k: int, p: int, args) -> dict:
         outs = [s.stdout.readline() for s in sims]
         wall = time.perf_counter() - t0
         cpu = process_cpu_seconds(pid) - cpu0
+        proxy_cpu = process_cpu_seconds(proxy.pid) - proxy_cpu0 if proxy else 0.0
         if not all(outs):
             raise RuntimeError(f"{setup} K={k} P={p}: a simulator failed")
         requests = sum(json.loads(o)["requests"] for o in outs)
@@ -374,11 +400,14 @@ def measure(setup: str, k: int, p: int, args) -> dict:
                           "requests": st["link_operations"], "frames": st["link_batches"]}
             else:
                 result = {"connections": st["clients_accepted"], "requests": requests, "frames": requests}
-        return {**result, "cpu_s": cpu, "wall_s": wall}
+        return {**result, "cpu_s": cpu + proxy_cpu, "store_cpu_s": cpu, "proxy_cpu_s": proxy_cpu,
+                "wall_s": wall}
     finally:
         for s in sims:
             s.kill()
             s.wait()
+        if proxy is not None:
+            proxy.stop()
         if store is not None:
             store.stop()
         else:
@@ -462,16 +491,16 @@ def main() -> None:
     p.add_argument("--agents", choices=("torch", "tierrun"), default="torch",
                    help="agent traffic of tierrun's set-ups: torch's static rendezvous and rank "
                         "assignment (as the torch set-up), or what tierrun's parallel backend sends")
-    p.add_argument("--sim-child", nargs=11, help=argparse.SUPPRESS)
+    p.add_argument("--sim-child", nargs=12, help=argparse.SUPPRESS)
     p.add_argument("--echo-server", action="store_true", help=argparse.SUPPRESS)
     args = p.parse_args()
     if args.echo_server:
         echo_server()
         return
     if args.sim_child:
-        setup, k, pp, procs, index, port, traffic, hb, fanout, tree_port, agents = args.sim_child
+        setup, k, pp, procs, index, port, traffic, hb, fanout, tree_port, agents, node0 = args.sim_child
         sim_child(setup, int(k), int(pp), int(procs), int(index), int(port), traffic, int(hb),
-                  int(fanout), int(tree_port), agents)
+                  int(fanout), int(tree_port), agents, int(node0))
         return
     raise_fd_limit()
     sizes = [tuple(map(int, s.split("x"))) for s in args.sizes]
@@ -493,12 +522,14 @@ def main() -> None:
              f"uvloop server spends {floor:.0f} us of CPU per message that arrives alone (a wake-up: "
              "epoll, read, write, context switches; median, same run): node-0 frames x that is "
              "a floor no store code can go below.", "",
-             "| K x P | set-up | node-0 connections | node-0 requests | node-0 frames | node-0 CPU s | wall s |",
-             "|---|---|---:|---:|---:|---:|---:|"]
+             "| K x P | set-up | node-0 connections | node-0 requests | node-0 frames | node-0 CPU s "
+             "| of which node 0's proxy | wall s |",
+             "|---|---|---:|---:|---:|---:|---:|---:|"]
     for size, by in med.items():
         for setup, m in by.items():
+            proxy = f"{m['proxy_cpu_s']:.3f}" if setup in TIERED else "-"
             lines.append(f"| {size} | {setup} | {m['connections']:,.0f} | {m['requests']:,.0f} | "
-                         f"{m['frames']:,.0f} | {m['cpu_s']:.2f} | {m['wall_s']:.2f} |")
+                         f"{m['frames']:,.0f} | {m['cpu_s']:.3f} | {proxy} | {m['wall_s']:.2f} |")
     lines += ["", f"Ratios torch / tierrun's tiered set-ups (tree fanout {args.fanout}; higher: tierrun cheaper). "
               "Node-0 CPU is the ratio of the medians; per round, the ratio within each round "
               "(torch's run and tierrun's of the same round): median, and lowest-highest, which shows "

@@ -5,6 +5,7 @@ torch's own client."""
 from __future__ import annotations
 
 import os
+import re
 import signal
 import socket
 import threading
@@ -16,6 +17,7 @@ import torch.distributed as dist
 
 from launch import SCRIPTS, children, finish, free_port, results, tierrun
 from test_launcher import check_world, served_by_store_host
+from tierrun.rendezvous.job_store import TreePlace
 from tierrun.server import StoreProcess
 
 ENV = dict(os.environ, TIERRUN_TOKEN="tree-test")
@@ -97,8 +99,8 @@ def test_the_link_port_takes_only_authenticated_links(tree):
 
 
 def test_static_job_with_store_fanout_node0_sees_fanout_links(tmp_path):
-    """5 nodes, --store-fanout 2: nodes 0 and 1 link to the store host, nodes 2 and 3 to
-    node 0's proxy, node 4 to node 1's."""
+    """5 nodes, --store-fanout 2: nodes 1 and 4 link to the store host, nodes 2 and 3 to
+    node 4's proxy, node 0 (the store host: a leaf) to node 1's."""
     port = free_port()
     logs = [tmp_path / f"node{k}.log" for k in range(5)]
     env = {"TIERRUN_TOKEN": "tree-job-token", "TIERRUN_LOG_LEVEL": "INFO"}
@@ -109,26 +111,26 @@ def test_static_job_with_store_fanout_node0_sees_fanout_links(tmp_path):
     assert finish(procs) == [0] * 5, logs[4].read_text()[-3000:]
     check_world(results(*logs), 5, 15)
     served = served_by_store_host(logs[0])
-    # 2 links; nodes 2, 3 and 4 each looked up their parent once over a plain connection
+    # 2 links; nodes 0, 2 and 3 each looked up their parent once over a plain connection
     assert served["links_accepted"] == 2 and served["clients_accepted"] == 3
 
 
 def test_a_node_whose_tree_parent_never_comes_says_so_in_one_line(tmp_path):
-    log = tmp_path / "node2.log"
+    log = tmp_path / "node0.log"
     p = tierrun("--nnodes", 3, "--rdzv_backend", "parallel", "--master_addr", "127.0.1.1",
-                "--master_port", free_port(), "--node_rank", 2, "--tiered", "--store-fanout", 2,
-                "--local_addr", "127.0.1.3", "--rdzv_conf", "timeout=3", SCRIPTS / "collectives.py",
+                "--master_port", free_port(), "--node_rank", 0, "--tiered", "--store-fanout", 2,
+                "--local_addr", "127.0.1.1", "--rdzv_conf", "timeout=3", SCRIPTS / "collectives.py",
                 log=log, env={"TIERRUN_TOKEN": "tree-job-token"})
     assert finish([p], 60) == [1]
-    assert ("tierrun: error: node rank 2 did not learn where its parent in the store tree, node rank 0, "
+    assert ("tierrun: error: node rank 0 did not learn where its parent in the store tree, node rank 2, "
             "takes links within 3 s") in log.read_text()
 
 
 def test_a_dead_proxy_in_the_tree_stops_the_static_job_with_a_message(tmp_path):
-    """Node 1's proxy carries node 4's link (--store-fanout 2). Killed: node 1 reports
-    its lost store, the others' ring sees node 1 stop, node 4 names its lost parent once
-    its link's grace period ends, and the job stops, no hang. (Workers idle: no
-    collective fails first.)"""
+    """Node 4's proxy carries the links of nodes 2 and 3 (--store-fanout 2). Killed: node 4
+    reports its lost store, the others' ring sees node 4 stop, node 2 names its lost
+    parent once its link's grace period ends, and the job stops, no hang. (Workers idle:
+    no collective fails first.)"""
     port = free_port()
     logs = [tmp_path / f"node{k}.log" for k in range(5)]
     procs = [tierrun("--nnodes", 5, "--rdzv_backend", "parallel", "--master_addr", "127.0.1.1",
@@ -141,7 +143,7 @@ def test_a_dead_proxy_in_the_tree_stops_the_static_job_with_a_message(tmp_path):
         while len(results(*logs, tag="UP")) < 5 and time.monotonic() < deadline:
             time.sleep(0.2)
         assert len(results(*logs, tag="UP")) == 5, logs[4].read_text()[-3000:]
-        proxy = next(c for c in children(procs[1].pid)
+        proxy = next(c for c in children(procs[4].pid)
                      if b"tierrun\0proxy" in open(f"/proc/{c}/cmdline", "rb").read())
         os.kill(proxy, signal.SIGKILL)
         killed = time.monotonic()
@@ -149,8 +151,28 @@ def test_a_dead_proxy_in_the_tree_stops_the_static_job_with_a_message(tmp_path):
     finally:
         finish(procs, 1)
     assert all(c != 0 for c in codes) and time.monotonic() - killed < 40, codes
-    assert "the store proxy of node 127.0.1.2 was killed by SIGKILL" in logs[1].read_text()
-    # node 4 linked through node 1's proxy: it names that, not the store host
-    assert "lost its parent in the store tree (node rank 1's proxy" in logs[4].read_text(), \
-        logs[4].read_text()[-3000:]
-    assert "node rank 1 (127.0.1.2) has not answered" in logs[0].read_text()
+    assert "the store proxy of node 127.0.1.5 was killed by SIGKILL" in logs[4].read_text()
+    # node 2 linked through node 4's proxy: it names that, not the store host
+    assert "lost its parent in the store tree (node rank 4's proxy" in logs[2].read_text(), \
+        logs[2].read_text()[-3000:]
+    # (nodes 2 and 3 beat through node 4's proxy: whichever is missed first is named)
+    assert re.search(r"node rank [234] \(127\.0\.1\.[345]\) has not answered", logs[0].read_text())
+
+
+@pytest.mark.parametrize("nodes,fanout", [(1, 2), (2, 2), (3, 2), (5, 2), (8, 8), (9, 8), (100, 3), (512, 8)])
+def test_the_tree_reaches_every_node_with_at_most_fanout_links_each_and_node0_relays_none(nodes, fanout):
+    places = [TreePlace(r, nodes, fanout, "", "") for r in range(nodes)]
+    children: dict[int | None, list[int]] = {}
+    for p in places:
+        children.setdefault(p.parent, []).append(p.rank)
+    assert all(len(c) <= fanout for c in children.values())
+    assert all(p.has_children == (p.rank in children) for p in places)
+    assert not places[0].has_children  # the store host's proxy carries only its own node
+    for p in places:  # every node reaches the store host, without a cycle
+        seen, up = set(), p.rank
+        while up is not None:
+            assert up not in seen
+            seen.add(up)
+            up = places[up].parent
+    if nodes <= fanout:
+        assert children == {None: list(range(nodes))}

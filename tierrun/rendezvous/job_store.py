@@ -266,9 +266,13 @@ def token_from(config: dict) -> str | None:
 class TreePlace:
     """This node's place in a tree of node proxies (``--store-fanout F``, static jobs).
 
-    Nodes 0..F-1 link to the store host; node r >= F links to the proxy of node
-    r // F - 1, which takes links on ``addr`` and publishes where under ``key``. So
-    every proxy, the store host's core included, has at most F links.
+    Nodes take places 0..N-1 in an F-ary tree: places 0..F-1 link to the store host,
+    place p >= F to the proxy of the node in place p // F - 1, which takes links on
+    ``addr`` and publishes where under ``key``. So every proxy, the store host's core
+    included, has at most F links. Node r is in place r, except nodes 0 and N-1, which
+    trade places: the last place is a leaf, so the store host's own proxy relays no
+    other node's requests (at 512x8, fanout 8, relaying 64 nodes' would cost node 0 as
+    much CPU again as its core: ``bench/wireup.py``).
     """
 
     rank: int
@@ -278,13 +282,19 @@ class TreePlace:
     addr: str
     run_id: str
 
+    def _swap(self, n: int) -> int:
+        """Node rank <-> place (nodes 0 and N-1 trade places)."""
+        last = self.nodes - 1
+        return last if n == 0 else 0 if n == last else n
+
     @property
     def parent(self) -> int | None:
-        return None if self.rank < self.fanout else self.rank // self.fanout - 1
+        place = self._swap(self.rank)
+        return None if place < self.fanout else self._swap(place // self.fanout - 1)
 
     @property
     def has_children(self) -> bool:
-        return (self.rank + 1) * self.fanout < self.nodes
+        return (self._swap(self.rank) + 1) * self.fanout < self.nodes
 
     def key(self, rank: int) -> str:
         return f"tierrun/{self.run_id}/tree/{rank}"
