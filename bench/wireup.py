@@ -9,10 +9,10 @@ tests/fixtures and read from torch's sources) against three set-ups, in the same
                 components: FrontEnd + LinkUpstream): agents and ranks connect to their
                 node's front-end on loopback; only the K front-ends link to node 0
   tree          tiered, with front-ends stacked (--store-fanout F, default 8) in the
-                launcher's tree (rendezvous.job_store.TreePlace): F nodes link to node 0's
-                store, the others to another node's front-end (which also accepts links:
-                LinkServer over its own upstream), so node 0 sees F links; node 0's own
-                front-end is a leaf of the tree
+                launcher's tree (rendezvous.job_store.TreePlace): node 0's own
+                front-end and F - 1 other nodes' link to node 0's store, the others to
+                another node's front-end (which also accepts links: LinkServer over its
+                own upstream), so node 0 sees F links
   tree-10ms     tree, every front-end keeping its batch open 10 ms
                 (TIERRUN_LINK_BATCH_WINDOW=0.01): fewer, larger batches, 10 ms more
                 latency per level
@@ -167,11 +167,6 @@ async def connect(host: str, port: int) -> SimClient:
 # -- the simulated cluster ----------------------------------------------------------------
 
 
-def tree_address(n: int, port: int) -> tuple[str, int]:
-    """Where node n's front-end takes its children's links (a loopback address per node)."""
-    return f"127.3.{n // 250}.{n % 250 + 1}", port
-
-
 class Cluster:
     def __init__(self, k: int, p: int, traffic: str, heartbeats: int, root: tuple[str, int],
                  tiered: bool, fanout: int = 0, tree_port: int = 0, tierrun_agents: bool = False,
@@ -187,7 +182,8 @@ class Cluster:
         self.tree_port = tree_port
 
     def tree_address(self, n: int) -> tuple[str, int]:
-        return tree_address(n, self.tree_port)
+        """Where node n's front-end takes its children's links (a loopback address per node)."""
+        return f"127.3.{n // 250}.{n % 250 + 1}", self.tree_port
 
     async def node(self, n: int) -> None:
         target = self.root
@@ -359,14 +355,10 @@ def measure(setup: str, k: int, p: int, args) -> dict:
         port = store.start()
         pid = store.pid
     tree_port = free_port()
-    proxy = None  # node 0's own front-end, in its own process as the launcher starts it
-    if setup in TIERED:
-        place = TreePlace(0, k, args.fanout if setup in TREES else k, "", "")
-        extra = ["--upstream", f"127.0.0.1:{port}"]
-        if place.has_children:
-            extra += ["--link-listen", "%s:%d" % tree_address(0, tree_port)]
+    proxy = None  # node 0's own front-end, in its own process as the launcher starts it:
+    if setup in TIERED:  # linked straight to the store, no children (TreePlace)
         proxy = StoreProcess(host="127.0.0.1", port=0, controlled=True, env=env, command="proxy",
-                             extra_args=extra)
+                             extra_args=["--upstream", f"127.0.0.1:{port}"])
         proxy_port = proxy.start()
     sims = [subprocess.Popen([sys.executable, __file__, "--sim-child", setup, str(k), str(p), str(args.procs),
                               str(i), str(port), args.traffic, str(args.heartbeats),

@@ -99,8 +99,8 @@ def test_the_link_port_takes_only_authenticated_links(tree):
 
 
 def test_static_job_with_store_fanout_node0_sees_fanout_links(tmp_path):
-    """5 nodes, --store-fanout 2: nodes 1 and 4 link to the store host, nodes 2 and 3 to
-    node 4's proxy, node 0 (the store host: a leaf) to node 1's."""
+    """5 nodes, --store-fanout 2: node 0's proxy and node 1's link to the store host,
+    nodes 2 and 3 to node 1's proxy, node 4 to node 2's."""
     port = free_port()
     logs = [tmp_path / f"node{k}.log" for k in range(5)]
     env = {"TIERRUN_TOKEN": "tree-job-token", "TIERRUN_LOG_LEVEL": "INFO"}
@@ -111,26 +111,26 @@ def test_static_job_with_store_fanout_node0_sees_fanout_links(tmp_path):
     assert finish(procs) == [0] * 5, logs[4].read_text()[-3000:]
     check_world(results(*logs), 5, 15)
     served = served_by_store_host(logs[0])
-    # 2 links; nodes 0, 2 and 3 each looked up their parent once over a plain connection
+    # 2 links; nodes 2, 3 and 4 each looked up their parent once over a plain connection
     assert served["links_accepted"] == 2 and served["clients_accepted"] == 3
 
 
 def test_a_node_whose_tree_parent_never_comes_says_so_in_one_line(tmp_path):
-    log = tmp_path / "node0.log"
+    log = tmp_path / "node2.log"
     p = tierrun("--nnodes", 3, "--rdzv_backend", "parallel", "--master_addr", "127.0.1.1",
-                "--master_port", free_port(), "--node_rank", 0, "--tiered", "--store-fanout", 2,
-                "--local_addr", "127.0.1.1", "--rdzv_conf", "timeout=3", SCRIPTS / "collectives.py",
+                "--master_port", free_port(), "--node_rank", 2, "--tiered", "--store-fanout", 2,
+                "--local_addr", "127.0.1.3", "--rdzv_conf", "timeout=3", SCRIPTS / "collectives.py",
                 log=log, env={"TIERRUN_TOKEN": "tree-job-token"})
     assert finish([p], 60) == [1]
-    assert ("tierrun: error: node rank 0 did not learn where its parent in the store tree, node rank 2, "
+    assert ("tierrun: error: node rank 2 did not learn where its parent in the store tree, node rank 1, "
             "takes links within 3 s") in log.read_text()
 
 
 def test_a_dead_proxy_in_the_tree_stops_the_static_job_with_a_message(tmp_path):
-    """Node 4's proxy carries the links of nodes 2 and 3 (--store-fanout 2). Killed: node 4
-    reports its lost store, the others' ring sees node 4 stop, node 2 names its lost
-    parent once its link's grace period ends, and the job stops, no hang. (Workers idle:
-    no collective fails first.)"""
+    """Node 1's proxy carries the links of nodes 2 and 3, and through node 2's node 4's
+    (--store-fanout 2). Killed: node 1 reports its lost store, node 0's watchers see
+    nodes stop beating, node 2 names its lost parent once its link's grace period ends,
+    and the job stops, no hang. (Workers idle: no collective fails first.)"""
     port = free_port()
     logs = [tmp_path / f"node{k}.log" for k in range(5)]
     procs = [tierrun("--nnodes", 5, "--rdzv_backend", "parallel", "--master_addr", "127.0.1.1",
@@ -143,7 +143,7 @@ def test_a_dead_proxy_in_the_tree_stops_the_static_job_with_a_message(tmp_path):
         while len(results(*logs, tag="UP")) < 5 and time.monotonic() < deadline:
             time.sleep(0.2)
         assert len(results(*logs, tag="UP")) == 5, logs[4].read_text()[-3000:]
-        proxy = next(c for c in children(procs[4].pid)
+        proxy = next(c for c in children(procs[1].pid)
                      if b"tierrun\0proxy" in open(f"/proc/{c}/cmdline", "rb").read())
         os.kill(proxy, signal.SIGKILL)
         killed = time.monotonic()
@@ -151,12 +151,12 @@ def test_a_dead_proxy_in_the_tree_stops_the_static_job_with_a_message(tmp_path):
     finally:
         finish(procs, 1)
     assert all(c != 0 for c in codes) and time.monotonic() - killed < 40, codes
-    assert "the store proxy of node 127.0.1.5 was killed by SIGKILL" in logs[4].read_text()
-    # node 2 linked through node 4's proxy: it names that, not the store host
-    assert "lost its parent in the store tree (node rank 4's proxy" in logs[2].read_text(), \
+    assert "the store proxy of node 127.0.1.2 was killed by SIGKILL" in logs[1].read_text()
+    # node 2 linked through node 1's proxy: it names that, not the store host
+    assert "lost its parent in the store tree (node rank 1's proxy" in logs[2].read_text(), \
         logs[2].read_text()[-3000:]
-    # (nodes 2 and 3 beat through node 4's proxy: whichever is missed first is named)
-    assert re.search(r"node rank [234] \(127\.0\.1\.[345]\) has not answered", logs[0].read_text())
+    # (nodes 1 to 4 beat through node 1's proxy: whichever is missed first is named)
+    assert re.search(r"node rank [1234] \(127\.0\.1\.[2345]\) has not answered", logs[0].read_text())
 
 
 @pytest.mark.parametrize("nodes,fanout", [(1, 2), (2, 2), (3, 2), (5, 2), (8, 8), (9, 8), (100, 3), (512, 8)])
@@ -167,7 +167,8 @@ def test_the_tree_reaches_every_node_with_at_most_fanout_links_each_and_node0_re
         children.setdefault(p.parent, []).append(p.rank)
     assert all(len(c) <= fanout for c in children.values())
     assert all(p.has_children == (p.rank in children) for p in places)
-    assert not places[0].has_children  # the store host's proxy carries only its own node
+    # the store host's proxy links straight to its store and carries only its own node
+    assert places[0].parent is None and not places[0].has_children
     for p in places:  # every node reaches the store host, without a cycle
         seen, up = set(), p.rank
         while up is not None:

@@ -266,13 +266,13 @@ def token_from(config: dict) -> str | None:
 class TreePlace:
     """This node's place in a tree of node proxies (``--store-fanout F``, static jobs).
 
-    Nodes take places 0..N-1 in an F-ary tree: places 0..F-1 link to the store host,
-    place p >= F to the proxy of the node in place p // F - 1, which takes links on
-    ``addr`` and publishes where under ``key``. So every proxy, the store host's core
-    included, has at most F links. Node r is in place r, except nodes 0 and N-1, which
-    trade places: the last place is a leaf, so the store host's own proxy relays no
-    other node's requests (at 512x8, fanout 8, relaying 64 nodes' would cost node 0 as
-    much CPU again as its core: ``bench/wireup.py``).
+    Node 0, the store host, links its own proxy straight to its store (on loopback) and
+    takes no children: its workers are one hop from the store, and its proxy relays no
+    other node's requests (relaying 64 nodes' at 512x8, fanout 8, cost node 0 as much
+    CPU again as its store: ``bench/wireup.py``). Nodes 1..N-1 take places 0..N-2 of a
+    tree: places 0..F-2 link to the store host, place q >= F-1 to the proxy in place
+    (q - F + 1) // F, which takes links on ``addr`` and publishes where under ``key``.
+    So every proxy, the store host's core included, has at most F links. O(1).
     """
 
     rank: int
@@ -282,19 +282,16 @@ class TreePlace:
     addr: str
     run_id: str
 
-    def _swap(self, n: int) -> int:
-        """Node rank <-> place (nodes 0 and N-1 trade places)."""
-        last = self.nodes - 1
-        return last if n == 0 else 0 if n == last else n
-
     @property
     def parent(self) -> int | None:
-        place = self._swap(self.rank)
-        return None if place < self.fanout else self._swap(place // self.fanout - 1)
+        top = self.fanout - 1  # places linked to the store host (node 0's proxy is the F-th link)
+        place = self.rank - 1
+        return None if place < top else (place - top) // self.fanout + 1
 
     @property
     def has_children(self) -> bool:
-        return (self._swap(self.rank) + 1) * self.fanout < self.nodes
+        """Some node's place is this node's first child's: F - 1 + F * place."""
+        return self.rank > 0 and self.fanout - 1 + self.fanout * (self.rank - 1) < self.nodes - 1
 
     def key(self, rank: int) -> str:
         return f"tierrun/{self.run_id}/tree/{rank}"
