@@ -30,5 +30,5 @@ test: $(STAMP)
 bench: $(STAMP)
 	$(PYTHON) -m pip install --quiet -e '.[bench]'
 	cd bench && $(PYTHON) store_ops.py && $(PYTHON) launch.py && $(PYTHON) wireup.py \
-	    && $(PYTHON) wireup.py --traffic gloo --sizes 8x8 16x8 && $(PYTHON) heartbeat.py \
+	    && $(PYTHON) wireup.py --traffic gloo --sizes 16x8 32x8 && $(PYTHON) heartbeat.py \
 	    && $(PYTHON) heartbeat.py --idle
