@@ -266,7 +266,7 @@ def token_from(config: dict) -> str | None:
 class TreePlace:
     """This node's place in a tree of node proxies (``--store-fanout F``, static jobs).
 
-    Node 0, the store host, links its own proxy straight to its store (on loopback) and
+    Node 0, the store host, links its own proxy straight to its store (same host) and
     takes no children: its workers are one hop from the store, and its proxy relays no
     other node's requests (relaying 64 nodes' at 512x8, fanout 8, cost node 0 as much
     CPU again as its store: ``bench/wireup.py``). Nodes 1..N-1 take places 0..N-2 of a
