@@ -743,8 +743,8 @@ class LinkUpstream:
         pending, self._pending = self._pending, []
         entries, self._extra = self._extra, []
         ops: list[_Upstream] = []
-        open_reads: dict[tuple[bytes, bytes], _Upstream] = {}
-        reads_on: dict[tuple[bytes, bytes], list[tuple[bytes, bytes]]] = defaultdict(list)
+        open_reads: dict[tuple, _Upstream] = {}  # (ns, [kind,] request): its upstream op
+        reads_on: dict[tuple[bytes, bytes], list[tuple]] = defaultdict(list)  # (ns, key): open_reads keys
         runs: dict[tuple[int, bytes, bytes], _Upstream] = {}  # (ADD|APPEND, ns, key): open run
         folds: dict[tuple[int, bytes], _Upstream] = {}  # (SET|GET|WAIT, ns): the latest foldable op
         last_touch: dict[tuple[bytes, bytes], int] = {}  # (ns, key): place of the last request on it
@@ -755,13 +755,16 @@ class LinkUpstream:
         seen = self._seen
 
         def touched(ns: bytes, keys, write: bool) -> None:
-            for k in keys:
-                runs.pop((Op.ADD, ns, k), None)
-                runs.pop((Op.APPEND, ns, k), None)
-                if write:
+            # (O(keys) only while an ADD run or a read is open: an agent's request
+            # of every node's key walks them only if it must)
+            if runs:
+                for k in keys:
+                    runs.pop((Op.ADD, ns, k), None)
+                    runs.pop((Op.APPEND, ns, k), None)
+            if write and reads_on:
+                for k in keys:
                     for dk in reads_on.pop((ns, k), ()):
                         open_reads.pop(dk, None)
-            if write:
                 for dk in reads_on.pop((ns, _ALL_KEYS), ()):
                     open_reads.pop(dk, None)
 
@@ -775,6 +778,7 @@ class LinkUpstream:
                 stats.ids_opened += 1
             return cid
 
+        last = len(pending) - 1
         for i, (waiter, ns, req) in enumerate(pending):
             op = req[0]
             since = last_of.get(waiter, -1)  # this client's previous request
@@ -789,9 +793,9 @@ class LinkUpstream:
                     if len(seen) >= MAX_WATCHES:  # on the key is a poll)
                         seen.clear()
                     seen[k] = (waiter, Op.WAIT)
-                # (a fetch after writes answers nobody else, nor is it answered with another)
-                dk = (ns, (b"a" if op == _FETCH_AFTER_WRITES else b"p" if op == _PEEK else b"w")
-                      + encode_request(inner))
+                # (a fetch after writes answers nobody else, nor is it answered with another;
+                # requests are tuples of bytes and ints: equal exactly when their bytes are)
+                dk = (ns, b"a" if op == _FETCH_AFTER_WRITES else b"p" if op == _PEEK else b"w", inner)
                 same = open_reads.get(dk)
                 if same is not None and since < same.pos:
                     same.waiters.append(waiter)
@@ -839,11 +843,13 @@ class LinkUpstream:
                     if len(seen) >= MAX_WATCHES:
                         seen.clear()
                     seen[(ns, keys[0])] = (waiter, op)  # its first reader
-                dk = (ns, encode_request(req))
+                dk = (ns, req)
                 same = open_reads.get(dk)
                 touched(ns, keys, write=False)
-                for k in keys or (_ALL_KEYS,):
-                    last_touch[(ns, k)] = i
+                bookkeeping = i != last or ahead  # (for the batch's later requests, its PEEKS)
+                if bookkeeping:
+                    for k in keys or (_ALL_KEYS,):
+                        last_touch[(ns, k)] = i
                 if same is not None and since < same.pos:
                     same.waiters.append(waiter)
                     if same.fold is not None:
@@ -890,8 +896,9 @@ class LinkUpstream:
                 elif op == Op.GET:
                     folds[(Op.GET, ns)] = u
                 open_reads[dk] = u
-                for k in keys or (_ALL_KEYS,):
-                    reads_on[(ns, k)].append(dk)
+                if bookkeeping:
+                    for k in keys or (_ALL_KEYS,):
+                        reads_on[(ns, k)].append(dk)
                 ops.append(u)
                 continue
             if op == Op.ADD or op == Op.APPEND:
@@ -922,8 +929,9 @@ class LinkUpstream:
                          and all(last_touch.get((ns, k), -1) < f.pos for k in keys)
                          and _set_fold_size(f) + len(keys) <= MAX_FOLD)
                 touched(ns, keys, write=True)
-                for k in keys:
-                    last_touch[(ns, k)] = last_write[(ns, k)] = i
+                if i != last:  # (an agent's MULTI_SET of every node's key, alone: no need)
+                    for k in keys:
+                        last_touch[(ns, k)] = last_write[(ns, k)] = i
                 if joins:
                     fold = f.fold or _Fold(f)  # type: ignore[union-attr]
                     f.fold = fold  # type: ignore[union-attr]

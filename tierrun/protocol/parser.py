@@ -158,22 +158,34 @@ def decode_request(data: bytes, limits: Limits = _DEFAULT_LIMITS) -> Request:
                         f"{count} keys in one request exceed the limit of {limits.max_keys_per_request}"
                     )
                 pos += 8
-                pairs = kind == _PAIRS
+                max_key = limits.max_key_bytes
                 items = []
-                for _ in range(count * 2 if pairs else count):
-                    (n,) = _u64(data, pos)
-                    is_value = pairs and len(items) % 2 == 1
-                    limit = limits.max_value_bytes if is_value else limits.max_key_bytes
-                    if n > limit:
-                        what = "value" if is_value else "key"
-                        raise ProtocolError(f"{what} of {n} bytes exceeds the limit of {limit}")
-                    pos += 8
-                    items.append(data[pos : pos + n])
-                    pos += n
-                if pairs:
-                    args += (tuple(items[0::2]), tuple(items[1::2]))
-                else:
+                append = items.append
+                if kind == _KEYS:
+                    for _ in range(count):
+                        (n,) = _u64(data, pos)
+                        if n > max_key:
+                            raise ProtocolError(f"key of {n} bytes exceeds the limit of {max_key}")
+                        pos += 8
+                        append(data[pos : pos + n])
+                        pos += n
                     args.append(tuple(items))
+                else:
+                    max_value = limits.max_value_bytes
+                    for _ in range(count):
+                        (n,) = _u64(data, pos)
+                        if n > max_key:
+                            raise ProtocolError(f"key of {n} bytes exceeds the limit of {max_key}")
+                        pos += 8
+                        append(data[pos : pos + n])
+                        pos += n
+                        (n,) = _u64(data, pos)
+                        if n > max_value:
+                            raise ProtocolError(f"value of {n} bytes exceeds the limit of {max_value}")
+                        pos += 8
+                        append(data[pos : pos + n])
+                        pos += n
+                    args += (tuple(items[0::2]), tuple(items[1::2]))
             if pos > end:
                 break
     except struct.error:
@@ -303,7 +315,11 @@ class RequestParser:
     def _parse_items(self, kind: int, pos: int, end: int) -> tuple[int, bool]:
         """Parse a counted list of keys (_KEYS) or key/value pairs (_PAIRS).
 
-        Resumable: the items parsed so far are kept in ``self._items``.
+        Resumable: the items parsed so far are kept in ``self._items`` (a pair's key
+        in ``self._pair_key`` until its value is in). O(bytes): what is still to parse
+        is copied once a call, and only when its next item is all in (so each byte at
+        most twice), and each item once more: an agent's MULTI_SET of every node's
+        ranks costs a few steps per key, not a few dozen.
         """
         buf = self._buf
         limits = self._limits
@@ -320,36 +336,76 @@ class RequestParser:
             self._remaining = count
             self._items = []
             self._pair_key = None
-        items = self._items
-        max_key = limits.max_key_bytes
-        max_value = limits.max_value_bytes
-        while self._remaining:
-            expect_value = kind == _PAIRS and self._pair_key is not None
-            if end - pos < 8:
-                return pos, False
+        if not self._remaining:  # (a request of no keys)
+            data = b""
+        elif end - pos < 8:
+            return pos, False
+        elif end - pos - 8 < _u64(buf, pos)[0]:
+            # the next item is not all in: copy nothing (a 64 MiB value arriving in
+            # small reads must not be copied once per read), but refuse it now if its
+            # length is past its limit
             (n,) = _u64(buf, pos)
-            limit = max_value if expect_value else max_key
+            is_value = kind == _PAIRS and self._pair_key is not None
+            limit = limits.max_value_bytes if is_value else limits.max_key_bytes
             if n > limit:
-                what = "value" if expect_value else "key"
+                what = "value" if is_value else "key"
                 raise ProtocolError(f"{what} of {n} bytes exceeds the limit of {limit}")
-            if end - pos - 8 < n:
-                return pos, False
-            item = bytes(buf[pos + 8 : pos + 8 + n])
-            pos += 8 + n
-            if kind == _KEYS:
-                items.append(item)
-                self._remaining -= 1
-            elif expect_value:
-                items.append((self._pair_key, item))
-                self._pair_key = None
-                self._remaining -= 1
-            else:
-                self._pair_key = item
+            return pos, False
+        else:
+            data = bytes(buf[pos:end])  # (slices of bytes are bytes: one copy per item)
+        p, size = 0, len(data)
+        data = bytes(buf[pos:end])  # (slices of bytes are bytes: one copy per item)
+        p, size = 0, len(data)
+        items = self._items
+        append = items.append
+        remaining = self._remaining
+        max_key = limits.max_key_bytes
+        if kind == _KEYS:
+            while remaining:
+                if size - p < 8:
+                    break
+                (n,) = _u64(data, p)
+                if n > max_key:
+                    raise ProtocolError(f"key of {n} bytes exceeds the limit of {max_key}")
+                q = p + 8 + n
+                if q > size:
+                    break
+                append(data[p + 8 : q])
+                p = q
+                remaining -= 1
+        else:
+            max_value = limits.max_value_bytes
+            pair_key = self._pair_key
+            while remaining:
+                if size - p < 8:
+                    break
+                (n,) = _u64(data, p)
+                if pair_key is None:
+                    if n > max_key:
+                        raise ProtocolError(f"key of {n} bytes exceeds the limit of {max_key}")
+                elif n > max_value:
+                    raise ProtocolError(f"value of {n} bytes exceeds the limit of {max_value}")
+                q = p + 8 + n
+                if q > size:
+                    break
+                if pair_key is None:
+                    pair_key = data[p + 8 : q]
+                else:
+                    append(pair_key)
+                    append(data[p + 8 : q])
+                    pair_key = None
+                    remaining -= 1
+                p = q
+            self._pair_key = pair_key
+        self._remaining = remaining
+        pos += p
+        if remaining:
+            return pos, False
         if kind == _KEYS:
             self._args.append(tuple(items))
         else:
-            self._args.append(tuple(k for k, _ in items))
-            self._args.append(tuple(v for _, v in items))
+            self._args.append(tuple(items[0::2]))
+            self._args.append(tuple(items[1::2]))
         self._items = []
         self._remaining = -1
         return pos, True
