@@ -159,8 +159,12 @@ class StoreCore:
         key = req[1] if op == Op.GET else req[1][0]
         if how == PEEK:
             return self.watch_state(key, watcher) if key in self._data else UNWATCHABLE
-        if op == Op.WAIT and not self._present(key):
-            self._wait(req, waiter)
+        if op == Op.WAIT and key not in self._data and not self._queues.get(key):
+            # (what _wait does for one missing key, inline: every node's agent WAITs
+            # so for its rank assignment, ~10 us less each at the store host)
+            self.forget(waiter)
+            self._waiting.setdefault(key, {})[waiter] = None
+            self._pending[waiter] = [1, [key]]
             self._watch_on_wake[waiter] = (key, watcher)
             if how == WATCH_READ and key not in self._queues:  # watched as absent while it waits
                 self._watch(key, watcher)
@@ -291,8 +295,9 @@ class StoreCore:
 
     def _release(self, waiter: Waiter) -> None:
         """A WAIT has all its keys: answer it (a watching one with its key's state)."""
-        if self._watch_on_wake and waiter in self._watch_on_wake:
-            key, watcher = self._watch_on_wake.pop(waiter)
+        watching = self._watch_on_wake.pop(waiter, None) if self._watch_on_wake else None
+        if watching is not None:
+            key, watcher = watching
             waiter.wake(self.watch_state(key, watcher) + STOP_WAITING)
         else:
             waiter.wake(STOP_WAITING)
