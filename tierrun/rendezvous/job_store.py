@@ -4,8 +4,10 @@ One store per job serves the agents and, through per-round namespaces, the worke
 The hosting agent runs the root store in a child process. With tiering (a job token
 is given), every agent also runs its node's proxy in a child process: the agent and
 the workers of the node talk to the proxy on loopback, and only the proxies talk to
-the store host, over authenticated links. Child processes stop when the agent does
-(they watch its stdin pipe).
+the store host, over authenticated links. On the store host the store process is
+that node's front-end too (``HostedFrontEnd``: linked to the core in-process, so the
+store host's own agent and workers wake no other process). Child processes stop when
+the agent does (they watch its stdin pipe).
 """
 
 from __future__ import annotations
@@ -26,7 +28,7 @@ from torch.distributed.elastic.rendezvous import RendezvousConnectionError
 
 from ..client import StoreClient, StoreClientError
 from ..link.auth import load_token
-from ..server import LINK_LOST, StoreProcess, StoreStartError
+from ..server import LINK_LOST, HostedFrontEnd, StoreProcess, StoreStartError
 
 log = logging.getLogger("tierrun.rendezvous")
 
@@ -52,7 +54,7 @@ class JobStore:
         #: What this node's store traffic goes through, as messages name it.
         self.upstream_name = f"the job's store host {host}:{port}"
         self.root: StoreProcess | None = None
-        self.proxy: StoreProcess | None = None
+        self.proxy: StoreProcess | HostedFrontEnd | None = None
         self._client: TCPStore | None = None
         self._watch: socket.socket | None = None
 
@@ -69,6 +71,8 @@ class JobStore:
     def start(self) -> None:
         if self.hosting and self.root is None:
             self._start_root()
+            if self.root is not None and self.root.node_frontend_unix is not None:
+                self.proxy = HostedFrontEnd(self.root)
         if self.tiered and self.proxy is None:
             tree = self.tree
             upstream = f"{self.host}:{self.port}"
@@ -135,8 +139,9 @@ class JobStore:
         without, a connection that sends nothing is watched for the store host closing it.
         A store host that vanishes without closing its connections is noticed by link
         heartbeats, so only with tiering."""
-        if self.proxy is not None and self.proxy.exited() is not None:
-            return self.proxy.last_error() or f"this node's store proxy exited ({self.proxy.exited()})"
+        proxy = self.proxy
+        if isinstance(proxy, StoreProcess) and proxy.exited() is not None:
+            return proxy.last_error() or f"this node's store proxy exited ({proxy.exited()})"
         if self.root is not None and self.root.exited() is not None:
             return f"the store process on this node exited with status {self.root.exited()}"
         if self._watch is not None and _closed_by_peer(self._watch):
@@ -148,8 +153,8 @@ class JobStore:
         it for over two heartbeats: the link may be dying (the proxy gives up after its
         grace period). One stats request to the proxy; False without tiering or once the
         proxy has exited (``lost`` then says why)."""
-        if self.proxy is None or self.proxy.exited() is not None:
-            return False
+        if not isinstance(self.proxy, StoreProcess) or self.proxy.exited() is not None:
+            return False  # (the store host's own front-end is linked in-process)
         try:
             silence = self.proxy.stats(timeout=2.0).get("upstream_silence_s", 0.0)
         except StoreStartError:
@@ -159,7 +164,7 @@ class JobStore:
     def proxy_failure(self) -> str | None:
         """How this node's proxy died on its own (killed, crashed), or None while it runs
         or when it stopped because its link was lost (``lost`` says so). O(1)."""
-        code = None if self.proxy is None else self.proxy.exited()
+        code = self.proxy.exited() if isinstance(self.proxy, StoreProcess) else None
         if code is None or code == LINK_LOST:
             return None
         if code < 0:
@@ -183,8 +188,12 @@ class JobStore:
         return ["--workers", str(self.store_workers), "--workers-for", "namespaces"]
 
     def _start_root(self) -> None:
+        # tiered, the store process is this node's front-end too (unless this node takes
+        # other nodes' links in a store tree: a proxy of its own does that)
+        node = self.tiered and (self.tree is None or not self.tree.has_children)
         proc = StoreProcess(host=None, port=self.port, controlled=True, env=self._env(),
-                            extra_args=self._store_args())
+                            extra_args=self._store_args(),
+                            node_frontend_unix=f"@tierrun-proxy-{os.getpid()}-{secrets.token_hex(4)}" if node else None)
         try:
             self.port = proc.start()
         except StoreStartError as e:
@@ -246,8 +255,9 @@ class JobStore:
             self._watch.close()
             self._watch = None
         for name, proc in (("node proxy", self.proxy), ("store host", self.root)):
-            if proc is not None:
+            if isinstance(proc, StoreProcess):
                 proc.stop()
+            if proc is not None:
                 log.info("%s served: %s", name, json.dumps(proc.last_stats))
         self.proxy = self.root = None
 

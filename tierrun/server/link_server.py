@@ -391,7 +391,7 @@ class LinkServer:
         self.drop_watches(session)
         session.outbox.ack(session.outbox.sent)
         if session.conn is not None:
-            session.conn.abort(reason)
+            session.conn.abort(reason, quiet)
 
     def close(self) -> None:
         """The store is stopping: drop every link."""
@@ -562,10 +562,12 @@ class LinkServerConnection(asyncio.Protocol):
         self._authenticated = True
         self._decoder.max_frame = DEFAULT_MAX_FRAME
 
-    def abort(self, reason: str) -> None:
-        """Drop the connection now, unsent data included (the peer may not be reading)."""
+    def abort(self, reason: str, quiet: bool = False) -> None:
+        """Drop the connection now, unsent data included (the peer may not be reading).
+        Logged as a warning unless ``quiet`` (its front-end ended the session) or the
+        link is the store host's own front-end process's."""
         if self._transport is not None and not self._transport.is_closing():
-            (log.warning if self.resumable else log.info)("closing link from %s: %s", self.peer, reason)
+            (log.warning if self.resumable and not quiet else log.info)("closing link from %s: %s", self.peer, reason)
             self._transport.abort()
 
     def release_session(self) -> None:

@@ -18,6 +18,8 @@ _LISTENING = re.compile(r"^tierrun (?:store|proxy) listening on tcp \[?([^\]]*?)
 _NAMESPACE = re.compile(r"^tierrun (?:store|proxy) namespace (\S+) listening on tcp port (\d+)$")
 _LINKS = re.compile(r"^tierrun proxy taking links on tcp \[?([^\]]*?)\]?:(\d+)$")
 _STATS = re.compile(r"^tierrun (?:store|proxy) stats (\{.*\})$")
+_NODE_LISTENING = re.compile(r"^tierrun store node front-end listening on tcp \[?([^\]]*?)\]?:(\d+)$")
+_NODE_NAMESPACE = re.compile(r"^tierrun store node front-end namespace (\S+) listening on tcp port (\d+)$")
 
 
 class StoreStartError(RuntimeError):
@@ -42,7 +44,10 @@ class StoreProcess:
         env: dict[str, str] | None = None,
         controlled: bool = False,
         command: str = "store",
+        node_frontend_unix: str | None = None,
     ) -> None:
+        """``node_frontend_unix``: a store that is also its host's node front-end
+        (``--node-frontend``), listening on this Unix socket too; see :class:`HostedFrontEnd`."""
         self.command_name = command
         self.host = host
         self.requested_port = port
@@ -52,6 +57,10 @@ class StoreProcess:
         self.env = env
         self.controlled = controlled
         self._namespaces: dict[str, int] = {}
+        self.node_frontend_unix = node_frontend_unix
+        #: Where the node front-end (``node_frontend_unix`` given) takes its host's clients.
+        self.node_port: int | None = None
+        self._node_namespaces: dict[str, int] = {}
         self._stats: list[dict] = []
         self._pump_thread: threading.Thread | None = None
         self._changed = threading.Condition()
@@ -74,6 +83,8 @@ class StoreProcess:
             cmd += ["--unix", self.unix]
         if self.controlled:
             cmd.append("--control-stdin")
+        if self.node_frontend_unix:
+            cmd += ["--node-frontend", "--node-frontend-unix", self.node_frontend_unix]
         return cmd + self.extra_args
 
     def start(self) -> int:
@@ -90,7 +101,8 @@ class StoreProcess:
         ready = threading.Event()
         self._pump_thread = threading.Thread(target=self._pump, args=(ready,), daemon=True)
         self._pump_thread.start()
-        if not ready.wait(self.start_timeout) or self.port is None:
+        if (not ready.wait(self.start_timeout) or self.port is None
+                or (self.node_frontend_unix is not None and self.node_port is None)):
             self.stop()
             raise StoreStartError(
                 f"tierrun {self.command_name} did not start:\n" + "".join(self._output[-20:])
@@ -109,11 +121,15 @@ class StoreProcess:
             m = _LINKS.search(line.rstrip())
             if m:
                 self.link_port = int(m.group(2))
-            m = _NAMESPACE.search(line.rstrip())
-            if m:
-                with self._changed:
-                    self._namespaces[m.group(1)] = int(m.group(2))
-                    self._changed.notify_all()
+            m = _NODE_LISTENING.search(line.rstrip())
+            if m:  # (before the store's own line: start() returns with both known)
+                self.node_port = int(m.group(2))
+            for pattern, names in ((_NAMESPACE, self._namespaces), (_NODE_NAMESPACE, self._node_namespaces)):
+                m = pattern.search(line.rstrip())
+                if m:
+                    with self._changed:
+                        names[m.group(1)] = int(m.group(2))
+                        self._changed.notify_all()
             m = _STATS.search(line.rstrip())
             if m:
                 with self._changed:
@@ -123,23 +139,25 @@ class StoreProcess:
         with self._changed:
             self._changed.notify_all()
 
-    def open_namespace(self, name: str, timeout: float = 30.0) -> int:
+    def open_namespace(self, name: str, timeout: float = 30.0, node: bool = False) -> int:
         """Open a listener whose clients see only keys under ``name/``; return its port.
+        ``node``: on the node front-end (its clients' requests go through its link).
 
         Idempotent. Needs ``controlled=True``. Raises :class:`StoreStartError` if the
         store does not answer (it died).
         """
         assert self.controlled and self.proc is not None and self.proc.stdin is not None
+        names = self._node_namespaces if node else self._namespaces
         with self._changed:
-            if name not in self._namespaces:
-                self.proc.stdin.write(f"namespace {name}\n")
+            if name not in names:
+                self.proc.stdin.write(f"{'node-namespace' if node else 'namespace'} {name}\n")
                 self.proc.stdin.flush()
                 self._changed.wait_for(
-                    lambda: name in self._namespaces or self.proc.poll() is not None, timeout
+                    lambda: name in names or self.proc.poll() is not None, timeout
                 )
-            if name not in self._namespaces:
+            if name not in names:
                 raise StoreStartError(f"the store did not open namespace {name}:\n{self.output}")
-            return self._namespaces[name]
+            return names[name]
 
     def stats(self, timeout: float = 10.0) -> dict:
         """The process's counters (needs ``controlled=True``)."""
@@ -193,3 +211,30 @@ class StoreProcess:
 
     def __exit__(self, *exc: object) -> None:
         self.stop()
+
+
+class HostedFrontEnd:
+    """The node front-end of the store host, run by its store process
+    (``StoreProcess(node_frontend_unix=...)``): where the host's agent and workers
+    connect, as they connect to a ``tierrun proxy`` on other nodes. It is linked to the
+    core in that process (no socket between them, no process of its own to wake), and
+    lives and dies with the store."""
+
+    link_port = None  # (it takes no other front-end's links)
+
+    def __init__(self, store: StoreProcess) -> None:
+        assert store.node_frontend_unix is not None
+        self.store = store
+        self.unix = store.node_frontend_unix
+
+    @property
+    def port(self) -> int | None:
+        return self.store.node_port
+
+    def open_namespace(self, name: str, timeout: float = 30.0) -> int:
+        return self.store.open_namespace(name, timeout, node=True)
+
+    @property
+    def last_stats(self) -> dict | None:
+        stats = self.store.last_stats
+        return None if stats is None else stats.get("node_frontend")

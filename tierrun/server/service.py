@@ -7,6 +7,13 @@ outlives the agent that supervises it:
     namespace NAME  ->  "namespace NAME listening on tcp port PORT": a new listener
                         whose clients see only the keys under NAME/
     stats           ->  "stats {json}": counters (connections, links, batches, merges)
+
+A root store that also runs its node's front-end (``node``, another Service whose
+lines start with "node front-end") takes these for it:
+
+    node-namespace NAME  ->  "node front-end namespace NAME listening on tcp port PORT"
+
+and its stats carry the node front-end's under "node_frontend".
 """
 
 from __future__ import annotations
@@ -60,10 +67,12 @@ class Service:
         link_acceptor: LinkAcceptor | None = None,
         pool: FrontEndPool | None = None,
         gate: ReplyGate | None = None,
+        node: Service | None = None,
     ) -> None:
         """With ``pool``, the pool's processes serve the listeners; this one only
         adopts the links they hand over. ``gate``: the store's invalidation rounds,
-        which hold this process's answers to clients too."""
+        which hold this process's answers to clients too. ``node``: the store host's
+        own node front-end, served along (started, controlled, stopped) with this one."""
         self.config = config
         self.make_upstream = make_upstream
         self.stats = stats
@@ -73,9 +82,32 @@ class Service:
         self.frontends = [self.main]
         self.namespaces: dict[str, int] = {}
         self.pool = pool
+        self.node = node
 
     async def serve(self, stop: asyncio.Event | None = None) -> None:
         """Listen, then serve until ``stop`` is set (or SIGINT/SIGTERM when it is None)."""
+        if self.node is not None:  # (first: once the store says where it listens, all is up)
+            await self.node.listen()
+        await self.listen()
+        if stop is None:
+            stop = asyncio.Event()
+        loop = asyncio.get_running_loop()
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            loop.add_signal_handler(sig, stop.set)
+        control = asyncio.ensure_future(self._read_control(stop)) if self.config.control_stdin else None
+        try:
+            await stop.wait()
+        finally:
+            if control is not None:
+                control.cancel()
+            final = await self.all_stats()
+            if self.node is not None:
+                await self.node.close()
+            await self.close()
+            self.announce("stats " + json.dumps(final))
+
+    async def listen(self) -> None:
+        """Open the listeners and say where (``listening on ...`` lines)."""
         config = self.config
         pool = self.pool
         pooled = pool is not None and not config.workers_for_namespaces_only
@@ -90,25 +122,14 @@ class Service:
                 await self.main.listen(sock, config.backlog)
             if pool is not None:
                 await pool.start([])
-        if stop is None:
-            stop = asyncio.Event()
-        loop = asyncio.get_running_loop()
-        for sig in (signal.SIGINT, signal.SIGTERM):
-            loop.add_signal_handler(sig, stop.set)
         for line in described:
             self.announce(f"listening on {line}")
-        control = asyncio.ensure_future(self._read_control(stop)) if config.control_stdin else None
-        try:
-            await stop.wait()
-        finally:
-            if control is not None:
-                control.cancel()
-            final = await self.all_stats()
-            for frontend in self.frontends:
-                await frontend.close()
-            if pool is not None:
-                await pool.close()
-            self.announce("stats " + json.dumps(final))
+
+    async def close(self) -> None:
+        for frontend in self.frontends:
+            await frontend.close()
+        if self.pool is not None:
+            await self.pool.close()
 
     async def open_namespace(self, name: str) -> int:
         if name not in self.namespaces:
@@ -140,6 +161,8 @@ class Service:
         }
         if self.pool is not None:
             clients = await self.pool.stats()
+        if self.node is not None:
+            return {**clients, **self.stats(), "node_frontend": await self.node.all_stats()}
         return {**clients, **self.stats()}
 
     async def _read_control(self, stop: asyncio.Event) -> None:
@@ -151,6 +174,9 @@ class Service:
             if len(words) == 2 and words[0] == "namespace":
                 port = await self.open_namespace(words[1])
                 self.announce(f"namespace {words[1]} listening on tcp port {port}")
+            elif len(words) == 2 and words[0] == "node-namespace" and self.node is not None:
+                port = await self.node.open_namespace(words[1])
+                self.node.announce(f"namespace {words[1]} listening on tcp port {port}")
             elif words == ["stats"]:
                 self.announce("stats " + json.dumps(await self.all_stats()))
             elif words:

@@ -52,6 +52,11 @@ def _config(args: argparse.Namespace) -> ServiceConfig:
     )
 
 
+#: Where a store host's own node front-end listens for its agent and workers (as a
+#: `tierrun proxy` does on other nodes: loopback only).
+NODE_FRONTEND_HOST = "127.0.0.1"
+
+
 def _announcer(name: str):
     def announce(line: str) -> None:
         print(f"tierrun {name} {line}", flush=True)
@@ -69,13 +74,26 @@ def store_main(argv: list[str]) -> int:
     p.add_argument("--workers-for", choices=("all", "namespaces"), default="all",
                    help="what the --workers processes serve: every listener (default), or only "
                    "the namespace listeners opened through --control-stdin")
+    p.add_argument("--node-frontend", action="store_true",
+                   help="also be this host's node front-end (what `tierrun proxy` is on other "
+                   "nodes), linked to the store in this process: listens on 127.0.0.1 (a free "
+                   "port) and on --node-frontend-unix; needs the job token")
+    p.add_argument("--node-frontend-unix", default=None, metavar="PATH",
+                   help="the node front-end's Unix socket (@name: abstract)")
     args = p.parse_args(argv)
     if args.workers < 1:
         p.error(f"--workers {args.workers}: write 1 or more")
+    token = load_token()
+    if args.node_frontend and token is None:
+        p.error("--node-frontend links to the store: set TIERRUN_TOKEN or TIERRUN_TOKEN_FILE")
+    node = None
+    if args.node_frontend:
+        node = ServiceConfig(host=NODE_FRONTEND_HOST, port=0, unix=args.node_frontend_unix,
+                             frontend=frontend_config(args))
     logging.basicConfig(level=args.log_level.upper(), format="[tierrun store] %(levelname)s %(message)s")
     try:
-        run(serve_root(_config(args), on_listening=_announcer("store"), token=load_token(),
-                       link_config=LinkConfig.from_env()))
+        run(serve_root(_config(args), on_listening=_announcer("store"), token=token,
+                       link_config=LinkConfig.from_env(), node_frontend=node))
     except OSError as e:
         print(f"tierrun store: cannot listen on {args.host or '*'}:{args.port}: {e.strerror or e}. "
               "Pick another --port, or stop whatever uses it.", file=sys.stderr)
