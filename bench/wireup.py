@@ -7,10 +7,10 @@ tests/fixtures and read from torch's sources) against three set-ups, in the same
   tierrun-flat  tierrun's store, flat
   tiered        tierrun's store with a node front-end per simulated node (the proxy's own
                 components: FrontEnd + LinkUpstream): agents and ranks connect to their
-                node's front-end on loopback; only the K front-ends link to node 0
+                node's front-end on loopback; only the K front-ends link to node 0's core
   tree          tiered, with front-ends stacked (--store-fanout F, default 8) in the
                 launcher's tree (rendezvous.job_store.TreePlace): node 0's own
-                front-end and F - 1 other nodes' link to node 0's store, the others to
+                front-end and F - 1 other nodes' link to node 0's core, the others to
                 another node's front-end (which also accepts links: LinkServer over its
                 own upstream), so node 0 sees F links
   tree-10ms     tree, every front-end keeping its batch open 10 ms
@@ -38,10 +38,10 @@ dump key one second apart, as ProcessGroupNCCL's heartbeat monitor does.
 --traffic gloo: Gloo's full-mesh address exchange instead of the unique id (each rank
 SETs its address, then WAIT, WAIT, GET of every rank's: O(W^2) requests; small K only).
 
-Node 0 is the store server process and, in the tiered set-ups, node 0's own front-end,
-a node proxy process (`tierrun proxy`) as the launcher starts it on every node, node 0
-included; the other nodes' front-ends run inside the simulator processes. Node 0's CPU
-is both processes' (the torch set-up: its server's). Reported per set-up: connections node 0 accepted,
+Node 0 is the store server process. In the tiered set-ups it is node 0's own front-end
+too, as the launcher runs it (`tierrun store --node-frontend`: node 0's agent and ranks
+connect to it, and it links to the core in-process); the other nodes' front-ends run
+inside the simulator processes. Reported per set-up: connections node 0 accepted,
 requests it parsed (flat: every request; tiered: operations carried by links), frames it
 received (flat: one per request; tiered: link batches), its CPU seconds (/proc), and the
 wall time from start to every rank done. All simulated nodes share this machine's cores
@@ -170,9 +170,9 @@ async def connect(host: str, port: int) -> SimClient:
 class Cluster:
     def __init__(self, k: int, p: int, traffic: str, heartbeats: int, root: tuple[str, int],
                  tiered: bool, fanout: int = 0, tree_port: int = 0, tierrun_agents: bool = False,
-                 node0_proxy: tuple[str, int] | None = None) -> None:
+                 node0_frontend: tuple[str, int] | None = None) -> None:
         self.k, self.p, self.w = k, p, k * p
-        self.node0_proxy = node0_proxy
+        self.node0_frontend = node0_frontend
         self.tierrun_agents = tierrun_agents
         self.traffic = traffic
         self.heartbeats = heartbeats
@@ -188,9 +188,9 @@ class Cluster:
     async def node(self, n: int) -> None:
         target = self.root
         if self.tiered:
-            # node 0's own front-end runs in its own process (measure() starts it), as
+            # node 0's own front-end is node 0's store process (measure() starts it), as
             # the launcher runs it: its CPU is node 0's
-            target = self.node0_proxy if n == 0 else await self.front_end(n)
+            target = self.node0_frontend if n == 0 else await self.front_end(n)
         agent = await connect(*target)
         await agent.call(Op.ADD, b"init/", 1)
         if self.tierrun_agents:
@@ -347,23 +347,20 @@ def measure(setup: str, k: int, p: int, args) -> dict:
     if setup == "tree-10ms":  # (read by the simulated front-ends' LinkConfig.from_env)
         env["TIERRUN_LINK_BATCH_WINDOW"] = "0.01"
     store = None
+    node0_port = 0  # tiered: node 0's own front-end, in its store process as the launcher runs it
     if setup == "torch":
         server = start_torch()
         port, pid = server.port, server.pid
     else:
-        store = StoreProcess(host="127.0.0.1", port=0, controlled=True, env=env)
+        store = StoreProcess(host="127.0.0.1", port=0, controlled=True, env=env,
+                             node_frontend_unix=f"@tierrun-bench-{secrets.token_hex(4)}" if setup in TIERED else None)
         port = store.start()
         pid = store.pid
+        node0_port = store.node_port or 0
     tree_port = free_port()
-    proxy = None  # node 0's own front-end, in its own process as the launcher starts it:
-    if setup in TIERED:  # linked straight to the store, no children (TreePlace)
-        proxy = StoreProcess(host="127.0.0.1", port=0, controlled=True, env=env, command="proxy",
-                             extra_args=["--upstream", f"127.0.0.1:{port}"])
-        proxy_port = proxy.start()
     sims = [subprocess.Popen([sys.executable, __file__, "--sim-child", setup, str(k), str(p), str(args.procs),
                               str(i), str(port), args.traffic, str(args.heartbeats),
-                              str(args.fanout), str(tree_port), args.agents,
-                              str(proxy_port if proxy else 0)],
+                              str(args.fanout), str(tree_port), args.agents, str(node0_port)],
                              stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, env=env)
             for i in range(args.procs)]
     try:
@@ -371,7 +368,6 @@ def measure(setup: str, k: int, p: int, args) -> dict:
             if s.stdout.readline().strip() != "ready":
                 raise RuntimeError(f"{setup}: a simulator did not start")
         cpu0 = process_cpu_seconds(pid)
-        proxy_cpu0 = process_cpu_seconds(proxy.pid) if proxy else 0.0
         t0 = time.perf_counter()
         for s in sims:
             s.stdin.write("go\n")
@@ -379,7 +375,6 @@ def measure(setup: str, k: int, p: int, args) -> dict:
         outs = [s.stdout.readline() for s in sims]
         wall = time.perf_counter() - t0
         cpu = process_cpu_seconds(pid) - cpu0
-        proxy_cpu = process_cpu_seconds(proxy.pid) - proxy_cpu0 if proxy else 0.0
         if not all(outs):
             raise RuntimeError(f"{setup} K={k} P={p}: a simulator failed")
         requests = sum(json.loads(o)["requests"] for o in outs)
@@ -392,14 +387,11 @@ def measure(setup: str, k: int, p: int, args) -> dict:
                           "requests": st["link_operations"], "frames": st["link_batches"]}
             else:
                 result = {"connections": st["clients_accepted"], "requests": requests, "frames": requests}
-        return {**result, "cpu_s": cpu + proxy_cpu, "store_cpu_s": cpu, "proxy_cpu_s": proxy_cpu,
-                "wall_s": wall}
+        return {**result, "cpu_s": cpu, "wall_s": wall}
     finally:
         for s in sims:
             s.kill()
             s.wait()
-        if proxy is not None:
-            proxy.stop()
         if store is not None:
             store.stop()
         else:
@@ -514,14 +506,12 @@ def main() -> None:
              f"uvloop server spends {floor:.0f} us of CPU per message that arrives alone (a wake-up: "
              "epoll, read, write, context switches; median, same run): node-0 frames x that is "
              "a floor no store code can go below.", "",
-             "| K x P | set-up | node-0 connections | node-0 requests | node-0 frames | node-0 CPU s "
-             "| of which node 0's proxy | wall s |",
-             "|---|---|---:|---:|---:|---:|---:|---:|"]
+             "| K x P | set-up | node-0 connections | node-0 requests | node-0 frames | node-0 CPU s | wall s |",
+             "|---|---|---:|---:|---:|---:|---:|"]
     for size, by in med.items():
         for setup, m in by.items():
-            proxy = f"{m['proxy_cpu_s']:.3f}" if setup in TIERED else "-"
             lines.append(f"| {size} | {setup} | {m['connections']:,.0f} | {m['requests']:,.0f} | "
-                         f"{m['frames']:,.0f} | {m['cpu_s']:.3f} | {proxy} | {m['wall_s']:.2f} |")
+                         f"{m['frames']:,.0f} | {m['cpu_s']:.3f} | {m['wall_s']:.2f} |")
     lines += ["", f"Ratios torch / tierrun's tiered set-ups (tree fanout {args.fanout}; higher: tierrun cheaper). "
               "Node-0 CPU is the ratio of the medians; per round, the ratio within each round "
               "(torch's run and tierrun's of the same round): median, and lowest-highest, which shows "
