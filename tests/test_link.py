@@ -129,7 +129,40 @@ def test_waits_released_together_and_cancel_is_per_client(tiered):
 
 def test_torch_client_suite_through_the_proxy(tiered):
     _, proxy = tiered
-    c = dist.TCPStore("127.0.0.1", proxy.port, is_master=False, timeout=timedelta(seconds=10))
+    _torch_client_suite(proxy.port)
+
+
+def test_torch_client_suite_through_the_store_hosts_own_front_end():
+    """The store host's node front-end runs in its store process (--node-frontend),
+    linked to the core in-process: the same suite passes through it, and the core sees
+    one link and no client."""
+    import uuid
+
+    from tierrun.client import StoreClient
+
+    env = dict(os.environ, TIERRUN_TOKEN=TOKEN)
+    unix = f"@tierrun-test-{uuid.uuid4().hex}"
+    with StoreProcess(host="127.0.0.1", port=0, controlled=True, env=env, node_frontend_unix=unix) as root:
+        assert root.node_port not in (None, root.port)
+        _torch_client_suite(root.node_port)
+        port = root.open_namespace("round1", node=True)
+        with StoreClient(("127.0.0.1", port)) as c:
+            c.set(b"k", b"in round 1")
+        with StoreClient(unix) as c:  # (the agent's own clients use the Unix socket)
+            assert c.get(b"round1/k") == b"in round 1"
+        stats = root.stats()
+        assert stats["links_accepted"] == 1 and stats["clients_accepted"] == 0
+        assert stats["node_frontend"]["clients_accepted"] >= 4 and stats["node_frontend"]["batches"] > 0
+
+
+def test_a_node_front_end_needs_the_job_token():
+    env = {k: v for k, v in os.environ.items() if not k.startswith("TIERRUN_TOKEN")}
+    with pytest.raises(StoreStartError, match="--node-frontend links to the store"):
+        StoreProcess(host="127.0.0.1", port=0, env=env, node_frontend_unix="@tierrun-test-no-token").start()
+
+
+def _torch_client_suite(port: int) -> None:
+    c = dist.TCPStore("127.0.0.1", port, is_master=False, timeout=timedelta(seconds=10))
     c.set("a", "1")
     assert c.get("a") == b"1"
     assert c.add("n", 5) == 5 and c.add("n", -2) == 3
@@ -149,7 +182,7 @@ def test_torch_client_suite_through_the_proxy(tiered):
     c.set("text", "x")
     with pytest.raises(dist.DistError):
         c.add("text", 1)
-    c2 = dist.TCPStore("127.0.0.1", proxy.port, is_master=False, timeout=timedelta(seconds=0.5))
+    c2 = dist.TCPStore("127.0.0.1", port, is_master=False, timeout=timedelta(seconds=0.5))
     with pytest.raises(dist.DistStoreError):
         c2.wait(["never"])
     assert c2.add("after-timeout", 1) == 1
