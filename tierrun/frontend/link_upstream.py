@@ -743,7 +743,7 @@ class LinkUpstream:
         pending, self._pending = self._pending, []
         entries, self._extra = self._extra, []
         ops: list[_Upstream] = []
-        open_reads: dict[tuple, _Upstream] = {}  # (ns, [kind,] request): its upstream op
+        open_reads: dict[tuple, _Upstream] = {}  # (ns, [kind,] opcode, keys): its upstream op
         reads_on: dict[tuple[bytes, bytes], list[tuple]] = defaultdict(list)  # (ns, key): open_reads keys
         runs: dict[tuple[int, bytes, bytes], _Upstream] = {}  # (ADD|APPEND, ns, key): open run
         folds: dict[tuple[int, bytes], _Upstream] = {}  # (SET|GET|WAIT, ns): the latest foldable op
@@ -794,8 +794,9 @@ class LinkUpstream:
                         seen.clear()
                     seen[k] = (waiter, Op.WAIT)
                 # (a fetch after writes answers nobody else, nor is it answered with another;
-                # requests are tuples of bytes and ints: equal exactly when their bytes are)
-                dk = (ns, b"a" if op == _FETCH_AFTER_WRITES else b"p" if op == _PEEK else b"w", inner)
+                # a read is its opcode and keys: equal exactly when its bytes are)
+                dk = (ns, b"a" if op == _FETCH_AFTER_WRITES else b"p" if op == _PEEK else b"w",
+                      inner[0], tuple(keys))
                 same = open_reads.get(dk)
                 if same is not None and since < same.pos:
                     same.waiters.append(waiter)
@@ -843,7 +844,7 @@ class LinkUpstream:
                     if len(seen) >= MAX_WATCHES:
                         seen.clear()
                     seen[(ns, keys[0])] = (waiter, op)  # its first reader
-                dk = (ns, req)
+                dk = (ns, op, tuple(keys))  # (keys may come as a list from in-process callers)
                 same = open_reads.get(dk)
                 touched(ns, keys, write=False)
                 bookkeeping = i != last or ahead  # (for the batch's later requests, its PEEKS)
