@@ -1,7 +1,8 @@
 """Demo: a 2-node x 2-worker DDP job simulated on this machine with tierrun, tiered.
 
-Node 0 (127.0.1.1) hosts the job's store; every node runs a store proxy that its
-agent and workers use on loopback, and only the proxies talk to node 0, over links
+Node 0 (127.0.1.1) hosts the job's store; every node runs a store front-end that its
+agent and workers use on loopback (node 1 a proxy process; on node 0 the store process
+is that node's front-end too), and only the front-ends talk to node 0's core, over links
 authenticated with a job token. Both nodes run the toy model (Linear 784->128->10)
 with Gloo. What each node prints is prefixed with its name.
 """
