@@ -354,8 +354,6 @@ class RequestParser:
         else:
             data = bytes(buf[pos:end])  # (slices of bytes are bytes: one copy per item)
         p, size = 0, len(data)
-        data = bytes(buf[pos:end])  # (slices of bytes are bytes: one copy per item)
-        p, size = 0, len(data)
         items = self._items
         append = items.append
         remaining = self._remaining

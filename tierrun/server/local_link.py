@@ -14,21 +14,21 @@ import asyncio
 from collections.abc import Callable
 
 from ..frontend.link_upstream import LinkUpstream
-from .link_server import LinkServer
 from ..link.config import LinkConfig
+from .link_server import LinkServer
 
 
 class _LoopTransport(asyncio.Transport):
     """One direction of the pair: ``write`` hands the bytes to the peer protocol's
     ``data_received`` on the next loop turn, in order; closing either end closes both."""
 
-    def __init__(self, loop: asyncio.AbstractEventLoop, peer: asyncio.Protocol) -> None:
+    def __init__(self, loop: asyncio.AbstractEventLoop, own: asyncio.Protocol, peer: asyncio.Protocol) -> None:
         super().__init__()
         self._loop = loop
+        self._own = own  # the protocol that writes here
         self._peer = peer
         self._closing = False
         self.other: _LoopTransport | None = None  # the reverse direction
-        self._protocol: asyncio.Protocol | None = None
 
     def write(self, data: bytes | bytearray | memoryview) -> None:
         if not self._closing:
@@ -52,8 +52,7 @@ class _LoopTransport(asyncio.Transport):
         for end in (self, self.other):
             if end is not None and not end._closing:
                 end._closing = True
-                if end._protocol is not None:
-                    end._protocol.connection_lost(None)
+                end._own.connection_lost(None)
 
     def get_extra_info(self, name: str, default: object = None) -> object:
         return default
@@ -68,9 +67,8 @@ async def link_in_process(links: LinkServer, token: bytes, on_lost: Callable[[st
     link = LinkUpstream(token, on_lost, config)
     client = link.connection()
     server = links.accept("this node's front-end", sniffed=False)
-    to_server, to_client = _LoopTransport(loop, server), _LoopTransport(loop, client)
+    to_server, to_client = _LoopTransport(loop, client, server), _LoopTransport(loop, server, client)
     to_server.other, to_client.other = to_client, to_server
-    to_server._protocol, to_client._protocol = client, server  # (each end's own protocol)
     server.connection_made(to_client)
     client.connection_made(to_server)
     await asyncio.wait_for(asyncio.shield(client.established), timeout)
