@@ -86,14 +86,14 @@ class Service:
 
     async def serve(self, stop: asyncio.Event | None = None) -> None:
         """Listen, then serve until ``stop`` is set (or SIGINT/SIGTERM when it is None)."""
-        if self.node is not None:  # (first: once the store says where it listens, all is up)
-            await self.node.listen()
-        await self.listen()
         if stop is None:
             stop = asyncio.Event()
         loop = asyncio.get_running_loop()
-        for sig in (signal.SIGINT, signal.SIGTERM):
-            loop.add_signal_handler(sig, stop.set)
+        for sig in (signal.SIGINT, signal.SIGTERM):  # (before saying where it listens: a
+            loop.add_signal_handler(sig, stop.set)  # parent may stop it at once)
+        if self.node is not None:  # (first: once the store says where it listens, all is up)
+            await self.node.listen()
+        await self.listen()
         control = asyncio.ensure_future(self._read_control(stop)) if self.config.control_stdin else None
         try:
             await stop.wait()
