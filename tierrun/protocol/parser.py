@@ -115,6 +115,10 @@ def _one_key(data: bytes, end: int, limits: Limits) -> Request | None:
 _FAST = {Op.GET: _key, Op.ADD: _key_i64, Op.SET: _key_value, Op.WAIT: _one_key, Op.CHECK: _one_key}
 
 
+def _too_long(n: int, limit: int, is_value: object) -> ProtocolError:
+    return ProtocolError(f"{'value' if is_value else 'key'} of {n} bytes exceeds the limit of {limit}")
+
+
 def decode_request(data: bytes, limits: Limits = _DEFAULT_LIMITS) -> Request:
     """Exactly one complete torch 2.2+ request, VALIDATE excluded: what a link entry
     carries. The store host's per-operation path for links: the whole request is in
@@ -158,34 +162,22 @@ def decode_request(data: bytes, limits: Limits = _DEFAULT_LIMITS) -> Request:
                         f"{count} keys in one request exceed the limit of {limits.max_keys_per_request}"
                     )
                 pos += 8
-                max_key = limits.max_key_bytes
+                pairs = kind == _PAIRS
+                # (the limit of item j: keys, or a pair's key then its value)
+                limit_of = (limits.max_key_bytes, limits.max_value_bytes if pairs else limits.max_key_bytes)
                 items = []
                 append = items.append
-                if kind == _KEYS:
-                    for _ in range(count):
-                        (n,) = _u64(data, pos)
-                        if n > max_key:
-                            raise ProtocolError(f"key of {n} bytes exceeds the limit of {max_key}")
-                        pos += 8
-                        append(data[pos : pos + n])
-                        pos += n
-                    args.append(tuple(items))
-                else:
-                    max_value = limits.max_value_bytes
-                    for _ in range(count):
-                        (n,) = _u64(data, pos)
-                        if n > max_key:
-                            raise ProtocolError(f"key of {n} bytes exceeds the limit of {max_key}")
-                        pos += 8
-                        append(data[pos : pos + n])
-                        pos += n
-                        (n,) = _u64(data, pos)
-                        if n > max_value:
-                            raise ProtocolError(f"value of {n} bytes exceeds the limit of {max_value}")
-                        pos += 8
-                        append(data[pos : pos + n])
-                        pos += n
+                for j in range(count * 2 if pairs else count):
+                    (n,) = _u64(data, pos)
+                    if n > limit_of[j & 1]:
+                        raise _too_long(n, limit_of[j & 1], pairs and j & 1)
+                    pos += 8
+                    append(data[pos : pos + n])
+                    pos += n
+                if pairs:
                     args += (tuple(items[0::2]), tuple(items[1::2]))
+                else:
+                    args.append(tuple(items))
             if pos > end:
                 break
     except struct.error:
@@ -205,7 +197,7 @@ class RequestParser:
 
     __slots__ = (
         "_limits", "_buf", "_numbering", "_op", "_plan", "_step", "_args",
-        "_items", "_remaining", "_request_bytes", "_pair_key",
+        "_items", "_remaining", "_request_bytes",
     )
 
     def __init__(self, limits: Limits | None = None, numbering: str | None = None) -> None:
@@ -217,10 +209,9 @@ class RequestParser:
         self._plan: tuple[int, ...] = ()
         self._step = 0  # index into _plan
         self._args: list = []
-        self._items: list = []  # keys (or values) of a _KEYS/_PAIRS field so far
+        self._items: list = []  # keys (or keys and values, in turn) of a _KEYS/_PAIRS field so far
         self._remaining = -1  # items still to read in a _KEYS/_PAIRS field; -1: count unread
         self._request_bytes = 0  # bytes of the current request consumed so far
-        self._pair_key: bytes | None = None
 
     @property
     def is_legacy(self) -> bool:
@@ -315,14 +306,14 @@ class RequestParser:
     def _parse_items(self, kind: int, pos: int, end: int) -> tuple[int, bool]:
         """Parse a counted list of keys (_KEYS) or key/value pairs (_PAIRS).
 
-        Resumable: the items parsed so far are kept in ``self._items`` (a pair's key
-        in ``self._pair_key`` until its value is in). O(bytes): what is still to parse
-        is copied once a call, and only when its next item is all in (so each byte at
-        most twice), and each item once more: an agent's MULTI_SET of every node's
-        ranks costs a few steps per key, not a few dozen.
+        Resumable: the items parsed so far (a pair's key, then its value) are kept in
+        ``self._items``. O(bytes): what is still to parse is copied once a call, and only
+        when its next item is all in (so each byte at most twice), and each item once
+        more: an agent's MULTI_SET of every node's ranks costs a few steps per key.
         """
         buf = self._buf
         limits = self._limits
+        pairs = kind == _PAIRS
         if self._remaining < 0:
             if end - pos < 8:
                 return pos, False
@@ -333,9 +324,12 @@ class RequestParser:
                     f"{limits.max_keys_per_request}"
                 )
             pos += 8
-            self._remaining = count
+            self._remaining = count * 2 if pairs else count
             self._items = []
-            self._pair_key = None
+        items = self._items
+        # (the limit of item j: keys, or a pair's key then its value)
+        limit_of = (limits.max_key_bytes, limits.max_value_bytes if pairs else limits.max_key_bytes)
+        j = len(items)
         if not self._remaining:  # (a request of no keys)
             data = b""
         elif end - pos < 8:
@@ -345,65 +339,36 @@ class RequestParser:
             # small reads must not be copied once per read), but refuse it now if its
             # length is past its limit
             (n,) = _u64(buf, pos)
-            is_value = kind == _PAIRS and self._pair_key is not None
-            limit = limits.max_value_bytes if is_value else limits.max_key_bytes
-            if n > limit:
-                what = "value" if is_value else "key"
-                raise ProtocolError(f"{what} of {n} bytes exceeds the limit of {limit}")
+            if n > limit_of[j & 1]:
+                raise _too_long(n, limit_of[j & 1], pairs and j & 1)
             return pos, False
         else:
             data = bytes(buf[pos:end])  # (slices of bytes are bytes: one copy per item)
         p, size = 0, len(data)
-        items = self._items
         append = items.append
         remaining = self._remaining
-        max_key = limits.max_key_bytes
-        if kind == _KEYS:
-            while remaining:
-                if size - p < 8:
-                    break
-                (n,) = _u64(data, p)
-                if n > max_key:
-                    raise ProtocolError(f"key of {n} bytes exceeds the limit of {max_key}")
-                q = p + 8 + n
-                if q > size:
-                    break
-                append(data[p + 8 : q])
-                p = q
-                remaining -= 1
-        else:
-            max_value = limits.max_value_bytes
-            pair_key = self._pair_key
-            while remaining:
-                if size - p < 8:
-                    break
-                (n,) = _u64(data, p)
-                if pair_key is None:
-                    if n > max_key:
-                        raise ProtocolError(f"key of {n} bytes exceeds the limit of {max_key}")
-                elif n > max_value:
-                    raise ProtocolError(f"value of {n} bytes exceeds the limit of {max_value}")
-                q = p + 8 + n
-                if q > size:
-                    break
-                if pair_key is None:
-                    pair_key = data[p + 8 : q]
-                else:
-                    append(pair_key)
-                    append(data[p + 8 : q])
-                    pair_key = None
-                    remaining -= 1
-                p = q
-            self._pair_key = pair_key
+        while remaining:
+            if size - p < 8:
+                break
+            (n,) = _u64(data, p)
+            if n > limit_of[j & 1]:
+                raise _too_long(n, limit_of[j & 1], pairs and j & 1)
+            q = p + 8 + n
+            if q > size:
+                break
+            append(data[p + 8 : q])
+            p = q
+            j += 1
+            remaining -= 1
         self._remaining = remaining
         pos += p
         if remaining:
             return pos, False
-        if kind == _KEYS:
-            self._args.append(tuple(items))
-        else:
+        if pairs:
             self._args.append(tuple(items[0::2]))
             self._args.append(tuple(items[1::2]))
+        else:
+            self._args.append(tuple(items))
         self._items = []
         self._remaining = -1
         return pos, True
