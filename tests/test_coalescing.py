@@ -5,6 +5,7 @@ the answer sequential execution would have given it."""
 
 import asyncio
 import struct
+import time
 
 import pytest
 from inproc import Client, linked, settle, value
@@ -250,6 +251,31 @@ def test_a_held_batch_waits_one_hold_after_each_joining_write_up_to_a_limit():
         # the first of them left with the batch they opened, HOLD_STRETCH holds later
         assert stats.batches > 2 and loop.time() - start < (HOLD_STRETCH + 1.5) * hold
         assert writers[0].replies
+
+    run(main())
+
+
+def test_a_held_batch_leaves_on_a_tick_of_the_wall_clock():
+    """Its hold over, a held batch waits for the next multiple of hold_grid seconds of
+    the wall clock, as every other front-end's held batch does, so that the store host
+    gets them together; the hold is not counted twice (a batch whose hold ends on a
+    tick leaves at once)."""
+    async def main():
+        grid = 0.5
+        core = StoreCore()
+        link, stats = await linked(core, LinkConfig(contended_write_hold=0.01, hold_grid=grid))
+        view = link.view()
+        first = Client()
+        view.execute((Op.ADD, b"/barrier/count", 1), first)
+        await settle()
+        for n in (1, 2):  # (twice: a batch leaving by chance within 30 ms of a tick is 12% likely)
+            held = Client()
+            view.execute((Op.ADD, b"/barrier/count", 1), held)
+            while not held.replies:
+                await asyncio.sleep(0.002)
+            left_at = time.time()
+            assert stats.batches == 1 + n and link.stats.held_batches == n
+            assert min(left_at % grid, grid - left_at % grid) < 0.03  # (on a tick, give or take a loop turn)
 
     run(main())
 

@@ -10,7 +10,9 @@ reach a node (and a stacked front-end) at different moments, leave with it: fewe
 frames at the store host, each of which costs it far more than the entries it carries.
 Each write that joins keeps it open one hold more, up to HOLD_STRETCH holds in all:
 writers that keep coming leave together, and the last one (a barrier's, which every
-other waits for) waits one hold at most. A record (a SET, MULTI_SET or APPEND) of a
+other waits for) waits one hold at most, plus the wait for the next tick of a 10 ms
+wall-clock grid (``LinkConfig.hold_grid``), on which every front-end's held batches
+leave, so that the store host takes them in one wake-up. A record (a SET, MULTI_SET or APPEND) of a
 family that was read through this front-end within the second is not held: its
 readers wait for it one by one (Gloo's ranks, every rank's address in turn).
 Any other request closes the held batch at once, so reads (and chains of them, such as
@@ -336,10 +338,15 @@ class LinkUpstream:
         """The next beat falls on a whole multiple of the interval of the wall clock, as
         every node's does (their clocks agree to a few ms): the store host reads its
         idle links' heartbeats in one wake-up, not one each (8 idle links: 1.6 -> 0.5 ms
-        of CPU a second, ``bench/heartbeat.py --idle``), and a proxy its children's."""
+        of CPU a second, ``bench/heartbeat.py --idle``), and a proxy its children's.
+        A tick less than a tenth of an interval away is skipped: the loop's timers fire
+        up to a millisecond early (uvloop's resolution), and a beat woken just before its
+        tick must not beat again at the tick (which, repeated, sent bursts of ACKs)."""
         interval = self.config.heartbeat_interval
-        self._heartbeat = asyncio.get_running_loop().call_later(
-            (-time.time()) % interval or interval, self._beat)
+        delay = (-time.time()) % interval
+        if delay < interval / 10:
+            delay += interval
+        self._heartbeat = asyncio.get_running_loop().call_later(delay, self._beat)
 
     def _beat(self) -> None:
         """Every heartbeat interval: acknowledge (the heartbeat), or drop a silent connection.
@@ -600,10 +607,19 @@ class LinkUpstream:
 
     def _hold_over(self) -> None:
         """The held batch leaves, unless a write joined it in its last hold: then it
-        waits one hold from that write (up to HOLD_STRETCH holds from its first)."""
+        waits one hold from that write (up to HOLD_STRETCH holds from its first). It
+        leaves on the next tick of the wall clock's ``hold_grid``: so do every other
+        front-end's held batches of the same storm (clocks in sync, as a cluster's
+        are), and the frames reach the upstream together, handled in one wake-up
+        there rather than one each."""
         left = self._hold_until - monotonic()
         if left > 0.001:
             self._hold = asyncio.get_running_loop().call_later(left, self._hold_over)
+            return
+        grid = self.config.hold_grid
+        to_tick = (-time.time()) % grid if grid else 0.0
+        if to_tick > 0.001:
+            self._hold = asyncio.get_running_loop().call_later(to_tick, self._flush)
         else:
             self._flush()
 
