@@ -280,6 +280,73 @@ def test_a_held_batch_leaves_on_a_tick_of_the_wall_clock():
     run(main())
 
 
+def test_a_writers_wait_stays_in_its_held_batch_at_a_node_and_above():
+    """Every agent SETs its role record, then WAITs for its assignment. That WAIT
+    stays in the batch that holds the SET (closing it would send a node's records one
+    by one), at the node's front-end and at a stacked front-end above (where the WAIT
+    waits under a ticket of the link client that sent both). Another client's WAIT,
+    or any other read, still sends the batch at once."""
+    async def main():
+        core = StoreCore()
+        link, stats = await linked(core, LinkConfig(contended_write_hold=60))
+        view = link.view()
+        a, b, c = Client(), Client(), Client()
+        view.execute((Op.SET, b"/role/1", b"r1"), a)
+        await settle()
+        sent = stats.batches
+        view.execute((Op.SET, b"/role/2", b"r2"), b)  # held: a wrote the family
+        view.execute((Op.WAIT, (b"/assigned/2",)), b)
+        await settle()
+        assert stats.batches == sent and link.stats.held_batches == 1
+        view.execute((Op.WAIT, (b"/assigned/3",)), c)  # not a writer's: sends it
+        await settle()
+        assert stats.batches == sent + 1 and core.execute((Op.GET, b"/role/2"), a) == value(b"r2")
+        view.execute((Op.SET, b"/assigned/2", b"ranks"), a)
+        await settle()
+        assert b.replies[-1] == b"\x00"  # STOP_WAITING
+
+        upper, stats = await linked(core, LinkConfig(contended_write_hold=60))
+        below = [(await linked(upper, LinkConfig(contended_write_hold=0)))[0] for _ in range(2)]
+        a, b, c = Client(), Client(), Client()
+        below[0].view().execute((Op.SET, b"/rank/1", b"r1"), a)
+        await settle()
+        sent = stats.batches
+        below[1].view().execute((Op.SET, b"/rank/2", b"r2"), b)  # held above: another link wrote it
+        below[1].view().execute((Op.WAIT, (b"/assignment/2",)), b)
+        await settle()
+        assert stats.batches == sent and upper.stats.held_batches == 1
+        below[0].view().execute((Op.GET, b"/other"), c)  # a read sends it
+        await settle()
+        assert stats.batches == sent + 1 and core.execute((Op.GET, b"/rank/2"), a) == value(b"r2")
+
+    run(main())
+
+
+def test_a_contended_write_behind_a_batch_in_flight_is_held_all_the_same():
+    """With a batch in flight (one at a time, by default), a contended write waits for
+    its answer; it then still leaves when its hold is over, not with the answer, so
+    that the writes arriving meanwhile and after leave with it."""
+    async def main():
+        core = StoreCore()
+        link, stats = await linked(core, LinkConfig(contended_write_hold=0.2, hold_grid=0), delay=5)
+        view = link.view()
+        first, held, joiner = Client(), Client(), Client()
+        view.execute((Op.ADD, b"/barrier/count", 1), first)  # not held: in flight
+        await asyncio.sleep(0)
+        view.execute((Op.ADD, b"/barrier/count", 1), held)  # held behind it
+        await settle()  # (the answer is back)
+        assert first.replies and stats.batches == 1 and link.stats.held_batches == 1
+        view.execute((Op.ADD, b"/barrier/count", 1), joiner)
+        await settle()
+        assert stats.batches == 1 and not held.replies
+        await asyncio.sleep(0.3)
+        await settle()
+        assert stats.batches == 2 and stats.operations == 2  # (the two ADDs merged)
+        assert sorted(struct.unpack("<q", c.replies[0])[0] for c in (held, joiner)) == [2, 3]
+
+    run(main())
+
+
 def test_records_of_a_family_being_read_are_not_held():
     """Gloo's ranks each SET their address and WAIT for every other's, one by one:
     holding a SET of a family that is being read would hold up its readers. Counts

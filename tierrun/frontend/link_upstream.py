@@ -12,11 +12,15 @@ Each write that joins keeps it open one hold more, up to HOLD_STRETCH holds in a
 writers that keep coming leave together, and the last one (a barrier's, which every
 other waits for) waits one hold at most, plus the wait for the next tick of a 10 ms
 wall-clock grid (``LinkConfig.hold_grid``), on which every front-end's held batches
-leave, so that the store host takes them in one wake-up. A record (a SET, MULTI_SET or APPEND) of a
-family that was read through this front-end within the second is not held: its
-readers wait for it one by one (Gloo's ranks, every rank's address in turn).
+leave, so that the store host takes them in one wake-up. A record (a SET, MULTI_SET
+or APPEND) of a family that was read through this front-end within the second is not
+held: its readers wait for it one by one (Gloo's ranks, every rank's address in turn).
 Any other request closes the held batch at once, so reads (and chains of them, such as
-Gloo's address exchange) never wait; a client repeating its own write of a family
+Gloo's address exchange) never wait, with one exception: a WAIT of a client whose write
+the batch holds stays in it (every agent SETs its role record, then WAITs for its
+assignment; let that WAIT send the batch and a node's records leave one by one). It
+waits no longer than its client's write, which it could not overtake anyway, and what it
+waits for rarely exists yet. A client repeating its own write of a family
 within the second (a counter in a loop) is not held either, except by a front-end
 relaying a subtree's writes, which cannot tell one client's repeats from another's.
 Within a batch:
@@ -137,6 +141,12 @@ HOLD_STRETCH = 4
 _HELD_WRITES = frozenset({Op.ADD, Op.SET, Op.MULTI_SET, Op.APPEND})
 _NOTED_READS = frozenset({Op.GET, Op.WAIT, Op.CHECK})
 _MISSING = object()
+
+
+def _issuer(waiter: Waiter) -> Waiter:
+    """The client a request came from: a relayed WAIT waits under a ticket of its own
+    (``link_server.Ticket``), whose ``client`` is the link client that sent it."""
+    return getattr(waiter, "client", waiter)
 
 
 def _family(ns: bytes, key: bytes) -> tuple[bytes, bytes]:
@@ -303,7 +313,9 @@ class LinkUpstream:
         self._family_writer: dict[tuple[bytes, bytes], tuple[Waiter, float]] = {}
         self._client_wrote: dict[tuple[tuple[bytes, bytes], Waiter], float] = {}  # ... by this client, when
         self._family_read: dict[tuple[bytes, bytes], float] = {}  # (ns, key family) -> when last read
-        self._hold: asyncio.TimerHandle | None = None  # the open batch is held until then
+        self._held = False  # the open batch opened with a contended write: it is held
+        self._held_writers: set[Waiter] = set()  # clients with a request in the held batch
+        self._hold: asyncio.Handle | None = None  # ... until then (None: a batch is in flight)
         self._hold_until = 0.0  # (monotonic) ... one hold after the last write that joined it,
         self._hold_last = 0.0  # ... but no later than HOLD_STRETCH holds after its first
 
@@ -577,32 +589,43 @@ class LinkUpstream:
 
     def _enqueue(self, waiter: Waiter, ns: bytes, req: Request) -> None:
         """Put a request in the next batch, held open if it starts with a contended
-        write (``LinkConfig.contended_write_hold``), closed at once by anything else."""
+        write (``LinkConfig.contended_write_hold``), closed at once by anything else but
+        another contended write or a WAIT of a client whose write the batch holds."""
         hold = self.config.contended_write_hold
-        contended = False
+        contended = waits_on_held = False
         if hold:
             if req[0] in _HELD_WRITES:
                 contended = self._contended(waiter, ns, req)
             else:
-                self._note_read(ns, req[1] if req[0] < 0 else req)
+                read = req[1] if req[0] < 0 else req
+                self._note_read(ns, read)
+                waits_on_held = read[0] == Op.WAIT and _issuer(waiter) in self._held_writers
         if not self._pending and not self._extra:
             if contended:
+                self.stats.held_batches += 1
+                self._held = True
+                now = monotonic()
+                self._hold_until = now + hold
+                self._hold_last = now + HOLD_STRETCH * hold
                 limit = self.config.batches_in_flight
                 if not limit or len(self._batches_awaiting) < limit:
-                    self.stats.held_batches += 1
-                    now = monotonic()
-                    self._hold_until = now + hold
-                    self._hold_last = now + HOLD_STRETCH * hold
                     self._hold = asyncio.get_running_loop().call_later(hold, self._hold_over)
+                # (else the hold runs meanwhile: _on_replies goes on with it)
             else:
                 self._schedule_flush()
-        elif self._hold is not None:
-            if not contended:
-                self._hold.cancel()
-                self._hold = None
-                asyncio.get_running_loop().call_soon(self._flush)
+        elif self._held:
+            if waits_on_held:
+                pass  # (its client's write is held: its WAIT stays with it, held too)
+            elif not contended:
+                self._held = False
+                if self._hold is not None:
+                    self._hold.cancel()
+                    self._hold = None
+                    asyncio.get_running_loop().call_soon(self._flush)
             else:  # another writer joined: hold on while they keep coming
                 self._hold_until = min(monotonic() + hold, self._hold_last)
+        if self._held:
+            self._held_writers.add(_issuer(waiter))
         self._pending.append((waiter, ns, req))
 
     def _hold_over(self) -> None:
@@ -756,6 +779,8 @@ class LinkUpstream:
         if self._hold is not None:
             self._hold.cancel()
             self._hold = None
+        self._held = False
+        self._held_writers.clear()
         pending, self._pending = self._pending, []
         entries, self._extra = self._extra, []
         ops: list[_Upstream] = []
@@ -1047,7 +1072,9 @@ class LinkUpstream:
                 continue
             if rid in awaiting:
                 awaiting.discard(rid)
-                if self._pending or self._extra:
+                if self._held and self._hold is None:  # (held meanwhile: it leaves when its hold is over)
+                    self._hold = asyncio.get_running_loop().call_soon(self._hold_over)
+                elif self._pending or self._extra:
                     self._schedule_flush()
             answered = self._answered
             if status != OK:
