@@ -9,10 +9,10 @@ tests/fixtures and read from torch's sources) against three set-ups, in the same
                 components: FrontEnd + LinkUpstream): agents and ranks connect to their
                 node's front-end on loopback; only the K front-ends link to node 0's core
   tree          tiered, with front-ends stacked (--store-fanout F, default 8) in the
-                launcher's tree (rendezvous.job_store.TreePlace): node 0's own
-                front-end and F - 1 other nodes' link to node 0's core, the others to
+                launcher's tree (rendezvous.job_store.TreePlace): F - 1 other nodes
+                link to node 0's core (besides node 0's own front-end), the others to
                 another node's front-end (which also accepts links: LinkServer over its
-                own upstream), so node 0 sees F links
+                own upstream), so node 0 sees F - 1 links
   tree-10ms     tree, every front-end keeping its batch open 10 ms
                 (TIERRUN_LINK_BATCH_WINDOW=0.01): fewer, larger batches, 10 ms more
                 latency per level
@@ -40,10 +40,11 @@ SETs its address, then WAIT, WAIT, GET of every rank's: O(W^2) requests; small K
 
 Node 0 is the store server process. In the tiered set-ups it is node 0's own front-end
 too, as the launcher runs it (`tierrun store --node-frontend`: node 0's agent and ranks
-connect to it, and it links to the core in-process); the other nodes' front-ends run
-inside the simulator processes. Reported per set-up: connections node 0 accepted,
-requests it parsed (flat: every request; tiered: operations carried by links), frames it
-received (flat: one per request; tiered: link batches), its CPU seconds (/proc), and the
+connect to it, and it hands their requests to the core, in-process, with no link); the
+other nodes' front-ends run inside the simulator processes. Reported per set-up:
+connections node 0 accepted, requests it parsed (flat: every request; tiered: operations
+carried by links and node 0's own agent's and ranks' requests), frames it received
+(flat: one per request; tiered: link batches and node 0's own requests), its CPU seconds (/proc), and the
 wall time from start to every rank done. All simulated nodes share this machine's cores
 with node 0, so wall times are pessimistic for every set-up alike; node 0's CPU is what
 a real node 0 would pay. Medians of --repeat runs; writes docs/bench/wireup.json, a
@@ -90,11 +91,15 @@ class SimClient(asyncio.Protocol):
     """One torch client connection: one request in flight, replies decoded by shape."""
 
     requests = 0  # sent by every client of this process
+    node0_requests = 0  # of those, sent to node 0's own front-end (tiered set-ups)
+    #: Node 0's own front-end (tiered set-ups): its clients' requests are node 0's.
+    node0: tuple[str, int] | None = None
 
     def __init__(self) -> None:
         self.buf = bytearray()
         self.pending: tuple[Op, int, asyncio.Future] | None = None
         self.transport: asyncio.Transport | None = None
+        self.to_node0 = False
 
     def connection_made(self, transport) -> None:  # type: ignore[override]
         self.transport = transport
@@ -135,6 +140,7 @@ class SimClient(asyncio.Protocol):
 
     async def call(self, *req):
         SimClient.requests += 1
+        SimClient.node0_requests += self.to_node0
         assert self.transport is not None
         self.transport.write(encode_request(req))
         if req[0] in NO_REPLY_OPS:
@@ -159,6 +165,7 @@ async def connect(host: str, port: int) -> SimClient:
             delay = min(2 * delay, 1.0)
     else:
         raise ConnectionError(f"cannot connect to {host}:{port}")
+    client.to_node0 = (host, port) == SimClient.node0
     await client.call(Op.VALIDATE, VALIDATION_MAGIC)
     await client.call(Op.PING, 1)
     return client
@@ -320,12 +327,14 @@ def sim_child(setup: str, k: int, p: int, procs: int, index: int, port: int, tra
     cluster = Cluster(k, p, traffic, heartbeats, ("127.0.0.1", port), setup in TIERED,
                       fanout if setup in TREES else 0, tree_port, agents == "tierrun" and setup != "torch",
                       ("127.0.0.1", node0_port))
+    if setup in TIERED:
+        SimClient.node0 = cluster.node0_frontend
     print("ready", flush=True)
     sys.stdin.readline()
 
     async def main() -> None:
         await asyncio.gather(*(cluster.node(n) for n in range(index, k, procs)))
-        print(json.dumps({"requests": SimClient.requests}), flush=True)
+        print(json.dumps({"requests": SimClient.requests, "node0_requests": SimClient.node0_requests}), flush=True)
         # in a tree, other processes' nodes may still be linked through ours: serve
         # until the parent says everyone is done (stdin closes)
         await asyncio.get_running_loop().run_in_executor(None, sys.stdin.readline)
@@ -378,13 +387,18 @@ def measure(setup: str, k: int, p: int, args) -> dict:
         if not all(outs):
             raise RuntimeError(f"{setup} K={k} P={p}: a simulator failed")
         requests = sum(json.loads(o)["requests"] for o in outs)
+        node0_own = sum(json.loads(o)["node0_requests"] for o in outs)
         if setup == "torch":
             result = {"connections": k * (p + 1), "requests": requests, "frames": requests}
         else:
             st = store.stats()
             if setup in TIERED:
-                result = {"connections": st["clients_accepted"] + st["links_accepted"],
-                          "requests": st["link_operations"], "frames": st["link_batches"]}
+                # links, and node 0's own agent and ranks on its front-end (a request
+                # each, read one by one as in a flat store)
+                result = {"connections": st["clients_accepted"] + st["links_accepted"]
+                          + st["node_frontend"]["clients_accepted"],
+                          "requests": st["link_operations"] + node0_own,
+                          "frames": st["link_batches"] + node0_own}
             else:
                 result = {"connections": st["clients_accepted"], "requests": requests, "frames": requests}
         return {**result, "cpu_s": cpu, "wall_s": wall}

@@ -133,9 +133,9 @@ def test_torch_client_suite_through_the_proxy(tiered):
 
 
 def test_torch_client_suite_through_the_store_hosts_own_front_end():
-    """The store host's node front-end runs in its store process (--node-frontend),
-    linked to the core in-process: the same suite passes through it, and the core sees
-    one link and no client."""
+    """The store host's node front-end runs in its store process (--node-frontend), on
+    the core with no link: the same suite passes through it, and the public port sees
+    no client and no link."""
     import uuid
 
     from tierrun.client import StoreClient
@@ -151,14 +151,8 @@ def test_torch_client_suite_through_the_store_hosts_own_front_end():
         with StoreClient(unix) as c:  # (the agent's own clients use the Unix socket)
             assert c.get(b"round1/k") == b"in round 1"
         stats = root.stats()
-        assert stats["links_accepted"] == 1 and stats["clients_accepted"] == 0
-        assert stats["node_frontend"]["clients_accepted"] >= 4 and stats["node_frontend"]["batches"] > 0
-
-
-def test_a_node_front_end_needs_the_job_token():
-    env = {k: v for k, v in os.environ.items() if not k.startswith("TIERRUN_TOKEN")}
-    with pytest.raises(StoreStartError, match="--node-frontend links to the store"):
-        StoreProcess(host="127.0.0.1", port=0, env=env, node_frontend_unix="@tierrun-test-no-token").start()
+        assert stats["links_accepted"] == 0 and stats["clients_accepted"] == 0
+        assert stats["node_frontend"]["clients_accepted"] >= 4
 
 
 def _torch_client_suite(port: int) -> None:

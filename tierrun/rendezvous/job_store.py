@@ -5,8 +5,8 @@ The hosting agent runs the root store in a child process. With tiering (a job to
 is given), every agent also runs its node's proxy in a child process: the agent and
 the workers of the node talk to the proxy on loopback, and only the proxies talk to
 the store host, over authenticated links. On the store host the store process is
-that node's front-end too (``HostedFrontEnd``: linked to the core in-process, so the
-store host's own agent and workers wake no other process). Child processes stop when
+that node's front-end too (``HostedFrontEnd``: on the core in that process, so the
+store host's own agent and workers wake no other process and need no link). Child processes stop when
 the agent does (they watch its stdin pipe).
 """
 
@@ -154,7 +154,7 @@ class JobStore:
         grace period). One stats request to the proxy; False without tiering or once the
         proxy has exited (``lost`` then says why)."""
         if not isinstance(self.proxy, StoreProcess) or self.proxy.exited() is not None:
-            return False  # (the store host's own front-end is linked in-process)
+            return False  # (the store host's own front-end has no link)
         try:
             silence = self.proxy.stats(timeout=2.0).get("upstream_silence_s", 0.0)
         except StoreStartError:

@@ -216,9 +216,9 @@ class StoreProcess:
 class HostedFrontEnd:
     """The node front-end of the store host, run by its store process
     (``StoreProcess(node_frontend_unix=...)``): where the host's agent and workers
-    connect, as they connect to a ``tierrun proxy`` on other nodes. It is linked to the
-    core in that process (no socket between them, no process of its own to wake), and
-    lives and dies with the store."""
+    connect, as they connect to a ``tierrun proxy`` on other nodes. It serves them from
+    the core in that process (no link, no process of its own to wake), and lives and
+    dies with the store."""
 
     link_port = None  # (it takes no other front-end's links)
 

@@ -1,8 +1,9 @@
 """The root store: the core, its front-end on the public port (or, with ``workers`` > 1,
 a pool of front-end processes sharing it), and the links of node front-ends (which
 arrive on the same port and are told apart by their first byte). With ``node_frontend``
-it also runs the store host's own node front-end, linked to the core in-process
-(``local_link``): the store host's agent and workers then cost no other process."""
+it also runs the store host's own node front-end: a front-end on the core, as the
+public port's, on listeners of the host's own (loopback, a Unix socket): the store
+host's agent and workers then cost no other process, and their requests no link."""
 
 from __future__ import annotations
 
@@ -16,7 +17,6 @@ from ..link.config import LinkConfig
 from .frontend_pool import FrontEndPool
 from ..link.reply_gate import break_watches
 from .link_server import LinkServer, core_upstreams
-from .local_link import link_in_process
 from .service import Service, ServiceConfig
 
 RootConfig = ServiceConfig
@@ -57,11 +57,11 @@ async def serve_root(
     announce = on_listening or (lambda line: None)
     node = None
     if node_frontend is not None:
-        if token is None:
-            raise ValueError("a node front-end links to the core: it needs the job token")
-        link = await link_in_process(links, token, lambda reason: None, link_config)
-        node = Service(node_frontend, link.view, lambda: link.stats.as_dict(),
-                       lambda line: announce("node front-end " + line))
+        # (on the core like the public port's clients, with no link in between: an
+        # in-process link cost node 0 ~15% more CPU at 512x8, see docs/benchmarks.md,
+        # and merging the requests of one node's workers saves the core little)
+        node = Service(node_frontend, make_upstream, dict, lambda line: announce("node front-end " + line),
+                       gate=links.gate)
     pool = FrontEndPool(config.workers, links, config.frontend) if config.workers > 1 else None
     service = Service(
         config, make_upstream, stats, announce,
@@ -70,7 +70,4 @@ async def serve_root(
     try:
         await service.serve(stop)
     finally:
-        if node is not None:  # (its goodbye reaches the core a loop turn later)
-            link.close()
-            await asyncio.sleep(0)
         links.close()

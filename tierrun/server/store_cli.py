@@ -76,16 +76,14 @@ def store_main(argv: list[str]) -> int:
                    "the namespace listeners opened through --control-stdin")
     p.add_argument("--node-frontend", action="store_true",
                    help="also be this host's node front-end (what `tierrun proxy` is on other "
-                   "nodes), linked to the store in this process: listens on 127.0.0.1 (a free "
-                   "port) and on --node-frontend-unix; needs the job token")
+                   "nodes), on the store in this process: listens on 127.0.0.1 (a free "
+                   "port) and on --node-frontend-unix")
     p.add_argument("--node-frontend-unix", default=None, metavar="PATH",
                    help="the node front-end's Unix socket (@name: abstract)")
     args = p.parse_args(argv)
     if args.workers < 1:
         p.error(f"--workers {args.workers}: write 1 or more")
     token = load_token()
-    if args.node_frontend and token is None:
-        p.error("--node-frontend links to the store: set TIERRUN_TOKEN or TIERRUN_TOKEN_FILE")
     node = None
     if args.node_frontend:
         node = ServiceConfig(host=NODE_FRONTEND_HOST, port=0, unix=args.node_frontend_unix,
