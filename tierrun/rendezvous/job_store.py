@@ -276,13 +276,14 @@ def token_from(config: dict) -> str | None:
 class TreePlace:
     """This node's place in a tree of node proxies (``--store-fanout F``, static jobs).
 
-    Node 0, the store host, links its own proxy straight to its store (same host) and
-    takes no children: its workers are one hop from the store, and its proxy relays no
-    other node's requests (relaying 64 nodes' at 512x8, fanout 8, cost node 0 as much
-    CPU again as its store: ``bench/wireup.py``). Nodes 1..N-1 take places 0..N-2 of a
-    tree: places 0..F-2 link to the store host, place q >= F-1 to the proxy in place
-    (q - F + 1) // F, which takes links on ``addr`` and publishes where under ``key``.
-    So every proxy, the store host's core included, has at most F links. O(1).
+    Node 0, the store host, serves its own node's agent and workers from its store
+    (its node front-end, with no link: one of its F) and takes no children: its workers
+    are one hop from the store, and it relays no other node's requests (relaying 64
+    nodes' at 512x8, fanout 8, cost node 0 as much CPU again as its store:
+    ``bench/wireup.py``). Nodes 1..N-1 take places 0..N-2 of a tree: places 0..F-2 link
+    to the store host, place q >= F-1 to the proxy in place (q - F + 1) // F, which
+    takes links on ``addr`` and publishes where under ``key``. So every proxy, the
+    store host's core included, has at most F links. O(1).
     """
 
     rank: int
@@ -294,7 +295,7 @@ class TreePlace:
 
     @property
     def parent(self) -> int | None:
-        top = self.fanout - 1  # places linked to the store host (node 0's proxy is the F-th link)
+        top = self.fanout - 1  # places linked to the store host (node 0's front-end is its F-th)
         place = self.rank - 1
         return None if place < top else (place - top) // self.fanout + 1
 
