@@ -149,11 +149,13 @@ def test_elastic_timeout_says_how_many_arrived(tmp_path):
     assert "1 node(s) arrived (127.0.1.1), at least 2 needed" in text
 
 
-def served_by_store_host(log):
+def served_by_store_host(log, by: str = "store host"):
+    """What the agent logged its store host (or its node proxy: ``by="node proxy"``)
+    served, when it stopped."""
     import json
     import re
 
-    m = re.search(r"store host served: (\{.*\})", log.read_text())
+    m = re.search(by + r" served: (\{.*\})", log.read_text())
     assert m, log.read_text()[-3000:]
     return json.loads(m.group(1))
 
@@ -183,6 +185,7 @@ def test_tiered_three_nodes_node0_sees_only_links(tmp_path, mode):
     assert served["links_accepted"] == 2
     assert served["clients_accepted"] == 0
     assert served["node_frontend"]["clients_accepted"] >= 3
+    assert served_by_store_host(logs[0], "node proxy") == served["node_frontend"]
 
 
 def test_tiered_without_token_derives_one_and_warns(tmp_path):

@@ -254,10 +254,12 @@ class JobStore:
         if self._watch is not None:
             self._watch.close()
             self._watch = None
-        for name, proc in (("node proxy", self.proxy), ("store host", self.root)):
+        served = (("node proxy", self.proxy), ("store host", self.root))
+        for _, proc in served:
             if isinstance(proc, StoreProcess):
                 proc.stop()
-            if proc is not None:
+        for name, proc in served:  # (after both stopped: the store host's own front-end
+            if proc is not None:   # has its figures once the store process has)
                 log.info("%s served: %s", name, json.dumps(proc.last_stats))
         self.proxy = self.root = None
 
