@@ -258,8 +258,9 @@ class JobStore:
         for _, proc in served:
             if isinstance(proc, StoreProcess):
                 proc.stop()
-        for name, proc in served:  # (after both stopped: the store host's own front-end
-            if proc is not None:   # has its figures once the store process has)
+        # (after both stopped: the store host's own front-end reports through its store)
+        for name, proc in served:
+            if proc is not None:
                 log.info("%s served: %s", name, json.dumps(proc.last_stats))
         self.proxy = self.root = None
 
