@@ -465,9 +465,10 @@ def plot(sizes: list[tuple[int, int]], med: dict, path) -> None:
     labels = [f"{k}x{p}" for k, p in sizes]
     fig, axes = plt.subplots(1, 2, figsize=(10, 4))
     for ax, metric, title in ((axes[0], "cpu_s", "node 0 CPU seconds"), (axes[1], "requests", "node 0 requests")):
-        width = 0.8 / len(SETUPS)
-        for i, setup in enumerate(SETUPS):
-            ax.bar([x + (i - (len(SETUPS) - 1) / 2) * width for x in range(len(sizes))],
+        setups = list(med[labels[0]])
+        width = 0.8 / len(setups)
+        for i, setup in enumerate(setups):
+            ax.bar([x + (i - (len(setups) - 1) / 2) * width for x in range(len(sizes))],
                    [med[s][setup][metric] for s in labels], width, label=setup)
         ax.set_xticks(range(len(sizes)), labels)
         ax.set_yscale("log")
@@ -489,6 +490,9 @@ def main() -> None:
     p.add_argument("--agents", choices=("torch", "tierrun"), default="torch",
                    help="agent traffic of tierrun's set-ups: torch's static rendezvous and rank "
                         "assignment (as the torch set-up), or what tierrun's parallel backend sends")
+    p.add_argument("--setups", nargs="+", choices=SETUPS, default=list(SETUPS),
+                   help="set-ups to run (torch's always runs: the ratios need it); with a subset, "
+                        "the figures are printed, not written under docs/")
     p.add_argument("--sim-child", nargs=12, help=argparse.SUPPRESS)
     p.add_argument("--echo-server", action="store_true", help=argparse.SUPPRESS)
     args = p.parse_args()
@@ -501,11 +505,12 @@ def main() -> None:
                   int(fanout), int(tree_port), agents, int(node0))
         return
     raise_fd_limit()
+    setups = [s for s in SETUPS if s == "torch" or s in args.setups]
     sizes = [tuple(map(int, s.split("x"))) for s in args.sizes]
-    runs: dict[str, dict[str, list[dict]]] = {f"{k}x{pp}": {s: [] for s in SETUPS} for k, pp in sizes}
+    runs: dict[str, dict[str, list[dict]]] = {f"{k}x{pp}": {s: [] for s in setups} for k, pp in sizes}
     for k, pp in sizes:
         for i in range(args.repeat):  # interleaved, so that machine noise hits all alike
-            for setup in SETUPS:
+            for setup in setups:
                 r = measure(setup, k, pp, args)
                 runs[f"{k}x{pp}"][setup].append(r)
                 print(f"{k}x{pp} run {i + 1} {setup}: {r}", flush=True)
@@ -533,7 +538,7 @@ def main() -> None:
               "| K x P | set-up | connections | requests | frames | node-0 CPU | node-0 CPU per round | wall |",
               "|---|---|---:|---:|---:|---:|---:|---:|"]
     for size, by in med.items():
-        for setup in TIERED:
+        for setup in (s for s in TIERED if s in by):
             t, c = by["torch"], by[setup]
             q = {m: t[m] / c[m] if c[m] else float("inf") for m in t}
             paired = [a["cpu_s"] / b["cpu_s"] for a, b in zip(runs[size]["torch"], runs[size][setup])]
@@ -542,6 +547,9 @@ def main() -> None:
                          f"({min(paired):.1f}-{max(paired):.1f}) | {q['wall_s']:.2f}x |")
     table = "\n".join(lines)
     print(table)
+    if len(setups) < len(SETUPS):
+        print("(a subset of the set-ups: docs/ not updated)")
+        return
     name = ("wireup" if args.traffic == "nccl" else "wireup_gloo") + ("_tierrun_agents" if args.agents == "tierrun" else "")
     write_json(name, {"args": vars(args), "runs": runs, "wakeup_floor_us": floor})
     plot(sizes, med, DOCS / "bench" / f"{name}.png")
