@@ -48,9 +48,10 @@ answer tells it the SET was done, and a read moved ahead of it could be answered
 a watch, or before the SET's invalidation round) while the SET is still on its way.
 
 Across batches, only through watches (design.md's standing watch; link frames.py): a
-one-key CHECK, GET or WAIT of a key polled (read before by another client, or by the
-same client asking the same: NCCL's heartbeat CHECK, the ranks' WAITs and GETs of the
-unique id, a barrier's WAITs) goes upstream as a WATCH, whose answer carries the key's
+one-key CHECK (a poll from the first: NCCL's heartbeat monitor, torch's only caller of
+CHECK), or GET or WAIT of a key polled (read before by another client, or by the same
+client asking the same: the ranks' WAITs and GETs of the unique id, a barrier's WAITs)
+goes upstream as a WATCH, whose answer carries the key's
 state; the front-end then answers reads of the key from that state, and WAITs on it
 join the WAIT that waits for it upstream, until the core invalidates the watch (which
 it does before anyone can learn of a change) or the lease runs out. A key's first
@@ -340,7 +341,6 @@ class LinkUpstream:
         self._opened = True
         if missed:
             conn.write(b"".join(missed))
-        conn.ack()  # (its PONG starts the watch lease)
         if not self.ready.done():
             self.ready.set_result(None)
         if self._heartbeat is None:
@@ -499,7 +499,9 @@ class LinkUpstream:
                     return None
             first = self._seen.get(k)
             if self._churn.get(k, 0) < MAX_CHURN:
-                if clean and first is not None and (first[0] is not waiter or first[1] == op):
+                if clean and (op == Op.CHECK or first is not None and (first[0] is not waiter or first[1] == op)):
+                    # (a CHECK is a poll from the first: torch's only caller, NCCL's
+                    # heartbeat monitor, CHECKs its key every second)
                     req = (_WATCH, req, None)  # type: ignore[assignment]
                 elif op == Op.WAIT:  # (torch's get() is a WAIT, then a GET: fetch the value)
                     req = (_FETCH if clean else _FETCH_AFTER_WRITES, req, None)  # type: ignore[assignment]
@@ -1250,6 +1252,7 @@ class LinkConnection(asyncio.Protocol):
         self._transport: asyncio.Transport | None = None
         self._client_nonce = b""
         self._server_nonce = b""
+        self._welcomed = False  # the store host proved it knows the token
         self._unacked_in = 0
         self._pings: deque[float] = deque()  # when each ACK not yet answered by a PONG left
         self.established: asyncio.Future[None] = asyncio.get_running_loop().create_future()
@@ -1299,15 +1302,20 @@ class LinkConnection(asyncio.Protocol):
                             link._lease_until = max(link._lease_until, sent + lease)
                 elif ftype == ACK and self.established.done():
                     link._outbox.ack(decode_count(payload))
-                elif ftype == HELLO:
+                elif ftype == HELLO and not self._client_nonce:
+                    # AUTH, SESSION and the first ACK (its PONG starts the watch lease)
+                    # in one write, not one round trip each: the store host reads
+                    # them in one wake-up. The session id goes out before the host
+                    # proved it knows the token, which gives a fake host nothing: it
+                    # cannot resume the session without the token.
                     self._server_nonce = payload[2:]
                     frame, self._client_nonce = auth.answer_hello(link._token, payload)
-                    self.write(frame)
-                elif ftype == WELCOME:
+                    self.ack(frame + encode_session(link.session_id, not link._opened, link.replies_received))
+                elif ftype == WELCOME and self._client_nonce and not self._welcomed:
                     auth.check_welcome(link._token, self._server_nonce, self._client_nonce, payload)
+                    self._welcomed = True
                     self._decoder.max_frame = DEFAULT_MAX_FRAME
-                    self.write(encode_session(link.session_id, not link._opened, link.replies_received))
-                elif ftype == RESUMED and not self.established.done():
+                elif ftype == RESUMED and self._welcomed and not self.established.done():
                     link._established(self, decode_count(payload))
                     self.established.set_result(None)
                 elif ftype == ERROR:
