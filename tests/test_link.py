@@ -216,6 +216,72 @@ def test_a_heartbeat_riding_with_a_batch_is_answered_in_one_write():
     asyncio.run(main())
 
 
+def test_the_handshake_is_one_flight_each_way():
+    """After the store host's HELLO, a front-end sends AUTH, SESSION and its first ACK in
+    one write: the store host reads them at once (one wake-up per link, not three), and
+    the PONG that answers the ACK starts the watch lease."""
+    import asyncio
+
+    from inproc import Pipe, gate_of
+
+    from tierrun.core import StoreCore
+    from tierrun.frontend.link_upstream import LinkUpstream
+    from tierrun.link.frames import ACK, AUTH, SESSION
+    from tierrun.server.link_server import LinkServer, core_upstreams
+
+    async def main():
+        core = StoreCore()
+        server = LinkServer(core_upstreams(core), b"tok", gate=gate_of(core), drop_watches=core.drop_watches_of)
+        link = LinkUpstream(b"tok", on_lost=lambda reason: None)
+        conn = link.connection()
+        host = server.accept("test", sniffed=False)
+        reads = []
+        feed = host.data_received
+
+        def spy(data):
+            reads.append(data)
+            feed(data)
+
+        host.data_received = spy
+        host.connection_made(Pipe(lambda: conn))
+        conn.connection_made(Pipe(lambda: host))
+        await asyncio.wait_for(link.ready, 5)
+        for _ in range(5):
+            await asyncio.sleep(0)
+        assert reads[0] == bytes([LINK_MAGIC])
+        assert [[ftype for ftype, _ in FrameDecoder().feed(r)] for r in reads[1:]] == [[AUTH, SESSION, ACK]]
+        assert link.lease_left() > 2.0 and server.stats.links == 1
+
+    asyncio.run(main())
+
+
+def test_a_host_that_skips_welcome_is_refused():
+    """The front-end takes RESUMED only after the store host proved it knows the token
+    (WELCOME): a host that answers AUTH with RESUMED at once is refused."""
+    import asyncio
+
+    from inproc import Pipe
+
+    from tierrun.frontend.link_upstream import LinkUpstream
+    from tierrun.link.frames import RESUMED, encode_count
+
+    async def main():
+        link = LinkUpstream(b"tok", on_lost=lambda reason: None)
+        conn = link.connection()
+
+        class FakeHost:
+            def data_received(self, data):
+                if data != bytes([LINK_MAGIC]):  # (AUTH, SESSION, ACK)
+                    conn.data_received(encode_count(RESUMED, 0))
+
+        conn.connection_made(Pipe(lambda: FakeHost()))
+        conn.data_received(auth.hello(os.urandom(32)))
+        with pytest.raises(LinkError, match="unexpected frame"):
+            await asyncio.wait_for(conn.established, 5)
+
+    asyncio.run(main())
+
+
 def test_every_link_beats_on_the_same_ticks_of_the_wall_clock(monkeypatch):
     """Idle links' heartbeats fall on whole multiples of the interval of the wall clock,
     whenever each link was opened: they reach the store host together, which reads them

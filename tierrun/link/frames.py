@@ -33,7 +33,8 @@
     REPLIES := u32 n | n x (u64 rid | u8 status | u32 len | bytes)  core -> front-end
         status 0: the torch-encoded reply; 1: an error message (the client must be closed)
     SESSION := 16-byte session id | u8 fresh | u64 REPLIES frames received   front-end -> core,
-               right after WELCOME: open a session (fresh) or resume one
+               right after AUTH (in the same write, with its first ACK: the handshake
+               is one flight each way): open a session (fresh) or resume one
     RESUMED := u64 BATCH frames received                 core -> front-end, then both
                sides resend the frames the other has not received
     ACK     := u64 frames received from the peer         both ways: frees the peer's resend
