@@ -98,7 +98,7 @@ def idle_child(kind: str, port: int, count: int) -> None:
     """Open ``count`` connections to node 0 (``torch``: torch clients, handshake done;
     ``link``: front-end links, each opened at a random moment of a second, as nodes
     start at different moments) and keep them open, idle, until stdin closes."""
-    from tierrun.frontend.link_upstream import connect_link
+    from tierrun.tier import connect_link
     from tierrun.server.eventloop import run
 
     async def main() -> None:

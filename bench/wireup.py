@@ -269,7 +269,7 @@ class Cluster:
 
     async def front_end(self, n: int) -> tuple[str, int]:
         from tierrun.frontend import FrontEnd
-        from tierrun.frontend.link_upstream import connect_link
+        from tierrun.tier import connect_link
         from tierrun.frontend.listen import tcp_listen_socket
         from tierrun.link.config import LinkConfig
         from tierrun.server.link_server import LinkServer

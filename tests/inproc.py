@@ -6,7 +6,7 @@ import asyncio
 import struct
 import weakref
 
-from tierrun.frontend.link_upstream import LinkUpstream
+from tierrun.tier import LinkUpstream
 from tierrun.link.reply_gate import ReplyGate, break_watches
 from tierrun.server.link_server import LinkServer, core_upstreams
 

@@ -11,7 +11,7 @@ import pytest
 from inproc import Client, linked, settle, value
 
 from tierrun.core import StoreCore
-from tierrun.frontend.link_upstream import HOLD_STRETCH
+from tierrun.tier.hold import HOLD_STRETCH
 from tierrun.link.config import LinkConfig
 from tierrun.protocol import Op
 

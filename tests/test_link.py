@@ -225,7 +225,7 @@ def test_the_handshake_is_one_flight_each_way():
     from inproc import Pipe, gate_of
 
     from tierrun.core import StoreCore
-    from tierrun.frontend.link_upstream import LinkUpstream
+    from tierrun.tier import LinkUpstream
     from tierrun.link.frames import ACK, AUTH, SESSION
     from tierrun.server.link_server import LinkServer, core_upstreams
 
@@ -262,7 +262,7 @@ def test_a_host_that_skips_welcome_is_refused():
 
     from inproc import Pipe
 
-    from tierrun.frontend.link_upstream import LinkUpstream
+    from tierrun.tier import LinkUpstream
     from tierrun.link.frames import RESUMED, encode_count
 
     async def main():
@@ -297,7 +297,7 @@ def test_every_link_beats_on_the_same_ticks_of_the_wall_clock(monkeypatch):
     import uvloop
 
     from tierrun.core import StoreCore
-    from tierrun.frontend.link_upstream import LinkConnection
+    from tierrun.tier import LinkConnection
     from tierrun.link.config import LinkConfig
 
     beats = []

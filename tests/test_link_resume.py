@@ -11,7 +11,7 @@ import re
 
 import pytest
 
-from tierrun.frontend.link_upstream import connect_link
+from tierrun.tier import connect_link
 from tierrun.link.config import LinkConfig
 from tierrun.link.frames import ACK, BATCH, FrameDecoder
 from tierrun.protocol import Op

@@ -13,7 +13,7 @@ import asyncio
 import os
 import random
 
-from tierrun.frontend.link_upstream import connect_link
+from tierrun.tier import connect_link
 from tierrun.link.config import LinkConfig
 from tierrun.protocol import Op
 

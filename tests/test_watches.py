@@ -16,7 +16,7 @@ from tierrun.link.frames import (
     entry_waits, entry_watch,
 )
 from tierrun.protocol.requests import encode_request
-from tierrun.frontend.link_upstream import MAX_CHURN
+from tierrun.tier.watches import MAX_CHURN
 from tierrun.protocol import Op
 from tierrun.protocol.opcodes import CHECK_NOT_READY, CHECK_READY, STOP_WAITING
 
@@ -57,10 +57,10 @@ async def watched_with_late_confirmation(core, key, v):
     watcher, _ = await linked(core)
     writer, _ = await linked(core)
     await watched(watcher.view(), (Op.GET, key))
-    assert watcher._cache  # watched
+    assert watcher.watches.values  # watched
     held = []
-    original = watcher._on_invalidate
-    watcher._on_invalidate = held.append  # not yet
+    original = watcher.on_invalidate
+    watcher.on_invalidate = held.append  # not yet
 
     def confirm():
         assert held, "no invalidation arrived"
@@ -279,8 +279,8 @@ def test_a_watcher_that_never_confirms_holds_answers_only_until_its_lease_ends()
         core = StoreCore()
         watcher, _ = await linked(core)
         await watched(watcher.view(), (Op.CHECK, (b"/k",)))
-        watcher._on_invalidate = lambda payload: None  # frozen: never confirms
-        watcher._lease_until = 0.0  # and (as a frozen node's would) its lease runs out
+        watcher.on_invalidate = lambda payload: None  # frozen: never confirms
+        watcher.watches.lease_until = 0.0  # and (as a frozen node's would) its lease runs out
         w = Client()
         writer, _ = await linked(core)
         writer.view().execute((Op.SET, b"/k", b"1"), w)
@@ -311,7 +311,7 @@ def test_no_answer_from_a_watch_without_a_lease_or_for_a_client_with_a_write_in_
         assert c.replies == [CHECK_READY]
         before = stats.operations
         await watched(view, (Op.CHECK, (b"/j",)))
-        link._lease_until = 0.0  # no PONG for a lease's length
+        link.watches.lease_until = 0.0  # no PONG for a lease's length
         assert view.execute((Op.CHECK, (b"/j",)), Client()) is None
         await settle()
         assert stats.operations == before + 2  # the WATCH (a CHECK's first poll), then this one
@@ -356,7 +356,7 @@ def test_a_walk_through_numbered_keys_is_read_ahead_a_fetch_per_lookahead():
     is right, a peeked key's change is seen below, and a key that was absent when
     peeked is fetched when it is read."""
     async def main():
-        from tierrun.frontend.link_upstream import LOOKAHEAD
+        from tierrun.tier.readahead import LOOKAHEAD
 
         core = StoreCore()
         n = 4 * (LOOKAHEAD + 1)

@@ -31,7 +31,7 @@ import socket
 import sys
 
 from ..frontend import FrontEnd, FrontEndConfig
-from ..frontend.link_upstream import LinkUpstream
+from ..tier import LinkUpstream
 from ..frontend.listen import DEFAULT_BACKLOG
 from ..link.config import LinkConfig
 from .eventloop import run

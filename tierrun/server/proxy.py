@@ -13,7 +13,7 @@ import asyncio
 import logging
 from collections.abc import Callable
 
-from ..frontend.link_upstream import connect_link
+from ..tier import connect_link
 from ..frontend.listen import describe, tcp_listen_socket
 from ..link.config import LinkConfig
 from .link_server import LinkServer

@@ -1,0 +1,8 @@
+"""The tier layer: a front-end's upstream over a link. Pure parts (plan, fanout,
+watches, readahead, hold) composed by thin asyncio adapters (upstream, connection)."""
+
+from .connection import LinkConnection, connect_link
+from .plan import PlanLimits
+from .upstream import CoalescingStats, LinkUpstream, LinkView
+
+__all__ = ["CoalescingStats", "LinkConnection", "LinkUpstream", "LinkView", "PlanLimits", "connect_link"]

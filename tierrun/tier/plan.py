@@ -1,0 +1,471 @@
+"""The batch planner: a batch of client requests -> the operations that go upstream,
+and who gets which answer (design.md's coalescing rule). Pure: no I/O, no clock, no
+state beyond one batch; :mod:`.upstream` composes it with the watch cache and the link.
+
+Within a batch:
+- identical read-only requests (WAIT, CHECK, GET, MULTI_GET, GETNUMKEYS, QUEUE_LEN)
+  with no write to their keys between them are sent once and the answer fanned out;
+- consecutive ADDs to one key with no other operation on that key between them become
+  one ADD of the sum (wrapped to int64, as torch's server adds); the i-th caller gets
+  ``final - sum + prefix_i``, exactly what sequential execution returns; consecutive
+  APPENDs to one key, one APPEND of the concatenation (APPEND has no answer);
+- SETs (and MULTI_SETs: a lower front-end's folds) of distinct keys fold into one
+  MULTI_SET, GETs of distinct keys into one MULTI_GET whose values are handed out, and
+  one-key WAITs on distinct keys into one WAITS link entry (each still waits, and is
+  answered, on its own), run where the fold's first request stands.
+  A request joins a fold only if it commutes with everything it moves ahead of: no
+  request on its key (a GET or WAIT: no write to it; a SET: no request at all, nor a
+  GETNUMKEYS or LIST_KEYS, whose answer a new key changes) since the fold's place.
+
+A client's request joins an earlier merged or folded request only if the client has
+sent nothing since that one's place (or, an ADD or APPEND, only that run's): its
+requests take effect, and its answers leave, in the order it sent them. A SET counts
+too: it has no answer, but the client's next answer tells it the SET was done.
+
+**A merge never builds what a single request may not** (:class:`PlanLimits`): a fold
+or run that would pass the keys per request, the value bytes, the request bytes the
+store host accepts, or (a MULTI_GET) could answer with more than a link frame holds,
+is closed and the request starts a new one. So the store host refuses only what a
+client sent as it is, and that fails that client alone.
+
+Reads that watch their key (see :mod:`.watches`) come marked: ``(WATCH_MARK, request,
+watcher)`` and the like; they merge only with their like. Cost: O(keys of the batch's
+requests), a few dict operations per key.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from ..link.frames import DEFAULT_MAX_FRAME, FETCHES, PEEKS, WATCHES
+from ..protocol import Op, Request
+from ..protocol.limits import Limits
+from ..protocol.opcodes import NO_REPLY_OPS, WATCHABLE_OPS
+
+#: Marks of a pending read that also watches its key: ``(mark, request, watcher)``.
+WATCH_MARK = -1  # sent as a WATCH entry
+FETCH_MARK = -2  # a WAIT sent in a WATCHES entry
+FETCH_AFTER_WRITES_MARK = -3  # the same, in a FETCHES entry (its client has writes on their way)
+PEEK_MARK = -4  # a front-end below reading ahead, in a PEEKS entry
+ENTRY_KIND = {WATCH_MARK: 0, FETCH_MARK: WATCHES, FETCH_AFTER_WRITES_MARK: FETCHES, PEEK_MARK: PEEKS}
+
+_DEDUP_OPS = frozenset({Op.WAIT, Op.CHECK, Op.GET, Op.MULTI_GET, Op.GETNUMKEYS, Op.QUEUE_LEN})
+#: Pseudo-key touched by every write: GETNUMKEYS and LIST_KEYS depend on all keys.
+ALL_KEYS = b"\x00*"
+_I64 = 1 << 64
+_I64_MIN = -(1 << 63)
+#: Encoded bytes a request spends besides its keys and values (opcode, counts, lengths).
+_REQUEST_HEAD = 9
+_ITEM_HEAD = 8
+
+
+def wrap_i64(n: int) -> int:
+    """Two's-complement wrap: what an int64 addition gives on torch's server."""
+    return (n - _I64_MIN) % _I64 + _I64_MIN
+
+
+@dataclass(frozen=True)
+class PlanLimits:
+    """What one merged request may hold: the store host's limits on a single request."""
+
+    #: Most requests (keys, in a SET fold) in one fold.
+    max_fold: int = 1024
+    max_keys: int = Limits.max_keys_per_request
+    max_value_bytes: int = Limits.max_value_bytes
+    max_request_bytes: int = Limits.max_request_bytes
+    #: Most bytes of a link frame; a MULTI_GET fold's answer (up to ``max_value_bytes``
+    #: a key) must fit one.
+    max_frame_bytes: int = DEFAULT_MAX_FRAME
+
+    @classmethod
+    def of(cls, limits: Limits, max_frame_bytes: int = DEFAULT_MAX_FRAME, max_fold: int = 1024) -> PlanLimits:
+        return cls(max_fold, limits.max_keys_per_request, limits.max_value_bytes, limits.max_request_bytes,
+                   max_frame_bytes)
+
+    @property
+    def max_get_fold(self) -> int:
+        """GETs in one MULTI_GET: its answer, whatever the values, fits in a frame."""
+        return max(1, min(self.max_fold, self.max_keys,
+                          (self.max_frame_bytes // 2) // (self.max_value_bytes + _ITEM_HEAD + 32)))
+
+
+class Fold:
+    """Requests folded into one: the keys of a MULTI_SET or MULTI_GET (with the SETs'
+    values, or which value each GET waiter gets), or an APPEND's pieces; ``size``: the
+    encoded bytes of the request it makes."""
+
+    __slots__ = ("keys", "values", "slot", "picks", "size")
+
+    def __init__(self, u: UpOp) -> None:
+        req = u.req
+        if req[0] == Op.MULTI_SET:
+            self.keys, self.values = list(req[1]), list(req[2])
+            self.slot: dict[bytes, int] = {}
+            self.picks: list[int] = []
+        else:
+            self.keys = [req[1]]
+            self.values = [req[2]] if req[0] != Op.GET else []
+            self.slot = {req[1]: 0}  # GET: key -> index of its value
+            self.picks = [0] * len(u.waiters)  # GET: per waiter, the index of its value
+        self.size = request_size(req)
+
+    def request(self, op: int) -> Request:
+        if op == Op.SET or op == Op.MULTI_SET:
+            return (Op.MULTI_SET, tuple(self.keys), tuple(self.values))
+        if op == Op.GET:
+            return (Op.MULTI_GET, tuple(self.keys))
+        return (Op.APPEND, self.keys[0], b"".join(self.values))
+
+
+def request_size(req: Request) -> int:
+    """Encoded bytes of a SET, MULTI_SET, APPEND or GET (an upper bound for the others
+    a fold makes: a MULTI_SET's or MULTI_GET's head). O(keys)."""
+    op = req[0]
+    if op == Op.MULTI_SET:
+        return _REQUEST_HEAD + sum(2 * _ITEM_HEAD + len(k) + len(v) for k, v in zip(req[1], req[2]))
+    if op == Op.GET:
+        return _REQUEST_HEAD + _ITEM_HEAD + len(req[1])
+    return _REQUEST_HEAD + 2 * _ITEM_HEAD + len(req[1]) + len(req[2])
+
+
+class UpOp:
+    """One operation sent upstream, and who gets its answer."""
+
+    __slots__ = ("req", "ns", "cid", "rid", "waiters", "deltas", "group", "pos", "fold", "members", "wkey",
+                 "watchers", "fetch")
+
+    def __init__(self, req: Request, ns: bytes, waiter: Any, pos: int) -> None:
+        self.req = req
+        self.ns = ns
+        self.cid = 0  # its link client id, once sent (0 again once a WAIT group is cancelled)
+        self.rid = 0  # its request id, once sent with an answer expected
+        self.waiters: list[Any] = [waiter] if waiter is not None else []
+        self.deltas: list[int] | None = None  # an ADD: each waiter's delta
+        self.group = False  # a WAIT or BARRIER (its waiters may cancel one by one)
+        self.pos = pos  # where its first request stands in the batch
+        self.fold: Fold | None = None  # set once a second SET/GET/APPEND joins
+        self.members: list[UpOp] | None = None  # one-key WAITs sent with this one
+        self.wkey: tuple[bytes, bytes] | None = None  # a watching read: (namespace, key)
+        #: A watching read: per waiter, the downstream watcher it answers for (None: a
+        #: local client, answered with the request's own answer, not the watch state).
+        self.watchers: list[Any] | None = None
+        self.fetch = 0  # a WAIT that fetches: its entry kind (WATCHES, FETCHES, PEEKS)
+
+    def request(self) -> Request:
+        """The request that goes upstream (a fold's, or an ADD of the run's sum)."""
+        if self.fold is not None:
+            return self.fold.request(self.req[0])
+        if self.deltas is not None and len(self.deltas) > 1:
+            return (Op.ADD, self.req[1], wrap_i64(sum(self.deltas)))
+        return self.req
+
+    def __repr__(self) -> str:
+        return f"UpOp({self.request()!r}, waiters={len(self.waiters)}, members={len(self.members or ())})"
+
+
+def keys_of(req: Request) -> tuple[bytes, ...]:
+    op = req[0]
+    if op in (Op.CHECK, Op.WAIT, Op.MULTI_GET, Op.MULTI_SET):
+        return req[1]
+    if op in (Op.GETNUMKEYS, Op.LIST_KEYS, Op.CANCEL_WAIT):
+        return ()
+    return (req[1],)
+
+
+@dataclass
+class MergeCounts:
+    merged_reads: int = 0
+    merged_waits: int = 0
+    merged_adds: int = 0
+    merged_appends: int = 0
+    folded_sets: int = 0  # SETs sent inside another's MULTI_SET
+    folded_gets: int = 0  # GETs answered from another's MULTI_GET
+    folded_waits: int = 0  # one-key WAITs sent in another's WAITS entry
+
+
+@dataclass
+class Plan:
+    """What one batch sends: ``ops`` in order (folded WAITs as ``members`` of the op
+    whose entry carries them), and what the watch cache must note."""
+
+    ops: list[UpOp] = field(default_factory=list)
+    #: One-key reads, in order: (namespace, key), client, opcode (a key's first reader).
+    reads: list[tuple[tuple[bytes, bytes], Any, int]] = field(default_factory=list)
+    #: Keys fetched (FETCH_MARK), in order: the read-ahead policy reads on from them.
+    fetched: list[tuple[bytes, bytes]] = field(default_factory=list)
+    #: Keys with a read still open at the end of the batch (a peek of them is not needed).
+    read_keys: set[tuple[bytes, bytes]] = field(default_factory=set)
+    #: Per namespace, the op whose PEEKS entry the batch's read-ahead joins.
+    peek_folds: dict[bytes, UpOp] = field(default_factory=dict)
+    counts: MergeCounts = field(default_factory=MergeCounts)
+
+    def all_ops(self):
+        """Every op, members after the op that carries them."""
+        for u in self.ops:
+            yield u
+            if u.members:
+                yield from u.members
+
+
+def plan_batch(pending: list[tuple[Any, bytes, Request]], limits: PlanLimits = PlanLimits()) -> Plan:
+    """Merge and fold ``pending`` (client, namespace, request) by this module's rule."""
+    return _Planner(limits).run(pending)
+
+
+class _Planner:
+    __slots__ = ("limits", "plan", "open_reads", "reads_on", "runs", "folds", "last_touch", "last_write")
+
+    def __init__(self, limits: PlanLimits) -> None:
+        self.limits = limits
+        self.plan = Plan()
+        self.open_reads: dict[tuple, UpOp] = {}  # (ns, [kind,] opcode, keys): its op
+        self.reads_on: dict[tuple[bytes, bytes], list[tuple]] = {}  # (ns, key): open_reads keys
+        self.runs: dict[tuple[int, bytes, bytes], UpOp] = {}  # (ADD|APPEND, ns, key): open run
+        self.folds: dict[tuple[int, bytes], UpOp] = {}  # (SET|GET|WAIT|mark, ns): the latest fold
+        self.last_touch: dict[tuple[bytes, bytes], int] = {}  # (ns, key): place of the last request on it
+        self.last_write: dict[tuple[bytes, bytes], int] = {}
+
+    def touched(self, ns: bytes, keys, write: bool) -> None:
+        # (O(keys) only while an ADD run or a read is open)
+        runs = self.runs
+        if runs:
+            for k in keys:
+                runs.pop((Op.ADD, ns, k), None)
+                runs.pop((Op.APPEND, ns, k), None)
+        reads_on = self.reads_on
+        if write and reads_on:
+            open_reads = self.open_reads
+            for k in keys:
+                for dk in reads_on.pop((ns, k), ()):
+                    open_reads.pop(dk, None)
+            for dk in reads_on.pop((ns, ALL_KEYS), ()):
+                open_reads.pop(dk, None)
+
+    def read_on(self, k: tuple[bytes, bytes], dk: tuple) -> None:
+        self.reads_on.setdefault(k, []).append(dk)
+
+    def run(self, pending: list[tuple[Any, bytes, Request]]) -> Plan:
+        last_of: dict[Any, int] = {}  # client: place of its last request
+        plan = self.plan
+        for i, (waiter, ns, req) in enumerate(pending):
+            since = last_of.get(waiter, -1)  # this client's previous request
+            last_of[waiter] = i
+            op = req[0]
+            if op < 0:
+                self.watching(i, since, waiter, ns, req)
+            elif op in _DEDUP_OPS:
+                self.read(i, since, waiter, ns, req)
+            elif op == Op.ADD or op == Op.APPEND:
+                self.add_or_append(i, since, pending, waiter, ns, req)
+            elif op == Op.SET or op == Op.MULTI_SET and req[1]:
+                self.set(i, since, ns, req)
+            else:
+                keys = keys_of(req)
+                self.touched(ns, keys, write=True)
+                for k in keys or (ALL_KEYS,):
+                    self.last_touch[(ns, k)] = self.last_write[(ns, k)] = i
+                u = UpOp(req, ns, None if op in NO_REPLY_OPS else waiter, i)
+                u.group = op == Op.BARRIER
+                plan.ops.append(u)
+        plan.read_keys = set(self.reads_on)
+        return plan
+
+    def _joins(self, f: UpOp | None, since: int, k: tuple[bytes, bytes], members: bool) -> bool:
+        """May a request of a client whose previous one stands at ``since``, on key
+        ``k``, join fold ``f`` (its WAITS entry, if ``members``)?"""
+        return (f is not None and since < f.pos and self.last_write.get(k, -1) < f.pos
+                and (not members or len(f.members or ()) < self.limits.max_fold))
+
+    def watching(self, i: int, since: int, waiter: Any, ns: bytes, req: Request) -> None:
+        """A read that also watches its key: merged only with its like."""
+        mark, inner, watcher = req  # type: ignore[misc]
+        keys = keys_of(inner)
+        self.touched(ns, keys, write=False)
+        k = (ns, keys[0])
+        self.last_touch[k] = i
+        plan = self.plan
+        if mark == FETCH_MARK or mark == FETCH_AFTER_WRITES_MARK:  # (a second WAIT on the key is a poll)
+            plan.reads.append((k, waiter, Op.WAIT))
+        # (a fetch after writes answers nobody else, nor is it answered with another's)
+        tag = b"a" if mark == FETCH_AFTER_WRITES_MARK else b"p" if mark == PEEK_MARK else b"w"
+        dk = (ns, tag, inner[0], tuple(keys))
+        same = self.open_reads.get(dk)
+        if same is not None and since < same.pos:
+            same.waiters.append(waiter)
+            same.watchers.append(watcher)  # type: ignore[union-attr]
+            if mark != PEEK_MARK and inner[0] == Op.WAIT:
+                plan.counts.merged_waits += 1
+            elif mark != PEEK_MARK:
+                plan.counts.merged_reads += 1
+            return
+        f = self.folds.get((mark, ns)) if mark != WATCH_MARK else None
+        folded = self._joins(f, since, k, members=True)
+        u = UpOp(inner, ns, waiter, f.pos if folded else i)  # type: ignore[union-attr]
+        u.wkey = k
+        u.watchers = [watcher]
+        u.fetch = ENTRY_KIND[mark]
+        u.group = inner[0] == Op.WAIT and mark != PEEK_MARK
+        if mark == FETCH_MARK:
+            plan.fetched.append(k)
+        self.open_reads[dk] = u
+        self.read_on(k, dk)
+        if folded:  # (it waits from the fold's place: one WATCHES entry)
+            f.members = f.members or []  # type: ignore[union-attr]
+            f.members.append(u)  # type: ignore[union-attr]
+            plan.counts.folded_waits += mark != PEEK_MARK
+            return
+        if u.fetch:
+            self.folds[(mark, ns)] = u
+            if mark == PEEK_MARK:
+                plan.peek_folds[ns] = u
+        plan.ops.append(u)
+
+    def read(self, i: int, since: int, waiter: Any, ns: bytes, req: Request) -> None:
+        op = req[0]
+        keys = keys_of(req)
+        plan = self.plan
+        if op in WATCHABLE_OPS and len(keys) == 1:
+            plan.reads.append(((ns, keys[0]), waiter, op))
+        dk = (ns, op, tuple(keys))  # (keys may come as a list from in-process callers)
+        same = self.open_reads.get(dk)
+        self.touched(ns, keys, write=False)
+        for k in keys or (ALL_KEYS,):
+            self.last_touch[(ns, k)] = i
+        if same is not None and since < same.pos:
+            same.waiters.append(waiter)
+            if same.fold is not None:
+                same.fold.picks.append(same.fold.slot[req[1]])
+            if op == Op.WAIT:
+                plan.counts.merged_waits += 1
+            else:
+                plan.counts.merged_reads += 1
+            return
+        if op == Op.GET:
+            f = self.folds.get((Op.GET, ns))
+            if (self._joins(f, since, (ns, req[1]), members=False)
+                    and (f.fold is None or len(f.fold.keys) < self.limits.max_get_fold)):  # type: ignore[union-attr]
+                fold = f.fold or Fold(f)  # type: ignore[union-attr]
+                f.fold = fold  # type: ignore[union-attr]
+                fold.slot[req[1]] = len(fold.keys)
+                fold.picks.append(len(fold.keys))
+                fold.keys.append(req[1])
+                f.waiters.append(waiter)  # type: ignore[union-attr]
+                self.open_reads[dk] = f  # type: ignore[assignment]
+                self.read_on((ns, req[1]), dk)
+                plan.counts.folded_gets += 1
+                return
+        if op == Op.WAIT and len(keys) == 1:
+            f = self.folds.get((Op.WAIT, ns))
+            if self._joins(f, since, (ns, keys[0]), members=True):
+                u = UpOp(req, ns, waiter, f.pos)  # type: ignore[union-attr]  # (it waits from the fold's place)
+                u.group = True
+                f.members = f.members or []  # type: ignore[union-attr]
+                f.members.append(u)  # type: ignore[union-attr]
+                self.open_reads[dk] = u
+                self.read_on((ns, keys[0]), dk)
+                plan.counts.folded_waits += 1
+                return
+        u = UpOp(req, ns, waiter, i)
+        if op == Op.WAIT:
+            u.group = True
+            if len(keys) == 1:
+                self.folds[(Op.WAIT, ns)] = u
+        elif op == Op.GET:
+            self.folds[(Op.GET, ns)] = u
+        self.open_reads[dk] = u
+        for k in keys or (ALL_KEYS,):
+            self.read_on((ns, k), dk)
+        plan.ops.append(u)
+
+    def add_or_append(self, i: int, since: int, pending: list, waiter: Any, ns: bytes, req: Request) -> None:
+        op, key = req[0], req[1]
+        rk = (op, ns, key)
+        run = self.runs.get(rk)
+        self.touched(ns, (key,), write=True)
+        self.last_touch[(ns, key)] = self.last_write[(ns, key)] = i
+        plan = self.plan
+        if run is not None and (since < run.pos or _same_run(pending[since], ns, op, key)):
+            if op == Op.ADD:
+                run.waiters.append(waiter)
+                run.deltas.append(req[2])  # type: ignore[union-attr]
+                plan.counts.merged_adds += 1
+                self.runs[rk] = run
+                return
+            fold = run.fold or Fold(run)
+            size = sum(map(len, fold.values)) + len(req[2])
+            if size <= self.limits.max_value_bytes and fold.size + len(req[2]) <= self.limits.max_request_bytes:
+                run.fold = fold
+                fold.values.append(req[2])
+                fold.size += len(req[2])
+                plan.counts.merged_appends += 1
+                self.runs[rk] = run
+                return
+        u = UpOp(req, ns, waiter if op == Op.ADD else None, i)
+        if op == Op.ADD:
+            u.deltas = [req[2]]
+        self.runs[rk] = u
+        plan.ops.append(u)
+
+    def set(self, i: int, since: int, ns: bytes, req: Request) -> None:
+        """A SET, or a MULTI_SET (a lower front-end's fold joins ours)."""
+        keys = keys_of(req)
+        f = self.folds.get((Op.SET, ns))
+        last_touch = self.last_touch
+        joins = (f is not None and since < f.pos and last_touch.get((ns, ALL_KEYS), -1) < f.pos
+                 and all(last_touch.get((ns, k), -1) < f.pos for k in keys))
+        if joins:
+            fold = f.fold or Fold(f)  # type: ignore[union-attr]
+            size = request_size(req) - _REQUEST_HEAD
+            limits = self.limits
+            joins = (len(fold.keys) + len(keys) <= min(limits.max_fold, limits.max_keys)
+                     and fold.size + size <= limits.max_request_bytes)
+        self.touched(ns, keys, write=True)
+        for k in keys:
+            last_touch[(ns, k)] = self.last_write[(ns, k)] = i
+        if joins:
+            f.fold = fold  # type: ignore[union-attr]
+            if req[0] == Op.SET:
+                fold.keys.append(req[1])
+                fold.values.append(req[2])
+            else:
+                fold.keys += req[1]
+                fold.values += req[2]
+            fold.size += size
+            self.plan.counts.folded_sets += len(keys)
+            return
+        u = UpOp(req, ns, None, i)
+        self.folds[(Op.SET, ns)] = u
+        self.plan.ops.append(u)
+
+
+def _same_run(earlier: tuple[Any, bytes, Request], ns: bytes, op: int, key: bytes) -> bool:
+    """Is ``earlier`` (a client's last request, at or after the place of the open run of
+    ``op`` on ``key``) in that run? Then the client's next one may join it: the run's
+    answers leave in order. (Runs are cut by any other request on their key.)"""
+    req = earlier[2]
+    return req[0] == op and earlier[1] == ns and req[1] == key
+
+
+def plan_peeks(plan: Plan, ns: bytes, keys: list[bytes], peeking, limits: PlanLimits = PlanLimits()) -> list[UpOp]:
+    """Read-ahead: a PEEKS op (members folded, ``limits.max_fold`` at most per entry) for
+    each of ``keys`` not read in the batch nor in ``peeking`` already; appended to
+    ``plan.ops``. Returns the new ops (members included)."""
+    new: list[UpOp] = []
+    f = plan.peek_folds.get(ns)
+    for key in keys:
+        k = (ns, key)
+        if k in peeking or k in plan.read_keys:
+            continue
+        u = UpOp((Op.WAIT, (key,)), ns, None, 1 << 62)
+        u.wkey = k
+        u.watchers = []
+        u.fetch = PEEKS
+        new.append(u)
+        if f is not None and len(f.members or ()) < limits.max_fold:
+            f.members = f.members or []
+            f.members.append(u)
+        else:
+            f = plan.peek_folds[ns] = u
+            plan.ops.append(u)
+    return new
