@@ -106,6 +106,9 @@ class Pipe(asyncio.Transport):
     def close(self):
         self._closing = True
 
+    def abort(self):
+        self._closing = True
+
 
 async def linked(upstream, config=None, delay=0):
     """A front-end link to ``upstream`` through in-memory pipes; returns it and the

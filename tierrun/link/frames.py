@@ -262,6 +262,29 @@ def encode_replies(replies: list[tuple[int, int, bytes]]) -> bytes:
     )
 
 
+def replies_frames(replies: list[tuple[int, int, bytes]], max_frame: int = DEFAULT_MAX_FRAME) -> list[bytes]:
+    """``replies`` in REPLIES frames of at most ``max_frame`` bytes each, in order (one,
+    almost always). An answer that no frame can hold is replaced by a FAILED one: its
+    client is closed, the link stays up. O(bytes of the replies)."""
+    head = _u32.size + _reply.size + 8
+    if len(replies) == 1 and len(replies[0][2]) + head <= max_frame:
+        return [encode_reply(*replies[0])]
+    frames: list[bytes] = []
+    chunk: list[tuple[int, int, bytes]] = []
+    size = _u32.size
+    for rid, status, data in replies:
+        if len(data) + head > max_frame:
+            status, data = FAILED, f"an answer of {len(data)} bytes exceeds the link's frame limit".encode()
+        if chunk and size + _reply.size + len(data) > max_frame - 8:
+            frames.append(encode_replies(chunk))
+            chunk, size = [], _u32.size
+        chunk.append((rid, status, data))
+        size += _reply.size + len(data)
+    if chunk:
+        frames.append(encode_replies(chunk))
+    return frames
+
+
 def decode_replies(payload: bytes) -> list[tuple[int, int, bytes]]:
     try:
         (n,) = _u32.unpack_from(payload, 0)

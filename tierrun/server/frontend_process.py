@@ -31,7 +31,7 @@ import socket
 import sys
 
 from ..frontend import FrontEnd, FrontEndConfig
-from ..tier import LinkUpstream
+from ..tier import LinkUpstream, PlanLimits
 from ..frontend.listen import DEFAULT_BACKLOG
 from ..link.config import LinkConfig
 from .eventloop import run
@@ -55,7 +55,7 @@ async def serve_frontend_process(channel: socket.socket, link_sock: socket.socke
         lost.append(reason)
         stop.set()
 
-    link = LinkUpstream(token, on_lost, link_config)  # no address: a lost link is not retried
+    link = LinkUpstream(token, on_lost, link_config, limits=PlanLimits.of(config.limits))  # (no address: not retried)
     await loop.create_connection(link.connection, sock=link_sock)
     await asyncio.wait_for(link.ready, link_config.heartbeat_timeout)
     frontends: list[FrontEnd] = []

@@ -39,8 +39,8 @@ from ..link.config import LinkConfig
 from ..link.frames import (
     ACK, AUTH, BATCH, CANCEL, DEFAULT_MAX_FRAME, ERROR, FAILED, HANDSHAKE_MAX_FRAME, INVALIDATED, LINK_MAGIC, OK,
     FETCHES, OPEN, PEEKS, REQUEST, RESUMED, SESSION, WAITS, WATCH, WATCH_LEASE, WATCHES, FrameDecoder, LinkError,
-    decode_batch, decode_count, decode_keys, decode_session, encode_count, encode_pong, encode_replies, encode_reply,
-    lone_request,
+    decode_batch, decode_count, decode_keys, decode_session, encode_count, encode_pong, encode_reply,
+    lone_request, replies_frames,
 )
 from ..link.outbox import Outbox
 from ..link.reply_gate import ReplyGate
@@ -54,7 +54,6 @@ log = logging.getLogger("tierrun.store")
 MAX_SHARED_NAMESPACES = 1024
 
 
-_LIMITS = Limits()
 _LONE_SIZE = lone_request.size  # (a lone request's bytes start here)
 
 
@@ -144,12 +143,17 @@ class Session:
         # by a request of this batch sends what came before it first)
         replies = self._wakes
         clients = self.clients
+        limits = self.server.limits
         for kind, cid, rid, data in decode_batch(payload):
             if kind == REQUEST:
                 client = clients.get(cid)
                 if client is None:
                     raise LinkError(f"request for unknown client {cid}")
-                req = decode_request(data)
+                try:
+                    req = decode_request(data, limits)
+                except ProtocolError as err:  # (refused, as torch's server would: that client only)
+                    self._refuse(rid, err, replies)
+                    continue
                 stats.operations += 1
                 waiter = client if req[0] not in WAITING_OPS else Ticket(client, rid)  # (one each)
                 try:
@@ -167,7 +171,11 @@ class Session:
                 client = clients.get(cid)
                 if client is None:
                     raise LinkError(f"request for unknown client {cid}")
-                req = decode_request(data)
+                try:
+                    req = decode_request(data, limits)
+                except ProtocolError as err:
+                    self._refuse(rid, err, replies)
+                    continue
                 if req[0] not in WATCHABLE_OPS or (req[0] != Op.GET and len(req[1]) != 1):
                     raise LinkError(f"{Op(req[0]).name} cannot watch (only one-key CHECK, GET, WAIT)")
                 stats.operations += 1
@@ -180,7 +188,7 @@ class Session:
                 client = clients.get(cid)
                 if client is None:
                     raise LinkError(f"request for unknown client {cid}")
-                keys = decode_keys(data, _LIMITS.max_keys_per_request, _LIMITS.max_key_bytes)
+                keys = decode_keys(data, limits.max_keys_per_request, limits.max_key_bytes)
                 stats.operations += len(keys)
                 for r, key in enumerate(keys, rid):
                     ticket = Ticket(client, r)
@@ -194,7 +202,7 @@ class Session:
                 client = clients.get(cid)
                 if client is None:
                     raise LinkError(f"request for unknown client {cid}")
-                keys = decode_keys(data, _LIMITS.max_keys_per_request, _LIMITS.max_key_bytes)
+                keys = decode_keys(data, limits.max_keys_per_request, limits.max_key_bytes)
                 stats.operations += len(keys)
                 how = FETCH if kind == WATCHES else FETCH_AFTER_WRITES if kind == FETCHES else PEEK
                 for r, key in enumerate(keys, rid):
@@ -204,6 +212,15 @@ class Session:
                 ticket = None if client is None else client.tickets.pop(rid, None)
                 if ticket is not None:
                     client.upstream.forget(ticket)  # type: ignore[union-attr]
+
+    def _refuse(self, rid: int, err: ProtocolError, replies: list[tuple[int, int, bytes]]) -> None:
+        """A request the store refuses (past a limit): its client is answered FAILED
+        (its front-end closes it, as torch's server closes such a client); a request
+        with no answer (rid 0) is dropped with a log line. The link stays up."""
+        if rid:
+            replies.append((rid, FAILED, f"invalid request: {err}".encode()))
+        else:
+            log.warning("link from %s: dropped a request with no answer: %s", self.peer, err)
 
     def _execute_watching(self, client: RemoteClient, rid: int, req: Request, how: int,
                           replies: list[tuple[int, int, bytes]]) -> None:
@@ -241,10 +258,16 @@ class Session:
         self._flush_due = False
         wakes = self._wakes
         if wakes:
-            frame = encode_replies(wakes)
+            try:
+                frames = replies_frames(wakes, self.server.max_frame)
+            except Exception as e:  # (no memory for the frame: fail-stop, never a lost answer)
+                wakes.clear()
+                self.server.fail(self, e)
+                return
             wakes.clear()  # (in place: a batch being executed appends to it)
             if self.server.sessions.get(self.sid) is self:
-                self.server.gate.emit(self.send, frame)
+                for frame in frames:
+                    self.server.gate.emit(self.send, frame)
 
     def flush_answers(self) -> None:
         """Send the answers queued so far now (an invalidation round must follow them)."""
@@ -281,22 +304,27 @@ class LinkServer:
     def __init__(self, upstream_for: Callable[[bytes], Upstream], token: bytes | None,
                  config: LinkConfig | None = None, lease: Callable[[], float] = lambda: WATCH_LEASE,
                  gate: ReplyGate | None = None,
-                 drop_watches: Callable[[Session], None] = lambda session: None) -> None:
+                 drop_watches: Callable[[Session], None] = lambda session: None,
+                 limits: Limits | None = None) -> None:
         """``upstream_for(namespace)``: where a link client's requests go; ``lease()``:
         how long (seconds, at most WATCH_LEASE) a front-end may answer from its
         watches past the ACK being answered (a stacked front-end grants no longer
         than its own lease upstream still runs); ``gate``: the invalidation rounds of
         the store (shared by every LinkServer of one core); ``drop_watches(session)``:
-        called when a session ends, to free what its watches hold upstream."""
+        called when a session ends, to free what its watches hold upstream;
+        ``limits``: what one request may hold (the store's, as its clients get)."""
         self.upstream_for = upstream_for
         self.token = token
         self.config = config or LinkConfig()
         self.lease = lease
         self.gate = gate or ReplyGate()
         self.drop_watches = drop_watches
+        self.limits = limits or Limits()
         self.stats = LinkStats()
         self.sessions: dict[bytes, Session] = {}
         self.connections: set[LinkServerConnection] = set()
+        #: Largest frame sent (the front-ends' decoders accept no larger).
+        self.max_frame = DEFAULT_MAX_FRAME
         self._watchdog: asyncio.TimerHandle | None = None
 
     def accept(self, peer: str = "", initial: bytes = b"", token: bytes | None = None,
@@ -393,6 +421,17 @@ class LinkServer:
         if session.conn is not None:
             session.conn.abort(reason, quiet)
 
+    def fail(self, session: Session, error: BaseException) -> None:
+        """An unexpected error (a bug, no memory) while handling the session's frames:
+        end it (fail-stop). Its batch may be half applied, so it must not be resumed;
+        the front-end is told why and its node's agent reports it."""
+        log.error("link from %s: internal error, ending its session", session.peer,
+                  exc_info=(type(error), error, error.__traceback__))
+        conn = session.conn
+        if conn is not None:  # (closed after the ERROR frame is out: expire's abort does nothing then)
+            conn.refuse(f"the store host failed handling this link's requests: {error!r}")
+        self.expire(session, f"internal error: {error!r}")
+
     def close(self) -> None:
         """The store is stopping: drop every link."""
         self.gate.close()
@@ -454,9 +493,13 @@ class LinkServerConnection(asyncio.Protocol):
     def data_received(self, data: bytes) -> None:
         self.last_rx = monotonic()  # (not the loop's clock: no getpid() per read)
         session = self._session
-        if (session is not None and not self._decoder.partial and len(data) > _LONE_SIZE
-                and not session._wakes and self._lone_request(session, data)):
-            return
+        if session is not None and not self._decoder.partial and len(data) > _LONE_SIZE and not session._wakes:
+            try:
+                if self._lone_request(session, data):
+                    return
+            except Exception as e:  # (see LinkServer.fail)
+                self._server.fail(session, e)
+                return
         if self._first_byte:
             self._first_byte = False
             if data[0] != LINK_MAGIC:
@@ -503,6 +546,13 @@ class LinkServerConnection(asyncio.Protocol):
             self._transport.close()  # after the ERROR frame is out
             if self._session is not None:  # a resent batch would fail the same way
                 self._server.expire(self._session, f"protocol error: {e}")
+        except Exception as e:  # a bug, or no memory: fail-stop (see LinkServer.fail)
+            self._uncork()
+            if self._session is not None:
+                self._server.fail(self._session, e)
+            else:
+                log.exception("closing link from %s: internal error", self.peer)
+                self.abort(f"internal error: {e!r}")
         finally:
             self._uncork()
 
@@ -522,7 +572,7 @@ class LinkServerConnection(asyncio.Protocol):
         if client is None:
             return False
         try:
-            req = decode_request(data[_LONE_SIZE:])
+            req = decode_request(data[_LONE_SIZE:], self._server.limits)
         except ProtocolError:
             return False
         if req[0] in WAITING_OPS:
@@ -561,6 +611,13 @@ class LinkServerConnection(asyncio.Protocol):
         self.write(auth.check_auth(self._token, self._nonce, payload))
         self._authenticated = True
         self._decoder.max_frame = DEFAULT_MAX_FRAME
+
+    def refuse(self, reason: str) -> None:
+        """Send an ERROR frame after what this read wrote, then close."""
+        self._uncork()
+        self.write(auth.error(reason))
+        if self._transport is not None:
+            self._transport.close()
 
     def abort(self, reason: str, quiet: bool = False) -> None:
         """Drop the connection now, unsent data included (the peer may not be reading).

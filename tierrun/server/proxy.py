@@ -13,7 +13,7 @@ import asyncio
 import logging
 from collections.abc import Callable
 
-from ..tier import connect_link
+from ..tier import PlanLimits, connect_link
 from ..frontend.listen import describe, tcp_listen_socket
 from ..link.config import LinkConfig
 from .link_server import LinkServer
@@ -50,10 +50,12 @@ async def serve_proxy(
             log.error("%s", reason)
         stop.set()
 
-    link = await connect_link(upstream_host, upstream_port, token, on_lost, connect_timeout, link_config)
+    limits = config.frontend.limits  # (merges hold no more than one request may)
+    link = await connect_link(upstream_host, upstream_port, token, on_lost, connect_timeout, link_config,
+                              PlanLimits.of(limits))
     links: LinkServer | None = None
     if link_listen is not None:
-        links = LinkServer(lambda ns: link.view(ns.decode()), token, link_config, lease=link.lease_left)
+        links = LinkServer(lambda ns: link.view(ns.decode()), token, link_config, lease=link.lease_left, limits=limits)
         sock = tcp_listen_socket(*link_listen, config.backlog)
         await asyncio.get_running_loop().create_server(
             lambda: links.accept(sniffed=False), sock=sock, backlog=config.backlog)

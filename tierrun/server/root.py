@@ -38,7 +38,8 @@ async def serve_root(
     workers connect) needs one. Raises ``OSError`` if a bind fails.
     """
     core = StoreCore()
-    links = LinkServer(core_upstreams(core), token, link_config, drop_watches=core.drop_watches_of)
+    links = LinkServer(core_upstreams(core), token, link_config, drop_watches=core.drop_watches_of,
+                       limits=config.frontend.limits)
     core.on_watches_broken = break_watches
 
     def make_upstream(namespace: str) -> Upstream:

@@ -93,7 +93,8 @@ class LinkConnection(asyncio.Protocol):
                     link.established(self, decode_count(payload))
                     self.established.set_result(None)
                 elif ftype == ERROR:
-                    raise LinkError("the store host refused the link: " + payload.decode(errors="replace"))
+                    what = "ended the link session" if self.established.done() else "refused the link"
+                    raise LinkError(f"the store host {what}: {payload.decode(errors='replace')}")
                 else:
                     raise LinkError(f"unexpected frame type {ftype}")
         except LinkError as e:

@@ -119,11 +119,12 @@ class Fold:
 
 
 def request_size(req: Request) -> int:
-    """Encoded bytes of a SET, MULTI_SET, APPEND or GET (an upper bound for the others
-    a fold makes: a MULTI_SET's or MULTI_GET's head). O(keys)."""
+    """Encoded bytes (at most) of a SET, MULTI_SET, APPEND, GET or MULTI_GET. O(keys)."""
     op = req[0]
     if op == Op.MULTI_SET:
         return _REQUEST_HEAD + sum(2 * _ITEM_HEAD + len(k) + len(v) for k, v in zip(req[1], req[2]))
+    if op == Op.MULTI_GET:
+        return _REQUEST_HEAD + sum(_ITEM_HEAD + len(k) for k in req[1])
     if op == Op.GET:
         return _REQUEST_HEAD + _ITEM_HEAD + len(req[1])
     return _REQUEST_HEAD + 2 * _ITEM_HEAD + len(req[1]) + len(req[2])

@@ -1,0 +1,201 @@
+"""The batch planner and the answer fan-out as tables of cases: pending requests in,
+what goes upstream and who gets which answer out. No event loop, no sockets."""
+
+from __future__ import annotations
+
+import struct
+
+import pytest
+
+from tierrun.link.frames import FETCHES, PEEKS, WATCHES, LinkError
+from tierrun.protocol import Op
+from tierrun.protocol.replies import encode_bytes
+from tierrun.tier.fanout import answers, split_values, watch_answers
+from tierrun.tier.plan import (
+    FETCH_AFTER_WRITES_MARK, FETCH_MARK, WATCH_MARK, PlanLimits, plan_batch, plan_peeks, request_size, wrap_i64,
+)
+
+MiB = 1 << 20
+I64_MAX, I64_MIN = (1 << 63) - 1, -(1 << 63)
+i64 = struct.Struct("<q")
+
+
+def shape(pending, limits=PlanLimits()):
+    """The plan as data: per op, (the request sent, its waiters, its members' requests)."""
+    plan = plan_batch([(c, b"", r) for c, r in pending], limits)
+    return [(u.request(), u.waiters, [m.req for m in u.members or ()]) for u in plan.ops]
+
+
+GET, SET, ADD, APPEND, WAIT, CHECK = Op.GET, Op.SET, Op.ADD, Op.APPEND, Op.WAIT, Op.CHECK
+MULTI_SET, MULTI_GET, DELETE, NUMKEYS = Op.MULTI_SET, Op.MULTI_GET, Op.DELETE_KEY, Op.GETNUMKEYS
+
+CASES = {
+    "identical reads of two clients: sent once": (
+        [("a", (GET, b"k")), ("b", (GET, b"k"))],
+        [((GET, b"k"), ["a", "b"], [])]),
+    "a client's repeated read is not merged with its own": (
+        [("a", (GET, b"k")), ("a", (GET, b"k"))],
+        [((GET, b"k"), ["a"], []), ((GET, b"k"), ["a"], [])]),
+    "a write between two reads keeps them apart": (
+        [("a", (GET, b"k")), ("b", (SET, b"k", b"v")), ("c", (GET, b"k"))],
+        [((GET, b"k"), ["a"], []), ((SET, b"k", b"v"), [], []), ((GET, b"k"), ["c"], [])]),
+    "GETs of distinct keys fold into one MULTI_GET": (
+        [("a", (GET, b"x")), ("b", (GET, b"y")), ("c", (GET, b"x"))],
+        [((MULTI_GET, (b"x", b"y")), ["a", "b", "c"], [])]),
+    "a GET does not fold ahead of a write to its key": (
+        [("a", (GET, b"x")), ("b", (SET, b"y", b"1")), ("c", (GET, b"y"))],
+        [((GET, b"x"), ["a"], []), ((SET, b"y", b"1"), [], []), ((GET, b"y"), ["c"], [])]),
+    "ADDs to one key: one ADD of the sum": (
+        [("a", (ADD, b"n", 1)), ("b", (ADD, b"n", 2)), ("c", (ADD, b"n", -5))],
+        [((ADD, b"n", -2), ["a", "b", "c"], [])]),
+    "ADDs near the int64 bounds: the sum wraps as torch's server adds": (
+        [("a", (ADD, b"n", I64_MAX)), ("b", (ADD, b"n", I64_MAX)), ("c", (ADD, b"n", 2))],
+        [((ADD, b"n", 0), ["a", "b", "c"], [])]),
+    "an ADD run is cut by another request on its key": (
+        [("a", (ADD, b"n", 1)), ("b", (GET, b"n")), ("c", (ADD, b"n", 1))],
+        [((ADD, b"n", 1), ["a"], []), ((GET, b"n"), ["b"], []), ((ADD, b"n", 1), ["c"], [])]),
+    "a client's pipelined ADDs to one key join its run": (
+        [("a", (ADD, b"n", 1)), ("a", (ADD, b"n", 1))],
+        [((ADD, b"n", 2), ["a", "a"], [])]),
+    "small APPENDs to one key: one APPEND of the concatenation": (
+        [("a", (APPEND, b"k", b"x")), ("a", (APPEND, b"k", b"y")), ("b", (APPEND, b"k", b"z"))],
+        [((APPEND, b"k", b"xyz"), [], [])]),
+    "two 5 MiB APPENDs: never one APPEND past the value limit": (
+        [("a", (APPEND, b"k", b"x" * (5 * MiB))), ("a", (APPEND, b"k", b"y" * (5 * MiB)))],
+        [((APPEND, b"k", b"x" * (5 * MiB)), [], []), ((APPEND, b"k", b"y" * (5 * MiB)), [], [])]),
+    "APPENDs up to exactly the value limit still merge": (
+        [("a", (APPEND, b"k", b"x" * (4 * MiB))), ("b", (APPEND, b"k", b"y" * (4 * MiB)))],
+        [((APPEND, b"k", b"x" * (4 * MiB) + b"y" * (4 * MiB)), [], [])]),
+    "SETs of distinct keys fold into one MULTI_SET": (
+        [("a", (SET, b"x", b"1")), ("b", (SET, b"y", b"2"))],
+        [((MULTI_SET, (b"x", b"y"), (b"1", b"2")), [], [])]),
+    "a SET of a key already set in the batch starts a new op": (
+        [("a", (SET, b"x", b"1")), ("b", (SET, b"x", b"2"))],
+        [((SET, b"x", b"1"), [], []), ((SET, b"x", b"2"), [], [])]),
+    "a SET does not fold ahead of GETNUMKEYS": (
+        [("a", (SET, b"x", b"1")), ("b", (NUMKEYS,)), ("c", (SET, b"y", b"2"))],
+        [((SET, b"x", b"1"), [], []), ((NUMKEYS,), ["b"], []), ((SET, b"y", b"2"), [], [])]),
+    "a lower front-end's MULTI_SET joins the SET fold": (
+        [("a", (SET, b"x", b"1")), ("b", (MULTI_SET, (b"y", b"z"), (b"2", b"3")))],
+        [((MULTI_SET, (b"x", b"y", b"z"), (b"1", b"2", b"3")), [], [])]),
+    "one-key WAITs on distinct keys: one WAITS entry": (
+        [("a", (WAIT, (b"x",))), ("b", (WAIT, (b"y",))), ("c", (WAIT, (b"x",)))],
+        [((WAIT, (b"x",)), ["a", "c"], [(WAIT, (b"y",))])]),
+    "a DELETE is sent alone and answered": (
+        [("a", (DELETE, b"x")), ("b", (DELETE, b"x"))],
+        [((DELETE, b"x"), ["a"], []), ((DELETE, b"x"), ["b"], [])]),
+}
+
+
+@pytest.mark.parametrize("name", CASES)
+def test_plan(name):
+    pending, expected = CASES[name]
+    assert shape(pending) == expected
+
+
+LIMIT_CASES = {
+    "a SET fold holds at most max_fold keys": (
+        PlanLimits(max_fold=2),
+        [(c, (SET, c.encode(), b"v")) for c in "abcde"],
+        [2, 2, 1]),
+    "a SET fold holds at most max_keys keys": (
+        PlanLimits(max_keys=3),
+        [(c, (SET, c.encode(), b"v")) for c in "abcde"],
+        [3, 2]),
+    "a SET fold holds at most max_request_bytes": (
+        PlanLimits(max_request_bytes=request_size((SET, b"a", b"v" * 40)) + 2 * 16 + 2 * 41),
+        [(c, (SET, c.encode(), b"v" * 40)) for c in "abcde"],
+        [3, 2]),
+    "a MULTI_GET fold's answer fits in a frame whatever the values": (
+        PlanLimits(max_value_bytes=1000, max_frame_bytes=2 * 3 * 1040),
+        [(c, (GET, c.encode())) for c in "abcdefg"],
+        [3, 3, 1]),
+}
+
+
+@pytest.mark.parametrize("name", LIMIT_CASES)
+def test_merges_respect_the_limits_of_one_request(name):
+    limits, pending, sizes = LIMIT_CASES[name]
+    plan = plan_batch([(c, b"", r) for c, r in pending], limits)
+    got = []
+    for u in plan.ops:
+        req = u.request()
+        got.append(len(req[1]) if req[0] in (MULTI_SET, MULTI_GET) else 1)
+        assert request_size(req) <= limits.max_request_bytes
+    assert got == sizes
+
+
+def test_the_default_get_fold_answer_fits_a_frame():
+    limits = PlanLimits()
+    assert limits.max_get_fold * (limits.max_value_bytes + 8) <= limits.max_frame_bytes
+    assert limits.max_get_fold >= 16
+
+
+def test_watching_reads_merge_with_their_like_only():
+    w = object()
+    pending = [("a", (FETCH_MARK, (WAIT, (b"k",)), None)), ("b", (FETCH_MARK, (WAIT, (b"k",)), None)),
+               ("c", (FETCH_AFTER_WRITES_MARK, (WAIT, (b"k",)), None)), ("d", (WATCH_MARK, (CHECK, (b"h",)), w)),
+               ("e", (FETCH_MARK, (WAIT, (b"j",)), None))]
+    plan = plan_batch([(c, b"ns", r) for c, r in pending])
+    kinds = [(u.fetch, u.waiters, [m.waiters for m in u.members or ()]) for u in plan.ops]
+    assert kinds == [(WATCHES, ["a", "b"], [["e"]]), (FETCHES, ["c"], []), (0, ["d"], [])]
+    assert [u.watchers for u in plan.ops] == [[None, None], [None], [w]]
+    assert plan.fetched == [(b"ns", b"k"), (b"ns", b"j")]
+    assert [(k, c) for k, c, _ in plan.reads] == [((b"ns", b"k"), "a"), ((b"ns", b"k"), "b"),
+                                                  ((b"ns", b"k"), "c"), ((b"ns", b"j"), "e")]
+
+
+def test_read_ahead_joins_the_batch_peek_fold_and_skips_keys_read():
+    plan = plan_batch([("a", b"", (GET, b"r3"))])
+    new = plan_peeks(plan, b"", [b"r3", b"r4", b"r5"], peeking={(b"", b"r5"): None}, limits=PlanLimits(max_fold=8))
+    assert [u.req for u in new] == [(WAIT, (b"r4",))]
+    assert plan.ops[-1].fetch == PEEKS
+
+
+# -- fan-out --------------------------------------------------------------------------
+
+
+def test_a_merged_add_answers_each_client_what_sequential_execution_would():
+    for start, deltas in [(0, [1, 2, 3]), (I64_MAX - 1, [1, 1, 1]), (I64_MIN + 1, [-1, -1, 5]),
+                          (5, [I64_MAX, I64_MAX, I64_MIN]), (-7, [I64_MIN, -1])]:
+        plan = plan_batch([(str(i), b"", (ADD, b"n", d)) for i, d in enumerate(deltas)])
+        (u,) = plan.ops
+        final = wrap_i64(start + sum(deltas))
+        assert u.request() == (ADD, b"n", wrap_i64(sum(deltas)))
+        got = [i64.unpack(a)[0] for _, a in answers(u, i64.pack(final))]
+        expected, v = [], start
+        for d in deltas:
+            v = wrap_i64(v + d)
+            expected.append(v)
+        assert got == expected
+
+
+def test_a_folded_multi_get_hands_each_client_its_value():
+    plan = plan_batch([("a", b"", (GET, b"x")), ("b", b"", (GET, b"y")), ("c", b"", (GET, b"x"))])
+    (u,) = plan.ops
+    data = encode_bytes(b"X") + encode_bytes(b"")
+    assert answers(u, data) == [("a", encode_bytes(b"X")), ("b", encode_bytes(b"")), ("c", encode_bytes(b"X"))]
+
+
+@pytest.mark.parametrize("data", [b"", encode_bytes(b"X"), encode_bytes(b"X") + encode_bytes(b"Y") + b"z",
+                                  b"\xff" * 8 + b"x"])
+def test_an_answer_that_cannot_be_the_one_asked_for_ends_the_session(data):
+    with pytest.raises(LinkError):
+        split_values(data, 2)
+
+
+def test_a_merged_add_answer_of_the_wrong_size_ends_the_session():
+    (u,) = plan_batch([("a", b"", (ADD, b"n", 1)), ("b", b"", (ADD, b"n", 1))]).ops
+    with pytest.raises(LinkError):
+        answers(u, b"\x00" * 4)
+
+
+def test_a_watch_answer_goes_to_local_clients_as_the_answer_and_below_with_the_state():
+    below = object()
+    (u,) = plan_batch([("a", b"", (WATCH_MARK, (GET, b"k"), None)), ("b", b"", (WATCH_MARK, (GET, b"k"), below))]).ops
+    state = b"\x01" + struct.pack("<Q", 1) + b"v"
+    watched, value, out = watch_answers(u, state + encode_bytes(b"v"))
+    assert (watched, value) == (True, b"v")
+    assert out == [("a", None, encode_bytes(b"v")), ("b", below, state + encode_bytes(b"v"))]
+    with pytest.raises(LinkError):
+        watch_answers(u, b"\x07")

@@ -1,0 +1,159 @@
+"""Bad but legal clients on a node: what a merge builds, what the store host refuses and
+an unexpected error while a batch is applied never cost more than the client that asked
+(issue 32's symptoms). Real ``tierrun store`` and ``tierrun proxy`` processes; torch's
+own server is the oracle where answers are compared; an unrelated client on the node
+must keep being served throughout."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import struct
+from datetime import timedelta
+
+import pytest
+import torch.distributed as dist
+
+from inproc import Client, linked, settle
+from tierrun.client import StoreClient, StoreClientError
+from tierrun.core import StoreCore
+from tierrun.protocol import Op
+from tierrun.protocol.requests import encode_request
+from tierrun.server import StoreProcess
+
+ENV = dict(os.environ, TIERRUN_TOKEN="tier-faults-test")
+MiB = 1 << 20
+I64_MAX, I64_MIN = (1 << 63) - 1, -(1 << 63)
+
+
+def node(store_args=(), proxy_args=()):
+    """A store host and one node proxy linked to it."""
+    root = StoreProcess(host="127.0.0.1", port=0, controlled=True, env=ENV, extra_args=list(store_args))
+    root.start()
+    proxy = StoreProcess(host="127.0.0.1", port=0, command="proxy", controlled=True, env=ENV,
+                         extra_args=["--upstream", f"127.0.0.1:{root.port}", "--connect-timeout", "10",
+                                     *proxy_args])
+    proxy.start()
+    return root, proxy
+
+
+@pytest.fixture
+def tiered():
+    root, proxy = node()
+    try:
+        yield root, proxy
+    finally:
+        proxy.stop()
+        root.stop()
+
+
+def torch_client(port: int) -> dist.TCPStore:
+    return dist.TCPStore("127.0.0.1", port, is_master=False, timeout=timedelta(seconds=15))
+
+
+def still_served(root: StoreProcess, proxy: StoreProcess, bystander: dist.TCPStore) -> None:
+    """The node, its link and an unrelated client on it are all still up."""
+    before = bystander.add("bystander", 1)
+    assert bystander.add("bystander", 1) == before + 1
+    assert proxy.exited() is None and root.exited() is None
+    stats = root.stats()
+    assert stats["links"] == 1 and stats["sessions_expired"] == 0 and stats["link_resumes"] == 0
+
+
+def pipelined(port: int, reqs: list[tuple], reply_bytes: int) -> bytes:
+    """Send ``reqs`` in one write, read ``reply_bytes`` of answers."""
+    c = StoreClient(("127.0.0.1", port), timeout=15)
+    c._sock.sendall(b"".join(encode_request(r) for r in reqs))
+    return c._exact(reply_bytes)
+
+
+def test_two_pipelined_5_mib_appends_to_one_key_are_both_applied(tiered):
+    root, proxy = tiered
+    bystander = torch_client(proxy.port)
+    bystander.add("bystander", 1)
+    writer = torch_client(proxy.port)
+    writer.append("big", "x" * (5 * MiB))  # (torch's APPEND has no answer: these two are pipelined)
+    writer.append("big", "y" * (5 * MiB))
+    assert writer.get("big") == b"x" * (5 * MiB) + b"y" * (5 * MiB)
+    still_served(root, proxy, bystander)
+
+
+def test_merged_adds_past_the_int64_bounds_answer_as_torchs_server_does(tiered):
+    """One client pipelines ADDs that overflow; a second pipelines ADDs to another key in
+    the same moment: every answer as torch's own server gives it (the oracle)."""
+    root, proxy = tiered
+    bystander = torch_client(proxy.port)
+    adds = [(Op.ADD, b"/n", I64_MAX), (Op.ADD, b"/n", 1), (Op.ADD, b"/n", I64_MAX), (Op.ADD, b"/n", I64_MIN),
+            (Op.ADD, b"/n", -1)]
+    other = [(Op.ADD, b"/m", 1)] * 3
+
+    def run(port: int) -> tuple[list[int], list[int]]:
+        a = StoreClient(("127.0.0.1", port), timeout=15)
+        b = StoreClient(("127.0.0.1", port), timeout=15)
+        a._sock.sendall(b"".join(encode_request(r) for r in adds))
+        b._sock.sendall(b"".join(encode_request(r) for r in other))
+        got_a = struct.unpack(f"<{len(adds)}q", a._exact(8 * len(adds)))
+        got_b = struct.unpack(f"<{len(other)}q", b._exact(8 * len(other)))
+        return list(got_a), list(got_b)
+
+    oracle = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False,
+                           timeout=timedelta(seconds=15))
+    expected = run(oracle.port)
+    assert expected[0] == [I64_MAX, I64_MIN, -1, I64_MAX, I64_MAX - 1]  # (torch's server wraps)
+    assert run(proxy.port) == expected
+    assert proxy.stats()["merged_adds"] > 0  # (the case the issue is about: they merged)
+    still_served(root, proxy, bystander)
+
+
+def test_a_request_the_store_host_refuses_fails_that_client_only():
+    """A store host with a smaller value limit than its node's proxy: a COMPARE_SET the
+    proxy passes is refused upstream; its client is closed (as torch's server closes
+    it), the link, the proxy and every other client of the node carry on."""
+    root, proxy = node(store_args=["--max-value-bytes", str(MiB)])
+    try:
+        bystander = torch_client(proxy.port)
+        bad = StoreClient(("127.0.0.1", proxy.port), timeout=15)
+        with pytest.raises(StoreClientError):
+            bad.compare_set(b"k", b"", b"v" * (2 * MiB))
+        also_bad = StoreClient(("127.0.0.1", proxy.port), timeout=15)
+        also_bad.set(b"k2", b"v" * (2 * MiB))  # (no answer: dropped at the store host, logged)
+        assert not also_bad.check([b"k2"])
+        still_served(root, proxy, bystander)
+    finally:
+        proxy.stop()
+        root.stop()
+
+
+def test_an_unexpected_error_applying_a_batch_ends_the_session_fail_stop():
+    """A bug at the store host (here: the core raising in the middle of a batch) ends
+    that link's session at once, with the reason, rather than a resume that would carry
+    on past the half-applied batch; the node's front-end gives up (its agent reports
+    it), and another node's link is served as before."""
+
+    async def main():
+        core = StoreCore()
+        execute = core.execute
+
+        def buggy(req, waiter):
+            if req[0] == Op.SET and req[1] == b"boom":
+                raise RuntimeError("a bug")
+            return execute(req, waiter)
+
+        core.execute = buggy
+        bad, stats = await linked(core)
+        lost = []
+        bad._on_lost = lost.append
+        good, _ = await linked(core)
+        c, d = Client(), Client()
+        bad.submit((Op.ADD, b"n", 1), c, b"")
+        bad.submit((Op.SET, b"boom", b"1"), c, b"")
+        bad.submit((Op.ADD, b"n", 1), c, b"")  # (after the bug in the same batch: never applied)
+        await settle()
+        assert bad.dead is not None and "a bug" in bad.dead and lost == [bad.dead]
+        assert all(isinstance(r, tuple) and r[0] == "dropped" for r in c.replies)
+        good.submit((Op.ADD, b"n", 1), d, b"")
+        await settle()
+        assert d.replies == [struct.pack("<q", 2)]  # (the batch's first ADD, not its last)
+        assert stats.sessions_expired == 1
+
+    asyncio.run(main())
