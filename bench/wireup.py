@@ -272,7 +272,7 @@ class Cluster:
         from tierrun.tier import connect_link
         from tierrun.frontend.listen import tcp_listen_socket
         from tierrun.link.config import LinkConfig
-        from tierrun.server.link_server import LinkServer
+        from tierrun.hub.link_server import LinkServer
 
         def lost(reason: str) -> None:
             print(f"simulated node {os.getpid()}: link lost: {reason}", file=sys.stderr, flush=True)

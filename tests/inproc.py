@@ -7,8 +7,9 @@ import struct
 import weakref
 
 from tierrun.tier import LinkUpstream
-from tierrun.link.reply_gate import ReplyGate, break_watches
-from tierrun.server.link_server import LinkServer, core_upstreams
+from tierrun.hub.reply_gate import ReplyGate, break_watches
+from tierrun.hub.link_server import LinkServer
+from tierrun.hub.session import core_upstreams
 
 _gates = weakref.WeakKeyDictionary()  # core -> the invalidation rounds of all its links
 

@@ -227,7 +227,8 @@ def test_the_handshake_is_one_flight_each_way():
     from tierrun.core import StoreCore
     from tierrun.tier import LinkUpstream
     from tierrun.link.frames import ACK, AUTH, SESSION
-    from tierrun.server.link_server import LinkServer, core_upstreams
+    from tierrun.hub.link_server import LinkServer
+    from tierrun.hub.session import core_upstreams
 
     async def main():
         core = StoreCore()
@@ -333,7 +334,7 @@ def test_a_silent_link_is_closed_when_its_timeout_runs_out():
     import asyncio
 
     from tierrun.link.config import LinkConfig
-    from tierrun.server.link_server import LinkServer
+    from tierrun.hub.link_server import LinkServer
 
     closed = {}
 
@@ -359,10 +360,10 @@ def test_a_silent_link_is_closed_when_its_timeout_runs_out():
         talking.connection_made(Transport("talking"))
         for _ in range(6):
             await asyncio.sleep(0.1)
-            talking.last_rx = time.monotonic()
+            talking.heartbeat.heard(time.monotonic())
         await asyncio.sleep(0.6)
         server.close()
-        return silent.last_rx, talking.last_rx
+        return silent.heartbeat.last_rx, talking.heartbeat.last_rx
 
     silent_since, talking_since = asyncio.run(main())
     assert 0.3 <= closed["silent"] - silent_since < 0.55
@@ -413,7 +414,7 @@ def test_a_lone_request_frame_is_answered_like_any_batch(caplog):
             link, _ = await linked(StoreCore())
             link.view().execute((Op.GET, b"/x"), Client())  # (opens client 1)
             await settle()
-            link._send(encode_batch([entry]))
+            link.send(encode_batch([entry]))
             await settle()
 
         caplog.clear()

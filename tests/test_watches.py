@@ -502,7 +502,7 @@ def test_a_watch_of_anything_but_a_one_key_read_closes_the_link(caplog):
     async def main():
         core = StoreCore()
         link, _ = await linked(core)
-        link._send(encode_batch([entry_open(99, b""),
+        link.send(encode_batch([entry_open(99, b""),
                                  entry_watch(99, 1, encode_request((Op.MULTI_GET, (b"/a", b"/b"))))]))
         await settle()
 
@@ -523,7 +523,7 @@ def test_a_bad_watches_entry_closes_the_link(caplog, entries, error):
     async def main():
         core = StoreCore()
         link, _ = await linked(core)
-        link._send(encode_batch(entries))
+        link.send(encode_batch(entries))
         await settle()
         assert core.num_waiters == 0
 

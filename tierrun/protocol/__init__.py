@@ -2,6 +2,6 @@
 
 from .limits import Limits
 from .opcodes import Op
-from .parser import ProtocolError, Request, RequestParser
+from .parser import LimitExceeded, ProtocolError, Request, RequestParser
 
-__all__ = ["Limits", "Op", "ProtocolError", "Request", "RequestParser"]
+__all__ = ["LimitExceeded", "Limits", "Op", "ProtocolError", "Request", "RequestParser"]

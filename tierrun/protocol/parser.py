@@ -37,6 +37,12 @@ class ProtocolError(Exception):
     """The peer sent something no torch client sends; the connection must be closed."""
 
 
+class LimitExceeded(ProtocolError):
+    """A well-formed request past a size limit: torch's server closes that client. (A
+    link entry past the store host's limits fails its client only; a malformed one
+    ends the link's session.)"""
+
+
 # Field kinds of a request's plan.
 _KEY, _VALUE, _U32, _I64, _KEYS, _PAIRS = range(6)
 
@@ -116,7 +122,7 @@ _FAST = {Op.GET: _key, Op.ADD: _key_i64, Op.SET: _key_value, Op.WAIT: _one_key, 
 
 
 def _too_long(n: int, limit: int, is_value: object) -> ProtocolError:
-    return ProtocolError(f"{'value' if is_value else 'key'} of {n} bytes exceeds the limit of {limit}")
+    return LimitExceeded(f"{'value' if is_value else 'key'} of {n} bytes exceeds the limit of {limit}")
 
 
 def decode_request(data: bytes, limits: Limits = _DEFAULT_LIMITS) -> Request:
@@ -127,7 +133,7 @@ def decode_request(data: bytes, limits: Limits = _DEFAULT_LIMITS) -> Request:
     (a truncated request, trailing bytes)."""
     end = len(data)
     if end > limits.max_request_bytes:
-        raise ProtocolError(f"request exceeds {limits.max_request_bytes} bytes")
+        raise LimitExceeded(f"request exceeds {limits.max_request_bytes} bytes")
     if not end or data[0] > Op.BARRIER or data[0] == Op.VALIDATE:
         raise ProtocolError("a link entry must hold exactly one request")
     op = data[0]
@@ -145,7 +151,7 @@ def decode_request(data: bytes, limits: Limits = _DEFAULT_LIMITS) -> Request:
                 limit = limits.max_key_bytes if kind == _KEY else limits.max_value_bytes
                 if n > limit:
                     what = "key" if kind == _KEY else "value"
-                    raise ProtocolError(f"{what} of {n} bytes exceeds the limit of {limit}")
+                    raise LimitExceeded(f"{what} of {n} bytes exceeds the limit of {limit}")
                 pos += 8
                 args.append(data[pos : pos + n])
                 pos += n
@@ -158,7 +164,7 @@ def decode_request(data: bytes, limits: Limits = _DEFAULT_LIMITS) -> Request:
             else:
                 (count,) = _u64(data, pos)
                 if count > limits.max_keys_per_request:
-                    raise ProtocolError(
+                    raise LimitExceeded(
                         f"{count} keys in one request exceed the limit of {limits.max_keys_per_request}"
                     )
                 pos += 8

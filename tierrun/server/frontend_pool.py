@@ -27,7 +27,7 @@ from dataclasses import dataclass
 
 from ..frontend import FrontEndConfig
 from .frontend_process import HAND_OFF, LISTEN, MAX_MESSAGE, STATS, TOKEN_ENV
-from .link_server import LinkServer
+from ..hub.link_server import LinkServer
 
 log = logging.getLogger("tierrun.store")
 

@@ -16,7 +16,7 @@ from collections.abc import Callable
 from ..tier import PlanLimits, connect_link
 from ..frontend.listen import describe, tcp_listen_socket
 from ..link.config import LinkConfig
-from .link_server import LinkServer
+from ..hub.link_server import LinkServer
 from .service import Service, ServiceConfig
 
 log = logging.getLogger("tierrun.proxy")

@@ -15,8 +15,9 @@ from ..frontend import Upstream
 from ..frontend.namespace import NamespacedUpstream
 from ..link.config import LinkConfig
 from .frontend_pool import FrontEndPool
-from ..link.reply_gate import break_watches
-from .link_server import LinkServer, core_upstreams
+from ..hub.reply_gate import break_watches
+from ..hub.link_server import LinkServer
+from ..hub.session import core_upstreams
 from .service import Service, ServiceConfig
 
 RootConfig = ServiceConfig

@@ -32,7 +32,7 @@ from ..frontend.frontend import LinkAcceptor
 from ..frontend.listen import DEFAULT_BACKLOG, describe, tcp_listen_socket, unix_listen_socket
 
 from .frontend_pool import FrontEndPool, Listener
-from ..link.reply_gate import ReplyGate
+from ..hub.reply_gate import ReplyGate
 
 log = logging.getLogger("tierrun.store")
 

@@ -1,8 +1,8 @@
 """The tier layer: a front-end's upstream over a link. Pure parts (plan, fanout,
 watches, readahead, hold) composed by thin asyncio adapters (upstream, connection)."""
 
-from .connection import LinkConnection, connect_link
+from .connection import LinkConnection
 from .plan import PlanLimits
-from .upstream import CoalescingStats, LinkUpstream, LinkView
+from .upstream import CoalescingStats, LinkUpstream, LinkView, connect_link
 
 __all__ = ["CoalescingStats", "LinkConnection", "LinkUpstream", "LinkView", "PlanLimits", "connect_link"]

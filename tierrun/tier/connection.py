@@ -1,11 +1,18 @@
-"""The connections of a front-end's link session: one TCP connection at a time, the
-handshake, frames in and out, reconnecting with backoff and resuming (see
-:class:`.upstream.LinkUpstream`)."""
+"""A front-end's link session on the event loop: its connections (one at a time), the
+heartbeat, reconnecting with backoff and resuming. The asyncio adapter of
+``link.session`` (handshake, numbering, acks, deadlines); what travels in the session is
+:class:`.upstream.LinkUpstream`'s business (it subclasses :class:`SessionEnd`).
+
+Fail-stop: an unexpected error while handling what the store host sent ends the
+session (every client is dropped with the reason and ``on_lost`` tells the node's
+agent), never a resume past answers half handed out.
+"""
 
 from __future__ import annotations
 
 import asyncio
 import logging
+import secrets
 import socket
 import time
 from collections import deque
@@ -15,37 +22,194 @@ from time import monotonic
 from ..link import auth
 from ..link.config import LinkConfig
 from ..link.frames import (
-    ACK, DEFAULT_MAX_FRAME, ERROR, HANDSHAKE_MAX_FRAME, HELLO, INVALIDATE, LINK_MAGIC, PONG, REPLIES, RESUMED,
-    WELCOME, FrameDecoder, LinkError, decode_count, decode_pong, encode_count, encode_session,
+    ACK, ERROR, INVALIDATE, PONG, REPLIES, SESSION_ID_BYTES, FrameDecoder, LinkError, decode_count,
+    decode_pong,
 )
-from .plan import PlanLimits
-from .upstream import LinkUpstream
+from ..link.session import ClientHandshake, Heartbeat, Ledger
 
 log = logging.getLogger("tierrun.frontend")
 
 
-class LinkConnection(asyncio.Protocol):
-    """One TCP connection of a :class:`LinkUpstream`: the handshake, then its frames."""
+class SessionEnd:
+    """The front-end's end of one link session. It survives its connections: when one
+    drops (or is silent for ``heartbeat_timeout``) it reconnects with backoff and
+    resumes, resending the frames the store host has not received; local clients see
+    only latency. Past ``grace`` it gives up (:meth:`die`)."""
 
-    def __init__(self, link: LinkUpstream) -> None:
+    def __init__(self, token: bytes, on_lost: Callable[[str], None], config: LinkConfig | None,
+                 address: tuple[str, int] | None) -> None:
+        self._token = token
+        self._on_lost = on_lost
+        self.config = config or LinkConfig()
+        self.address = address  # None: a lost connection is not retried
+        self.session_id = secrets.token_bytes(SESSION_ID_BYTES)
+        self.ledger = Ledger(self.config.max_unacked_bytes, self.config.ack_every)  # BATCH out, REPLIES in
+        self._conn: LinkConnection | None = None  # connected, session resumed
+        self._opened = False  # the store host has this session
+        self.dead: str | None = None
+        self.ready: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+        self._heartbeat: asyncio.TimerHandle | None = None
+        self._sent_since_beat = False  # a batch left since the last heartbeat interval began
+        self._beat_with_next_batch = False  # the heartbeat rides with the next batch
+        self._reconnecting: asyncio.Task[None] | None = None
+
+    # -- for the subclass -----------------------------------------------------------------
+
+    def on_replies(self, payload: bytes) -> None:
+        raise NotImplementedError
+
+    def on_invalidate(self, payload: bytes) -> None:
+        raise NotImplementedError
+
+    def on_disconnected(self) -> None:
+        """The connection is gone (the session may resume): answer nothing from watches."""
+
+    def on_dead(self, reason: str) -> None:
+        """The session is over: drop every client with ``reason``."""
+
+    def on_beat(self) -> None:
+        """Every heartbeat interval."""
+
+    def lease_granted(self, until: float) -> None:
+        """The store host heard from us: watches may be answered until ``until``."""
+
+    # -- the session --------------------------------------------------------------------
+
+    def silence(self) -> float | None:
+        """Seconds since the upstream was last heard from on the current connection;
+        None while there is none (reconnecting, or given up)."""
+        return None if self._conn is None else self._conn.heartbeat.silent(monotonic())
+
+    def connection(self) -> LinkConnection:
+        """A protocol for a new connection to the store host; it resumes this session."""
+        return LinkConnection(self)
+
+    def established(self, conn: LinkConnection, batches_received: int) -> None:
+        """RESUMED arrived on ``conn``: resend what the store host has not executed."""
+        if self.dead is not None:
+            conn.abort(self.dead)
+            return
+        missed = self.ledger.resume(batches_received)
+        self._conn = conn
+        self._opened = True
+        if missed:
+            conn.write(b"".join(missed))
+        if not self.ready.done():
+            self.ready.set_result(None)
+        if self._heartbeat is None:
+            self._schedule_heartbeat()
+
+    def _schedule_heartbeat(self) -> None:
+        """The next beat falls on a whole multiple of the interval of the wall clock, as
+        every node's does: the store host reads its idle links' heartbeats in one
+        wake-up, not one each, and a proxy its children's. A tick less than a tenth of
+        an interval away is skipped (the loop's timers fire up to a millisecond early,
+        and a beat woken just before its tick must not beat again at the tick)."""
+        interval = self.config.heartbeat_interval
+        delay = (-time.time()) % interval
+        if delay < interval / 10:
+            delay += interval
+        self._heartbeat = asyncio.get_running_loop().call_later(delay, self._beat)
+
+    def _beat(self) -> None:
+        """Every heartbeat interval: acknowledge (the heartbeat), or drop a silent
+        connection. A link that sent a batch during the last interval sends its
+        heartbeat with its next batch instead (in one write), or at the next beat if none
+        comes: heartbeats at most two intervals apart, well within the watch lease."""
+        conn = self._conn
+        if conn is not None:
+            now = monotonic()
+            if conn.heartbeat.expired(now):
+                conn.abort(f"nothing heard from the store host for {conn.heartbeat.silent(now):.1f} s")
+            elif self._sent_since_beat and not self._beat_with_next_batch:
+                self._beat_with_next_batch = True
+            else:
+                self._beat_with_next_batch = False
+                conn.ack()
+        self._sent_since_beat = False
+        self.on_beat()
+        if self.dead is None:
+            self._schedule_heartbeat()
+
+    def connection_lost(self, conn: LinkConnection, reason: str) -> None:
+        if conn is not self._conn:
+            return
+        self._conn = None
+        self.on_disconnected()
+        if self.dead is None and self._reconnecting is None and self.address is not None:
+            self._reconnecting = asyncio.ensure_future(_reconnect(self, reason))
+        elif self.address is None:
+            self.die(reason)
+
+    def die(self, reason: str) -> None:
+        """Give up the session: drop every waiting client with ``reason``."""
+        if self.dead is not None:
+            return
+        self.dead = reason
+        if not self.ready.done():
+            self.ready.set_exception(LinkError(reason))
+        if self._heartbeat is not None:
+            self._heartbeat.cancel()
+        if self._conn is not None:
+            self._conn.abort(reason)
+            self._conn = None
+        self.on_dead(reason)
+        self._on_lost(reason)
+
+    def close(self) -> None:
+        """End the session cleanly: the store host drops it at once."""
+        if self.dead is None:
+            if self._conn is not None:
+                self._conn.write(auth.error("the front-end is stopping"))
+            self.dead = "closed"
+            if self._heartbeat is not None:
+                self._heartbeat.cancel()
+            if self._reconnecting is not None:
+                self._reconnecting.cancel()
+            if self._conn is not None:
+                self._conn.close()
+
+    def send(self, frame: bytes) -> None:
+        """Number, keep and (if connected) write one BATCH frame."""
+        try:
+            self.ledger.sent(frame)
+        except LinkError as e:
+            self.die(f"the store host stopped acknowledging: {e}")
+            return
+        self._sent_since_beat = True
+        if self._conn is not None:
+            if self._beat_with_next_batch:
+                self._beat_with_next_batch = False
+                self._conn.ack(after=frame)
+            else:
+                self._conn.write(frame)
+
+    def confirm(self, frame: bytes) -> None:
+        """Write an unnumbered frame (an INVALIDATED) if connected."""
+        if self._conn is not None:
+            self._conn.write(frame)
+
+
+
+class LinkConnection(asyncio.Protocol):
+    """One TCP connection of a :class:`SessionEnd`: the handshake, then its frames."""
+
+    def __init__(self, link: SessionEnd) -> None:
         self._link = link
-        self._decoder = FrameDecoder(HANDSHAKE_MAX_FRAME)
+        self._handshake = ClientHandshake(link._token, link.session_id, not link._opened, link.ledger)
+        self._decoder = FrameDecoder(self._handshake.max_frame)
         self._transport: asyncio.Transport | None = None
-        self._client_nonce = b""
-        self._server_nonce = b""
-        self._welcomed = False  # the store host proved it knows the token
-        self._unacked_in = 0
         self._pings: deque[float] = deque()  # when each ACK not yet answered by a PONG left
         self.established: asyncio.Future[None] = asyncio.get_running_loop().create_future()
         self.established.add_done_callback(_retrieve)  # an abandoned attempt may fail later
-        self.last_rx = monotonic()  # (not the loop's clock: no getpid() per read)
+        self.heartbeat = Heartbeat(link.config.heartbeat_timeout, monotonic())
 
     def connection_made(self, transport) -> None:  # type: ignore[override]
         self._transport = transport
         sock = transport.get_extra_info("socket")
         if sock is not None and sock.family in (socket.AF_INET, socket.AF_INET6):
             sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-        transport.write(bytes([LINK_MAGIC]))
+        transport.write(self._handshake.start())
 
     def write(self, data: bytes) -> None:
         if self._transport is not None and not self._transport.is_closing():
@@ -54,65 +218,57 @@ class LinkConnection(asyncio.Protocol):
     def ack(self, after: bytes = b"") -> None:
         """Send an ACK (the heartbeat; its PONG renews the watch lease), after ``after``
         in the same write."""
-        self._unacked_in = 0
         self._pings.append(monotonic())
-        self.write(after + encode_count(ACK, self._link.replies_received))
+        self.write(after + self._link.ledger.ack())
 
     def data_received(self, data: bytes) -> None:
-        self.last_rx = monotonic()
+        self.heartbeat.heard(monotonic())  # (not the loop's clock: no getpid() per read)
         link = self._link
+        ledger = link.ledger
         try:
             for ftype, payload in self._decoder.feed(data):
-                if ftype == REPLIES and self.established.done():
+                if not self.established.done():
+                    out = self._handshake.feed(ftype, payload)
+                    if out:
+                        self.ack(after=out)
+                    self._decoder.max_frame = self._handshake.max_frame
+                    if self._handshake.resumed is not None:
+                        link.established(self, self._handshake.resumed)
+                        self.established.set_result(None)
+                elif ftype == REPLIES:
+                    ack_due = ledger.got()
                     link.on_replies(payload)
-                    self._counted()
-                elif ftype == INVALIDATE and self.established.done():
-                    link.replies_received += 1  # (numbered with the REPLIES frames)
+                    if ack_due:
+                        self.ack()
+                elif ftype == INVALIDATE:
+                    ack_due = ledger.got()
                     link.on_invalidate(payload)
-                    self._counted()
-                elif ftype == PONG and self.established.done():
+                    if ack_due:
+                        self.ack()
+                elif ftype == PONG:
                     received, lease = decode_pong(payload)
-                    link._outbox.ack(received)
-                    if self._pings:  # the core heard from us when this ACK arrived
-                        link.lease_granted(self, self._pings.popleft() + lease)
-                elif ftype == ACK and self.established.done():
-                    link._outbox.ack(decode_count(payload))
-                elif ftype == HELLO and not self._client_nonce:
-                    # AUTH, SESSION and the first ACK (its PONG starts the watch lease)
-                    # in one write: the store host reads them in one wake-up. The
-                    # session id goes out before the host proved it knows the token,
-                    # which gives a fake host nothing: it cannot resume without the token.
-                    self._server_nonce = payload[2:]
-                    frame, self._client_nonce = auth.answer_hello(link._token, payload)
-                    self.ack(frame + encode_session(link.session_id, not link._opened, link.replies_received))
-                elif ftype == WELCOME and self._client_nonce and not self._welcomed:
-                    auth.check_welcome(link._token, self._server_nonce, self._client_nonce, payload)
-                    self._welcomed = True
-                    self._decoder.max_frame = DEFAULT_MAX_FRAME
-                elif ftype == RESUMED and self._welcomed and not self.established.done():
-                    link.established(self, decode_count(payload))
-                    self.established.set_result(None)
+                    ledger.acked(received)
+                    if self._pings:  # the store host heard from us when this ACK arrived
+                        until = self._pings.popleft() + lease
+                        if link._conn is self:
+                            link.lease_granted(until)
+                elif ftype == ACK:
+                    ledger.acked(decode_count(payload))
                 elif ftype == ERROR:
-                    what = "ended the link session" if self.established.done() else "refused the link"
-                    raise LinkError(f"the store host {what}: {payload.decode(errors='replace')}")
+                    raise LinkError("the store host ended the link session: " + payload.decode(errors="replace"))
                 else:
                     raise LinkError(f"unexpected frame type {ftype}")
         except LinkError as e:
             if not self.established.done():
                 self.established.set_exception(e)
                 self.abort(str(e))
-            else:  # the session is unusable: our state and the core's disagree
+            else:  # the session is unusable: our state and the store host's disagree
                 link.die(str(e))
         except Exception as e:  # a bug, or no memory: fail-stop, never resume past it
             log.exception("unexpected error handling the store host's frames")
             if not self.established.done():
                 self.established.set_exception(LinkError(f"internal error: {e!r}"))
             link.die(f"internal error in the node's link to the store host: {e!r}")
-
-    def _counted(self) -> None:
-        self._unacked_in += 1
-        if self._unacked_in >= self._link.config.ack_every:
-            self.ack()
 
     def abort(self, reason: str) -> None:
         if self._transport is not None and not self._transport.is_closing():
@@ -135,7 +291,7 @@ def _retrieve(f: asyncio.Future[None]) -> None:
         f.exception()
 
 
-async def _open(link: LinkUpstream, timeout: float) -> None:
+async def open_connection(link: SessionEnd, timeout: float) -> None:
     """One attempt: connect, authenticate, open or resume the session. Raises OSError,
     TimeoutError, or LinkError when the store host refuses."""
     assert link.address is not None
@@ -148,7 +304,7 @@ async def _open(link: LinkUpstream, timeout: float) -> None:
         raise
 
 
-async def reconnect(link: LinkUpstream, reason: str) -> None:
+async def _reconnect(link: SessionEnd, reason: str) -> None:
     """Reconnect with backoff (0.1 s to 1 s) until the grace period ends."""
     loop = asyncio.get_running_loop()
     grace = link.config.grace
@@ -161,7 +317,7 @@ async def reconnect(link: LinkUpstream, reason: str) -> None:
     try:
         while link.dead is None:  # (it may give up meanwhile, e.g. its buffer overflowed)
             try:
-                await _open(link, link.config.heartbeat_timeout)
+                await open_connection(link, link.config.heartbeat_timeout)
                 log.warning("link to the store host resumed after %.1f s", loop.time() - since)
                 return
             except LinkError as e:  # refused: the session is gone, or not our store
@@ -177,23 +333,3 @@ async def reconnect(link: LinkUpstream, reason: str) -> None:
             delay = min(delay * 2, 1.0)
     finally:
         link._reconnecting = None
-
-
-async def connect_link(host: str, port: int, token: bytes, on_lost: Callable[[str], None],
-                       timeout: float = 60.0, config: LinkConfig | None = None,
-                       limits: PlanLimits | None = None) -> LinkUpstream:
-    """Connect and open a session, retrying while the store host is not up yet (backoff
-    0.1 s to 2 s). Raises LinkError (refused, wrong token, version) or TimeoutError."""
-    loop = asyncio.get_running_loop()
-    deadline = loop.time() + timeout
-    link = LinkUpstream(token, on_lost, config, (host, port), limits)
-    delay = 0.1
-    while True:
-        try:
-            await _open(link, max(deadline - loop.time(), 1.0))
-            return link
-        except (OSError, asyncio.TimeoutError) as e:
-            if loop.time() + delay > deadline:
-                raise TimeoutError(f"cannot connect to the store host {host}:{port}: {e}") from None
-            await asyncio.sleep(delay)
-            delay = min(delay * 2, 2.0)

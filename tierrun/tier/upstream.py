@@ -22,35 +22,29 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import secrets
 import time
 from collections.abc import Callable
 from time import monotonic
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from ..core import StoreError, Waiter
 from ..core.watch_state import FETCH, FETCH_AFTER_WRITES, PEEK, WATCH_READ, encode_watch_state
-from ..link import auth
 from ..link.config import LinkConfig
 from ..link.frames import (
-    OK, PEEKS, SESSION_ID_BYTES, WAITS, WATCH_LEASE, LinkError, decode_invalidate, decode_replies, encode_batch,
-    encode_count, INVALIDATED, entry_cancel, entry_open, entry_request, entry_waits, entry_watch,
+    INVALIDATED, OK, PEEKS, WATCH_LEASE, decode_invalidate, decode_replies, encode_count, entry_cancel,
 )
-from ..link.outbox import Outbox
-from ..link.reply_gate import break_watches
+from ..hub.reply_gate import break_watches
 from ..protocol import Op, Request
 from ..protocol.opcodes import NO_REPLY_OPS, WAIT_CANCELED, WAITING_OPS, WATCHABLE_OPS
-from ..protocol.requests import encode_request
 from . import fanout
+from .entries import Ids, encode_plan
 from .hold import HELD_WRITES, HoldPolicy, issuer
 from .plan import (
     FETCH_AFTER_WRITES_MARK, FETCH_MARK, PEEK_MARK, WATCH_MARK, Plan, PlanLimits, UpOp, plan_batch, plan_peeks,
 )
+from .connection import SessionEnd, open_connection
 from .readahead import ReadAhead
 from .watches import MISSING, WatchCache, answer_from
-
-if TYPE_CHECKING:
-    from .connection import LinkConnection
 
 log = logging.getLogger("tierrun.frontend")
 
@@ -83,40 +77,21 @@ class CoalescingStats:
         return dict(vars(self))
 
 
-class LinkUpstream:
-    """The link to the core (or to another front-end). Use :meth:`view` per namespace.
-
-    Its session survives the connection (:mod:`.connection`): when the connection drops
-    (or is silent for ``heartbeat_timeout``) it reconnects with backoff and resumes,
-    resending the batches the core has not received; local clients see only latency.
-    Past ``grace`` it gives up: every client waiting on it is dropped with the reason
-    and ``on_lost`` is called.
-    """
+class LinkUpstream(SessionEnd):
+    """The link to the store host (or to another front-end). Use :meth:`view` per
+    namespace. Its session (:class:`.connection.SessionEnd`) survives its connections;
+    past the grace period every client waiting on it is dropped with the reason and
+    ``on_lost`` is called."""
 
     def __init__(self, token: bytes, on_lost: Callable[[str], None], config: LinkConfig | None = None,
                  address: tuple[str, int] | None = None, limits: PlanLimits | None = None) -> None:
-        self._token = token
-        self._on_lost = on_lost
-        self.config = config or LinkConfig()
+        super().__init__(token, on_lost, config, address)
         self.limits = limits or PlanLimits()
-        self.address = address
-        self.session_id = secrets.token_bytes(SESSION_ID_BYTES)
-        self._outbox = Outbox(self.config.max_unacked_bytes)  # BATCH frames
-        self.replies_received = 0
-        self._conn: LinkConnection | None = None  # connected, session resumed
-        self._opened = False  # the core has this session
-        self.dead: str | None = None
-        self.ready: asyncio.Future[None] = asyncio.get_running_loop().create_future()
-        self._heartbeat: asyncio.TimerHandle | None = None
-        self._sent_since_beat = False  # a batch left since the last heartbeat interval began
-        self._beat_with_next_batch = False  # the heartbeat rides with the next batch
-        self._reconnecting: asyncio.Task[None] | None = None
         self._pending: list[tuple[Waiter, bytes, Request]] = []
         self._extra: list[bytes] = []  # CANCEL entries for the next batch
         self._inflight: dict[int, UpOp] = {}
-        self._ns_cids: dict[bytes, int] = {}  # namespace -> its link client id
         self._wait_of: dict[Waiter, UpOp] = {}  # a client's WAIT or BARRIER upstream
-        self._next_id = 1
+        self._ids = Ids()  # request ids, and a link client id per namespace
         #: Per batch in flight, the request id of its last answer that the upstream
         #: gives at once (not a WAIT's or BARRIER's): while there are
         #: ``batches_in_flight`` of them, new requests wait for the next batch.
@@ -130,94 +105,21 @@ class LinkUpstream:
         self._held = False  # the open batch opened with a contended write: it is held
         self._hold: asyncio.Handle | None = None  # ... until then (None: a batch is in flight)
 
-    # -- the session (see .connection for its connections) -----------------------------
+    # -- the session's events (see .connection) ----------------------------------------
 
-    def silence(self) -> float | None:
-        """Seconds since the upstream was last heard from on the current connection;
-        None while there is none (reconnecting, or given up)."""
-        return None if self._conn is None else monotonic() - self._conn.last_rx
-
-    def connection(self) -> LinkConnection:
-        """A protocol for a new connection to the core; it resumes this session."""
-        from .connection import LinkConnection
-        return LinkConnection(self)
-
-    def established(self, conn: LinkConnection, batches_received: int) -> None:
-        """RESUMED arrived on ``conn``: resend what the core has not executed."""
-        if self.dead is not None:
-            conn.abort(self.dead)
-            return
-        missed = self._outbox.since(batches_received)
-        self._conn = conn
-        self._opened = True
-        if missed:
-            conn.write(b"".join(missed))
-        if not self.ready.done():
-            self.ready.set_result(None)
-        if self._heartbeat is None:
-            self._schedule_heartbeat()
-
-    def _schedule_heartbeat(self) -> None:
-        """The next beat falls on a whole multiple of the interval of the wall clock, as
-        every node's does: the store host reads its idle links' heartbeats in one
-        wake-up, not one each, and a proxy its children's. A tick less than a tenth of
-        an interval away is skipped (the loop's timers fire up to a millisecond early,
-        and a beat woken just before its tick must not beat again at the tick)."""
-        interval = self.config.heartbeat_interval
-        delay = (-time.time()) % interval
-        if delay < interval / 10:
-            delay += interval
-        self._heartbeat = asyncio.get_running_loop().call_later(delay, self._beat)
-
-    def _beat(self) -> None:
-        """Every heartbeat interval: acknowledge (the heartbeat), or drop a silent
-        connection. A link that sent a batch during the last interval sends its
-        heartbeat with its next batch instead (in one write), or at the next beat if none
-        comes: heartbeats at most two intervals apart, well within the watch lease."""
-        conn = self._conn
-        if conn is not None:
-            silent = monotonic() - conn.last_rx
-            if silent > self.config.heartbeat_timeout:
-                conn.abort(f"nothing heard from the store host for {silent:.1f} s")
-            elif self._sent_since_beat and not self._beat_with_next_batch:
-                self._beat_with_next_batch = True
-            else:
-                self._beat_with_next_batch = False
-                conn.ack()
-        self._sent_since_beat = False
+    def on_beat(self) -> None:
         if self._batches_awaiting and (self._pending or self._extra):
             # (belt and braces: a held batch never waits on an answer for more than a beat)
             self._batches_awaiting.clear()
             self._schedule_flush()
-        if self.dead is None:
-            self._schedule_heartbeat()
 
-    def connection_lost(self, conn: LinkConnection, reason: str) -> None:
-        if conn is not self._conn:
-            return
-        self._conn = None
+    def on_disconnected(self) -> None:
         self._drop_watches()
-        if self.dead is None and self._reconnecting is None and self.address is not None:
-            from .connection import reconnect
-            self._reconnecting = asyncio.ensure_future(reconnect(self, reason))
-        elif self.address is None:
-            self.die(reason)
 
-    def die(self, reason: str) -> None:
-        """Give up the session: drop every waiting client with ``reason``."""
-        if self.dead is not None:
-            return
-        self.dead = reason
-        if not self.ready.done():
-            self.ready.set_exception(LinkError(reason))
-        if self._heartbeat is not None:
-            self._heartbeat.cancel()
+    def on_dead(self, reason: str) -> None:
         if self._hold is not None:
             self._hold.cancel()
             self._hold = None
-        if self._conn is not None:
-            self._conn.abort(reason)
-            self._conn = None
         inflight, self._inflight = self._inflight, {}
         for u in inflight.values():
             for w in u.waiters:
@@ -226,43 +128,14 @@ class LinkUpstream:
         for w, _, _ in pending:
             w.drop(reason)  # type: ignore[attr-defined]
         self._drop_watches()
-        self._on_lost(reason)
 
-    def close(self) -> None:
-        """End the session cleanly: the core drops it at once."""
-        if self.dead is None:
-            if self._conn is not None:
-                self._conn.write(auth.error("the front-end is stopping"))
-            self.dead = "closed"
-            if self._heartbeat is not None:
-                self._heartbeat.cancel()
-            if self._reconnecting is not None:
-                self._reconnecting.cancel()
-            if self._conn is not None:
-                self._conn.close()
-
-    def _send(self, data: bytes) -> None:
-        try:
-            self._outbox.add(data)
-        except LinkError as e:
-            self.die(f"the store host stopped acknowledging: {e}")
-            return
-        self._sent_since_beat = True
-        if self._conn is not None:
-            if self._beat_with_next_batch:
-                self._beat_with_next_batch = False
-                self._conn.ack(after=data)
-            else:
-                self._conn.write(data)
+    def lease_granted(self, until: float) -> None:
+        self.watches.lease_until = max(self.watches.lease_until, until)
 
     def lease_left(self) -> float:
         """How much longer (seconds) this front-end may answer from its watches: what
         it may grant the front-ends linked to it."""
         return self.watches.lease_left(monotonic(), WATCH_LEASE) if self._conn is not None else 0.0
-
-    def lease_granted(self, conn: LinkConnection, until: float) -> None:
-        if conn is self._conn:
-            self.watches.lease_until = max(self.watches.lease_until, until)
 
     # -- requests ----------------------------------------------------------------------
 
@@ -508,86 +381,26 @@ class LinkUpstream:
                 for u in plan_peeks(plan, ns, keys, watches.peeking, self.limits):
                     watches.note_sent(u)
 
-    def _new_id(self) -> int:
-        n = self._next_id
-        self._next_id += 1
-        return n
-
-    def _cid_of(self, ns: bytes, entries: list[bytes]) -> int:
-        cid = self._ns_cids.get(ns)
-        if cid is None:
-            cid = self._ns_cids[ns] = self._new_id()
-            entries.append(entry_open(cid, ns))
-            self.stats.ids_opened += 1
-        return cid
-
-    def _send_plan(self, plan: Plan, entries: list[bytes]) -> None:
-        """Give the plan's ops their request ids and entries, and send them: one BATCH
-        frame, or several in order when the entries would pass a frame's size."""
-        stats, inflight = self.stats, self._inflight
-        answered_at_once = 0
-        sent = 0
-        frames: list[list[bytes]] = []
-        size = sum(map(len, entries))
-        max_bytes = self.limits.max_frame_bytes - 64  # (a frame's head and entry count)
-        for u in plan.ops:
-            new: list[bytes] = []
-            u.cid = self._cid_of(u.ns, new)
-            members = u.members or ()
-            if members or u.fetch:  # one WAITS (WATCHES, ...) entry: request ids rid, rid + 1, ...
-                u.rid = self._new_id()
-                inflight[u.rid] = u
-                for m in members:
-                    m.cid = u.cid
-                    m.rid = self._new_id()
-                    inflight[m.rid] = m
-                new.append(entry_waits(u.cid, u.rid, [u.req[1][0]] + [m.req[1][0] for m in members],
-                                       u.fetch or WAITS))
-                sent += 1 + len(members)
-                if u.fetch == PEEKS:
-                    stats.peeks_sent += 1 + len(members)
-                elif u.fetch:
-                    stats.watches_sent += 1 + len(members)
-            elif u.watchers is not None:
-                u.rid = self._new_id()
-                inflight[u.rid] = u
-                if u.req[0] != Op.WAIT:
-                    answered_at_once = u.rid
-                new.append(entry_watch(u.cid, u.rid, encode_request(u.req)))
-                stats.watches_sent += 1
-                sent += 1
-            else:
-                req = u.request()
-                rid = self._new_id() if u.waiters else 0
-                if rid:
-                    u.rid = rid
-                    inflight[rid] = u
-                    if req[0] not in WAITING_OPS:
-                        answered_at_once = rid
-                new.append(entry_request(u.cid, rid, encode_request(req)))
-                sent += 1
-            added = sum(map(len, new))
-            if entries and size + added > max_bytes:  # (in order: frames are executed in turn)
-                frames.append(entries)
-                entries, size = [], 0
-            entries += new
-            size += added
-        if entries:
-            frames.append(entries)
-        if answered_at_once:
-            self._batches_awaiting.add(answered_at_once)
-        if frames and self.dead is None:
+    def _send_plan(self, plan: Plan, extra: list[bytes]) -> None:
+        """Encode the plan's entries (:func:`.entries.encode_plan`) and send them."""
+        out = encode_plan(plan, extra, self._ids, self._inflight, self.limits.max_frame_bytes)
+        if out.answered_at_once:
+            self._batches_awaiting.add(out.answered_at_once)
+        if out.frames and self.dead is None:
+            stats = self.stats
             stats.batches += 1
-            stats.upstream_ops += sent
-            for f in frames:
-                self._send(encode_batch(f))
+            stats.upstream_ops += out.ops
+            stats.ids_opened += out.opened
+            stats.watches_sent += out.watches
+            stats.peeks_sent += out.peeks
+            for frame in out.frames:
+                self.send(frame)
 
     # -- what the store host sends (called by .connection) ------------------------------
 
     def on_replies(self, payload: bytes) -> None:
         """A REPLIES frame: hand each answer out (:mod:`.fanout`). Raises LinkError on an
         answer that cannot be the one of the request sent."""
-        self.replies_received += 1
         awaiting = self._batches_awaiting
         answered = self._answered
         for rid, status, data in decode_replies(payload):
@@ -642,8 +455,7 @@ class LinkUpstream:
         self.stats.invalidations += n
 
         def confirm() -> None:
-            if self._conn is not None:
-                self._conn.write(encode_count(INVALIDATED, round_id))
+            self.confirm(encode_count(INVALIDATED, round_id))
 
         if below:
             break_watches(below, confirm)
@@ -676,3 +488,23 @@ class LinkView:
 
     def forget(self, waiter: Waiter) -> None:
         self._link.forget(waiter, self._ns)
+
+
+async def connect_link(host: str, port: int, token: bytes, on_lost: Callable[[str], None],
+                       timeout: float = 60.0, config: LinkConfig | None = None,
+                       limits: PlanLimits | None = None) -> LinkUpstream:
+    """Connect and open a session, retrying while the store host is not up yet (backoff
+    0.1 s to 2 s). Raises LinkError (refused, wrong token, version) or TimeoutError."""
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + timeout
+    link = LinkUpstream(token, on_lost, config, (host, port), limits)
+    delay = 0.1
+    while True:
+        try:
+            await open_connection(link, max(deadline - loop.time(), 1.0))
+            return link
+        except (OSError, asyncio.TimeoutError) as e:
+            if loop.time() + delay > deadline:
+                raise TimeoutError(f"cannot connect to the store host {host}:{port}: {e}") from None
+            await asyncio.sleep(delay)
+            delay = min(delay * 2, 2.0)

@@ -22,16 +22,25 @@ import logging
 from collections import deque
 from collections.abc import Callable
 from time import monotonic
-from typing import TYPE_CHECKING
+from typing import Any, Protocol
 
-from .frames import LEASE_MARGIN, WATCH_LEASE, encode_invalidate
-
-if TYPE_CHECKING:
-    from ..server.link_server import Session
+from ..link.frames import LEASE_MARGIN, WATCH_LEASE, encode_invalidate
 
 log = logging.getLogger("tierrun.store")
 
 Send = Callable[[bytes], None]
+
+
+class Session(Protocol):
+    """A watching link session, as a round sees it (``hub.session.Session``)."""
+
+    sid: bytes
+    server: Any  # its link server: ``sessions`` and ``gate``
+    last_ping_rx: float  # when its last heartbeat arrived (monotonic)
+
+    def flush_answers(self) -> None: ...
+
+    def send(self, data: bytes) -> None: ...
 
 
 class _Round:

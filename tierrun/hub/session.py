@@ -1,0 +1,302 @@
+"""The store host's side of one link session, independent of its connections: its
+link clients (a namespace each), their pending waits, and the execution of its BATCH
+frames. A batch is executed atomically and in order (the core is single-threaded and
+the whole batch runs in one callback). The answers of the batches of one read leave in
+one REPLIES frame (several, past a frame's size) at the end of that read, with any
+deferred answers (WAIT, BARRIER) of the link woken meanwhile; deferred answers woken by
+other links' batches leave together at the end of the loop iteration: one frame per
+link, however many waiters a write released.
+
+A request past the store's limits fails its client alone (its front-end closes it, as
+torch's server closes such a client); a malformed batch ends the session.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections import deque
+from collections.abc import Callable
+from time import monotonic
+from typing import Protocol
+
+from ..core import StoreCore, StoreError
+from ..core.watch_state import FETCH, FETCH_AFTER_WRITES, PEEK, WATCH_READ
+from ..frontend import Upstream
+from ..frontend.namespace import NamespacedUpstream
+from ..link.config import LinkConfig
+from ..link.frames import (
+    CANCEL, FAILED, FETCHES, OK, OPEN, PEEKS, REQUEST, WAITS, WATCH, WATCHES, LinkError, decode_batch,
+    decode_keys, replies_frames,
+)
+from ..link.session import Ledger
+from ..protocol import LimitExceeded, Op, Request
+from ..protocol.limits import Limits
+from ..protocol.parser import decode_request
+from ..protocol.opcodes import NO_REPLY_OPS, WAITING_OPS, WATCHABLE_OPS
+from .reply_gate import ReplyGate
+
+log = logging.getLogger("tierrun.store")
+
+MAX_SHARED_NAMESPACES = 1024
+
+
+class Host(Protocol):
+    """What a session needs of the link server that keeps it."""
+
+    config: LinkConfig
+    limits: Limits
+    max_frame: int
+    gate: ReplyGate
+    stats: LinkStats
+    sessions: dict[bytes, Session]
+    upstream_for: Callable[[bytes], Upstream]
+
+    def expire(self, session: Session, reason: str, quiet: bool = False) -> None: ...
+
+    def fail(self, session: Session, error: BaseException) -> None: ...
+
+
+class Connection(Protocol):
+    """What a session needs of its current connection."""
+
+    def write(self, data: bytes) -> None: ...
+
+class RemoteClient:
+    """A link client (one namespace of a front-end), as its upstream sees it: the waiter
+    of its deferred answers. A WAIT or BARRIER waits under a :class:`Ticket` of its
+    own, so any number may wait at once; a front-end's link upstream (a stacked
+    front-end) also defers every other answer, delivered in request order. It
+    ``relay``\ s: its requests are a whole subtree's (see ``LinkUpstream._contended``)."""
+
+    __slots__ = ("session", "upstream", "pending", "tickets")
+    relay = True
+
+    def __init__(self, session: Session, upstream: Upstream) -> None:
+        self.session = session
+        self.upstream = upstream
+        self.pending: deque[int] = deque()  # request ids of deferred answers, in order
+        self.tickets: dict[int, Ticket] = {}  # request id -> its waiting WAIT/BARRIER
+
+    def wake(self, reply: bytes) -> None:
+        self.session.queue_reply(self.pending.popleft(), OK, reply)
+
+    def drop(self, reason: str) -> None:
+        """The request failed upstream (or the upstream link is gone)."""
+        if self.pending:
+            self.session.queue_reply(self.pending.popleft(), FAILED, reason.encode())
+
+    def forget(self) -> None:
+        """The session is gone: drop what waits upstream for it."""
+        tickets, self.tickets = self.tickets, {}
+        for ticket in tickets.values():
+            self.upstream.forget(ticket)
+        self.upstream.forget(self)
+
+
+class Ticket:
+    """One waiting WAIT or BARRIER of a remote client: answered by its request id."""
+
+    __slots__ = ("client", "rid")
+
+    def __init__(self, client: RemoteClient, rid: int) -> None:
+        self.client = client
+        self.rid = rid
+
+    def wake(self, reply: bytes) -> None:
+        if self.client.tickets.pop(self.rid, None) is not None:
+            self.client.session.queue_reply(self.rid, OK, reply)
+
+    def drop(self, reason: str) -> None:
+        if self.client.tickets.pop(self.rid, None) is not None:
+            self.client.session.queue_reply(self.rid, FAILED, reason.encode())
+
+
+class LinkStats:
+    def __init__(self) -> None:
+        self.links = 0  # connections with a live session now
+        self.links_accepted = 0  # sessions opened
+        self.link_resumes = 0
+        self.sessions_expired = 0
+        self.batches = 0
+        self.operations = 0
+
+
+class Session:
+    """One front-end's state at the core, independent of its current connection."""
+
+    def __init__(self, server: Host, sid: bytes, peer: str) -> None:
+        self.server = server
+        self.sid = sid
+        self.peer = peer
+        self.clients: dict[int, RemoteClient] = {}
+        self.ledger = Ledger(server.config.max_unacked_bytes, server.config.ack_every)  # REPLIES out, BATCH in
+        self.conn: Connection | None = None
+        self.expiry: asyncio.TimerHandle | None = None
+        self._wakes: list[tuple[int, int, bytes]] = []  # answers for the next REPLIES frame
+        self._flush_due = False  # a _flush_wakes is scheduled
+        self._loop = asyncio.get_running_loop()
+        self.last_ping_rx = monotonic()  # when its last ACK arrived: its lease began before
+
+    def execute(self, payload: bytes) -> None:
+        """Run one BATCH. Raises LinkError/ProtocolError on a malformed one."""
+        stats = self.server.stats
+        stats.batches += 1
+        # (answers go straight to the next REPLIES frame: an invalidation round started
+        # by a request of this batch sends what came before it first)
+        replies = self._wakes
+        clients = self.clients
+        limits = self.server.limits
+        for kind, cid, rid, data in decode_batch(payload):
+            if kind == REQUEST:
+                client = clients.get(cid)
+                if client is None:
+                    raise LinkError(f"request for unknown client {cid}")
+                try:
+                    req = decode_request(data, limits)
+                except LimitExceeded as err:  # (refused, as torch's server would: that client only)
+                    self._refuse(rid, err, replies)
+                    continue
+                stats.operations += 1
+                waiter = client if req[0] not in WAITING_OPS else Ticket(client, rid)  # (one each)
+                try:
+                    reply = client.upstream.execute(req, waiter)
+                except StoreError as err:
+                    replies.append((rid, FAILED, str(err).encode()))
+                    continue
+                if reply is not None:
+                    replies.append((rid, OK, reply))
+                elif waiter is not client:
+                    client.tickets[rid] = waiter  # type: ignore[assignment]
+                elif req[0] not in NO_REPLY_OPS:
+                    client.pending.append(rid)
+            elif kind == WATCH:
+                client = clients.get(cid)
+                if client is None:
+                    raise LinkError(f"request for unknown client {cid}")
+                try:
+                    req = decode_request(data, limits)
+                except LimitExceeded as err:
+                    self._refuse(rid, err, replies)
+                    continue
+                if req[0] not in WATCHABLE_OPS or (req[0] != Op.GET and len(req[1]) != 1):
+                    raise LinkError(f"{Op(req[0]).name} cannot watch (only one-key CHECK, GET, WAIT)")
+                stats.operations += 1
+                self._execute_watching(client, rid, req, WATCH_READ, replies)
+            elif kind == OPEN:
+                if cid in clients:
+                    raise LinkError(f"client {cid} opened twice")
+                clients[cid] = RemoteClient(self, self.server.upstream_for(data))
+            elif kind == WAITS:
+                client = clients.get(cid)
+                if client is None:
+                    raise LinkError(f"request for unknown client {cid}")
+                keys = decode_keys(data, limits.max_keys_per_request, limits.max_key_bytes)
+                stats.operations += len(keys)
+                for r, key in enumerate(keys, rid):
+                    ticket = Ticket(client, r)
+                    reply = client.upstream.execute((Op.WAIT, (key,)), ticket)
+                    if reply is not None:
+                        replies.append((r, OK, reply))
+                    else:
+                        client.tickets[r] = ticket
+            elif kind == WATCHES or kind == FETCHES or kind == PEEKS:
+                # (WAITs that fetch: their keys are watched once there; peeks: see frames.py)
+                client = clients.get(cid)
+                if client is None:
+                    raise LinkError(f"request for unknown client {cid}")
+                keys = decode_keys(data, limits.max_keys_per_request, limits.max_key_bytes)
+                stats.operations += len(keys)
+                how = FETCH if kind == WATCHES else FETCH_AFTER_WRITES if kind == FETCHES else PEEK
+                for r, key in enumerate(keys, rid):
+                    self._execute_watching(client, r, (Op.WAIT, (key,)), how, replies)
+            elif kind == CANCEL:
+                client = clients.get(cid)
+                ticket = None if client is None else client.tickets.pop(rid, None)
+                if ticket is not None:
+                    client.upstream.forget(ticket)  # type: ignore[union-attr]
+
+    def _refuse(self, rid: int, err: LimitExceeded, replies: list[tuple[int, int, bytes]]) -> None:
+        """A request the store refuses (past a limit): its client is answered FAILED
+        (its front-end closes it, as torch's server closes such a client); a request
+        with no answer (rid 0) is dropped with a log line. The link stays up."""
+        if rid:
+            replies.append((rid, FAILED, f"invalid request: {err}".encode()))
+        else:
+            log.warning("link from %s: dropped a request with no answer: %s", self.peer, err)
+
+    def _execute_watching(self, client: RemoteClient, rid: int, req: Request, how: int,
+                          replies: list[tuple[int, int, bytes]]) -> None:
+        """A read that watches its key (``how``: see ``core.watch_state``): its answer (or
+        error) goes to ``replies``, or its ticket waits for the answer."""
+        ticket = Ticket(client, rid)
+        try:
+            reply = client.upstream.execute_watching(req, ticket, (self, rid), how)
+        except StoreError as err:
+            replies.append((rid, FAILED, str(err).encode()))
+            return
+        if reply is not None:
+            replies.append((rid, OK, reply))
+        else:
+            client.tickets[rid] = ticket
+
+    def send(self, data: bytes) -> None:
+        """Number, keep and (if connected) write one REPLIES frame."""
+        try:
+            self.ledger.sent(data)
+        except LinkError as e:
+            self.server.expire(self, str(e))
+            return
+        if self.conn is not None:
+            self.conn.write(data)
+
+    def queue_reply(self, rid: int, status: int, reply: bytes) -> None:
+        """A deferred answer: those queued in one loop iteration leave in one frame."""
+        if not self._flush_due:
+            self._flush_due = True
+            self._loop.call_soon(self._flush_wakes)
+        self._wakes.append((rid, status, reply))
+
+    def _flush_wakes(self) -> None:
+        self._flush_due = False
+        wakes = self._wakes
+        if wakes:
+            try:
+                frames = replies_frames(wakes, self.server.max_frame)
+            except Exception as e:  # (no memory for the frame: fail-stop, never a lost answer)
+                wakes.clear()
+                self.server.fail(self, e)
+                return
+            wakes.clear()  # (in place: a batch being executed appends to it)
+            if self.server.sessions.get(self.sid) is self:
+                for frame in frames:
+                    self.server.gate.emit(self.send, frame)
+
+    def flush_answers(self) -> None:
+        """Send the answers queued so far now (an invalidation round must follow them)."""
+        self._flush_wakes()
+
+    def drop_clients(self) -> None:
+        for client in self.clients.values():
+            client.forget()
+        self.clients.clear()
+
+
+def core_upstreams(core: StoreCore) -> Callable[[bytes], Upstream]:
+    """Namespace -> the core as a front-end's clients in it see it. One wrapper per
+    namespace, shared by its clients (a job has one namespace per rendezvous round; past
+    ``MAX_SHARED_NAMESPACES`` a peer's new namespaces get wrappers of their own, so
+    OPENs cannot grow the table without bound)."""
+    upstreams: dict[bytes, Upstream] = {b"": core}
+
+    def upstream_for(ns: bytes) -> Upstream:
+        upstream = upstreams.get(ns)
+        if upstream is None:
+            upstream = NamespacedUpstream(core, ns + b"/")
+            if len(upstreams) < MAX_SHARED_NAMESPACES:
+                upstreams[ns] = upstream
+        return upstream
+
+    return upstream_for
+
+

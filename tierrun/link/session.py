@@ -1,0 +1,167 @@
+"""A link session as a state machine, sans I/O, used by both ends: the handshake (one
+flight each way), the numbering and acknowledgement of frames, resumption after a
+reconnect, and the heartbeat deadline. Frames in, frames to send and events out;
+adapters (``tier.connection`` at a front-end, ``hub.link_server`` at the store host or
+a relaying proxy) own the sockets and timers.
+
+Handshake (see frames.py for the frames)::
+
+    front-end                                   store host
+    MAGIC                       ------------>
+                                <------------   HELLO(version, server nonce)
+    AUTH + SESSION + ACK        ------------>   (one write, read in one wake-up)
+                                <------------   WELCOME(HMAC) + RESUMED(n) + missed frames
+                                                + PONG
+
+The front-end sends its session id before the host proved it knows the token: a fake
+host gains nothing from it, since resuming needs the token; RESUMED counts only after a
+valid WELCOME. Anything else, or out of order, raises LinkError.
+"""
+
+from __future__ import annotations
+
+import secrets
+
+from . import auth
+from .frames import (
+    ACK, AUTH, DEFAULT_MAX_FRAME, ERROR, HANDSHAKE_MAX_FRAME, HELLO, LINK_MAGIC, RESUMED, SESSION, WELCOME,
+    LinkError, decode_count, decode_session, encode_count, encode_session,
+)
+from .outbox import Outbox
+
+
+class Ledger:
+    """One end's count of a session's numbered frames (BATCH one way; REPLIES and
+    INVALIDATE the other): the frames it sent and keeps until acknowledged, the frames
+    it received, and when it owes the peer an ACK. Outlives connections. O(1) per frame."""
+
+    __slots__ = ("outbox", "received", "unacked_in", "ack_every")
+
+    def __init__(self, max_unacked_bytes: int, ack_every: int) -> None:
+        self.outbox = Outbox(max_unacked_bytes)
+        self.received = 0  # numbered frames received from the peer
+        self.unacked_in = 0  # ... since our last ACK on this connection
+        self.ack_every = ack_every
+
+    def sent(self, frame: bytes) -> None:
+        """Number and keep ``frame``. Raises LinkError past the resend buffer's bound."""
+        self.outbox.add(frame)
+
+    def got(self) -> bool:
+        """A numbered frame arrived: True when an ACK is due (every ``ack_every``)."""
+        self.received += 1
+        self.unacked_in += 1
+        return self.unacked_in >= self.ack_every
+
+    def ack(self) -> bytes:
+        """The ACK frame to send now (it is also the heartbeat)."""
+        self.unacked_in = 0
+        return encode_count(ACK, self.received)
+
+    def acked(self, upto: int) -> None:
+        """The peer has every frame up to ``upto``. Raises LinkError for frames never sent."""
+        self.outbox.ack(upto)
+
+    def resume(self, peer_received: int) -> list[bytes]:
+        """A new connection of the session: the frames the peer lacks, to resend in
+        order. Raises LinkError when the peer cannot be this session's peer."""
+        self.unacked_in = 0
+        return self.outbox.since(peer_received)
+
+
+class ClientHandshake:
+    """The front-end's side of the handshake on one connection. ``feed`` each frame
+    until ``resumed`` is set; ``start()`` is what the connection sends first."""
+
+    def __init__(self, token: bytes, session_id: bytes, fresh: bool, ledger: Ledger) -> None:
+        self._token = token
+        self._session_id = session_id
+        self._fresh = fresh
+        self._ledger = ledger
+        self._client_nonce = b""
+        self._server_nonce = b""
+        self.welcomed = False  # the host proved it knows the token
+        self.resumed: int | None = None  # the host's count of our frames, once resumed
+
+    @staticmethod
+    def start() -> bytes:
+        return bytes([LINK_MAGIC])
+
+    @property
+    def max_frame(self) -> int:
+        """The largest frame to accept now: small until the host proved the token."""
+        return DEFAULT_MAX_FRAME if self.welcomed else HANDSHAKE_MAX_FRAME
+
+    def feed(self, ftype: int, payload: bytes) -> bytes:
+        """One frame of the handshake; returns what to send, followed by an ACK (AUTH,
+        SESSION and the first ACK, whose PONG starts the watch lease, in one write), or
+        b"" for nothing. Raises LinkError."""
+        if ftype == HELLO and not self._client_nonce:
+            self._server_nonce = payload[2:]
+            frame, self._client_nonce = auth.answer_hello(self._token, payload)
+            return frame + encode_session(self._session_id, self._fresh, self._ledger.received)
+        if ftype == WELCOME and self._client_nonce and not self.welcomed:
+            auth.check_welcome(self._token, self._server_nonce, self._client_nonce, payload)
+            self.welcomed = True
+            return b""
+        if ftype == RESUMED and self.welcomed and self.resumed is None:
+            self.resumed = decode_count(payload)
+            return b""
+        if ftype == ERROR:
+            raise LinkError("the store host refused the link: " + payload.decode(errors="replace"))
+        raise LinkError(f"unexpected frame type {ftype} during the handshake")
+
+
+class ServerHandshake:
+    """The store host's side of the handshake on one connection: HELLO first, then
+    AUTH, then SESSION. ``feed`` returns what to send; once SESSION arrives, ``session``
+    holds (session id, fresh, the front-end's count of our frames) for the adapter to
+    attach. ``token`` None: this end takes no links."""
+
+    def __init__(self, token: bytes | None) -> None:
+        self._token = token
+        self._nonce = secrets.token_bytes(auth.NONCE)
+        self.authenticated = False
+        self.session: tuple[bytes, bool, int] | None = None
+
+    def start(self) -> bytes:
+        return auth.hello(self._nonce)
+
+    @property
+    def max_frame(self) -> int:
+        return DEFAULT_MAX_FRAME if self.authenticated else HANDSHAKE_MAX_FRAME
+
+    def feed(self, ftype: int, payload: bytes) -> bytes:
+        """One frame of the handshake; returns what to send. Raises LinkError."""
+        if not self.authenticated:
+            if ftype != AUTH:
+                raise LinkError("expected AUTH")
+            if self._token is None:
+                raise LinkError("this store accepts no links (it was started without a job token)")
+            welcome = auth.check_auth(self._token, self._nonce, payload)
+            self.authenticated = True
+            return welcome
+        if ftype == SESSION and self.session is None:
+            self.session = decode_session(payload)
+            return b""
+        raise LinkError(f"unexpected frame type {ftype}")
+
+
+class Heartbeat:
+    """When the peer was last heard from, and whether it is presumed gone. Takes the
+    time (monotonic seconds) from its caller."""
+
+    __slots__ = ("last_rx", "timeout")
+
+    def __init__(self, timeout: float, now: float) -> None:
+        self.timeout = timeout
+        self.last_rx = now
+
+    def heard(self, now: float) -> None:
+        self.last_rx = now
+
+    def silent(self, now: float) -> float:
+        return now - self.last_rx
+
+    def expired(self, now: float) -> bool:
+        return now - self.last_rx > self.timeout
