@@ -157,3 +157,37 @@ def test_an_unexpected_error_applying_a_batch_ends_the_session_fail_stop():
         assert stats.sessions_expired == 1
 
     asyncio.run(main())
+
+
+def test_no_memory_while_sending_deferred_answers_ends_the_session_instead_of_wedging_it(monkeypatch):
+    """The store host's wake-up path (deferred answers of a link, sent at the end of the
+    loop turn) failing with MemoryError: that session ends with the reason (no resume
+    loop that never expires), the store host and its other links carry on."""
+    from tierrun.hub import session as hub_session
+
+    async def main():
+        core = StoreCore()
+        bad, stats = await linked(core)
+        good, _ = await linked(core)
+        lost = []
+        bad._on_lost = lost.append
+        waiting, other = Client(), Client()
+        bad.submit((Op.WAIT, (b"go",)), waiting, b"")
+        await settle()
+        frames = hub_session.replies_frames
+
+        def no_memory(replies, max_frame):
+            raise MemoryError()
+
+        monkeypatch.setattr(hub_session, "replies_frames", no_memory)
+        core.execute((Op.SET, b"go", b"1"), None)  # (wakes the WAIT: its answer is deferred)
+        await settle()
+        monkeypatch.setattr(hub_session, "replies_frames", frames)
+        assert bad.dead is not None and "MemoryError" in bad.dead and lost == [bad.dead]
+        assert waiting.replies and waiting.replies[0][0] == "dropped"
+        assert stats.sessions_expired == 1 and stats.link_resumes == 0
+        good.submit((Op.ADD, b"n", 1), other, b"")
+        await settle()
+        assert other.replies == [struct.pack("<q", 1)]
+
+    asyncio.run(main())
