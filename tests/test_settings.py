@@ -1,6 +1,8 @@
 """The TIERRUN_* variables, read in one place (tierrun/settings.py), as tables."""
 
 import os
+import subprocess
+import sys
 
 import pytest
 
@@ -68,3 +70,16 @@ def test_the_frontend_token_is_taken_out_of_the_environment(monkeypatch):
     assert take_frontend_token() == b"\x01\xff"
     assert FRONTEND_TOKEN not in os.environ
     assert take_frontend_token() == b""
+
+
+@pytest.mark.parametrize("argv, prefix", [
+    (["store", "--port", "0"], "tierrun store: "),
+    (["proxy", "--upstream", "127.0.0.1:1"], "tierrun proxy: "),
+    (["--standalone", "--nproc_per_node", "1", "train.py"], "tierrun: error: "),
+])
+def test_commands_name_an_unusable_variable_in_one_line(argv, prefix):
+    env = dict(os.environ, TIERRUN_TOKEN="t", TIERRUN_LINK_TIMEOUT="soon")
+    done = subprocess.run([sys.executable, "-m", "tierrun", *argv], env=env, capture_output=True, text=True,
+                          timeout=60)
+    assert done.returncode == 2
+    assert done.stderr == f"{prefix}$TIERRUN_LINK_TIMEOUT='soon': write a number of seconds\n"
