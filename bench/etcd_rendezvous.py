@@ -86,9 +86,11 @@ def handlers_for(backend: str, indices: list[int], k: int, endpoint: str, run_id
     from torch.distributed.elastic.rendezvous import RendezvousParameters
 
     from tierrun.rendezvous.etcd import create_handler
+    from tierrun.settings import Settings
 
     return [create_handler(RendezvousParameters(backend, endpoint, run_id, k, k, local_addr="127.0.0.1",
-                                                progress="off", join_timeout=3600)) for _ in indices], 0
+                                                progress="off", join_timeout=3600), Settings.from_env())
+            for _ in indices], 0
 
 
 def child(backend: str, k: int, procs: int, index: int, endpoint: str, run_id: str) -> None:

@@ -271,17 +271,18 @@ class Cluster:
         from tierrun.frontend import FrontEnd
         from tierrun.tier import connect_link
         from tierrun.frontend.listen import tcp_listen_socket
-        from tierrun.link.config import LinkConfig
         from tierrun.hub.link_server import LinkServer
+        from tierrun.settings import Settings
 
         def lost(reason: str) -> None:
             print(f"simulated node {os.getpid()}: link lost: {reason}", file=sys.stderr, flush=True)
             os._exit(1)  # the parent sees EOF and reports the failure
 
-        token = os.environ["TIERRUN_TOKEN"].encode()
+        settings = Settings.from_env()
+        token = settings.job_token()
         place = TreePlace(n, self.k, self.fanout or self.k, "", "")
         upstream = self.root if place.parent is None else self.tree_address(place.parent)
-        link = await connect_link(*upstream, token, lost, 120, LinkConfig.from_env())
+        link = await connect_link(*upstream, token, lost, 120, settings.link)
         if place.has_children:  # take their links
             links = LinkServer(lambda ns: link.view(ns.decode()), token, lease=link.lease_left)
             await asyncio.get_running_loop().create_server(
@@ -353,7 +354,7 @@ def free_port() -> int:
 
 def measure(setup: str, k: int, p: int, args) -> dict:
     env = dict(os.environ, TIERRUN_TOKEN=secrets.token_hex(16))
-    if setup == "tree-10ms":  # (read by the simulated front-ends' LinkConfig.from_env)
+    if setup == "tree-10ms":  # (read by the simulated front-ends' Settings.from_env)
         env["TIERRUN_LINK_BATCH_WINDOW"] = "0.01"
     store = None
     node0_port = 0  # tiered: node 0's own front-end, in its store process as the launcher runs it

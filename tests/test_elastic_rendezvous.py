@@ -9,12 +9,14 @@ from torch.distributed.elastic.rendezvous import RendezvousParameters
 
 from launch import free_port
 from tierrun.rendezvous.elastic import create_handler
+from tierrun.settings import Settings
 
 
 def _handlers(port: int, nodes: int):
     return [create_handler(RendezvousParameters(
         "tierrun", f"127.0.1.1:{port}", "proxy-killed", nodes, nodes, local_addr=f"127.0.1.{k + 1}",
-        tiered="1", last_call_timeout="1", join_timeout="20", progress="off")) for k in range(nodes)]
+        tiered="1", last_call_timeout="1", join_timeout="20", progress="off"), Settings.from_env())
+        for k in range(nodes)]
 
 
 def _rendezvous_all(handlers):

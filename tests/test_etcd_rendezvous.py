@@ -19,6 +19,7 @@ from etcd_server import Certificates, EtcdServer
 from launch import SCRIPTS, finish, free_port, kill_tree, results, tierrun
 from tierrun.rendezvous.etcd import create_handler
 from tierrun.rendezvous.etcd_client import EtcdOptions
+from tierrun.settings import Settings
 
 COMMON = ("--rdzv_backend", "tierrun-etcd", "--nproc_per_node", 1, "--max_restarts", 3,
           "--monitor_interval", "0.5")
@@ -48,7 +49,7 @@ def test_endpoint_lists_schemes_and_tls_options_are_parsed():
 def _handler(etcd, run_id, addr, nnodes=(2, 4), endpoint=None, **conf):
     config = {"last_call_timeout": "1", "progress": "off", **conf}
     return create_handler(RendezvousParameters("tierrun-etcd", endpoint or etcd.endpoint, run_id, *nnodes,
-                                               local_addr=addr, **config))
+                                               local_addr=addr, **config), Settings.from_env())
 
 
 def _rendezvous_all(handlers):

@@ -7,7 +7,6 @@ all clients together being exactly 1..N.
 """
 
 import asyncio
-import re
 
 import pytest
 
@@ -97,7 +96,7 @@ async def start_root(port: int = 0):
     task = asyncio.ensure_future(serve_root(ServiceConfig(host="127.0.0.1", port=port), announce, stop,
                                             token=b"tok", link_config=FAST))
     await asyncio.wait_for(listening.wait(), 10)
-    port = int(re.search(r":(\d+)$", lines[0]).group(1))
+    port = lines[0].port
     return port, stop, task
 
 

@@ -14,9 +14,9 @@ def main(argv: list[str] | None = None) -> int:
         command = store_cli.store_main if argv[0] == "store" else store_cli.proxy_main
         return command(argv[1:])
     if argv and argv[0] == "store-frontend":  # internal: started by `tierrun store --workers N`
-        from .server import frontend_process
+        from .server import store_cli
 
-        return frontend_process.main(argv[1:])
+        return store_cli.store_frontend_main(argv[1:])
     if argv and argv[0] == "timeline":
         from .report import timeline
 

@@ -1,5 +1,6 @@
 """Front-ends: asyncio servers that speak the torch protocol to clients."""
 
-from .frontend import FrontEnd, FrontEndConfig, Upstream
+from .contracts import Upstream
+from .frontend import FrontEnd, FrontEndConfig
 
 __all__ = ["FrontEnd", "FrontEndConfig", "Upstream"]

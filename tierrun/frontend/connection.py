@@ -10,21 +10,37 @@ import asyncio
 import logging
 import socket
 import struct
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 from ..core import StoreError
-from ..protocol import Op, ProtocolError, RequestParser
 from ..link.frames import LINK_MAGIC
+from ..protocol import Limits, Op, ProtocolError, RequestParser
 from ..protocol.replies import encode_u32
-
-if TYPE_CHECKING:
-    from .frontend import FrontEnd
+from .contracts import Gate, LinkAcceptor, Upstream
 
 log = logging.getLogger("tierrun.store")
 
 _PING = Op.PING
 #: Bytes of replies gathered from one read before checking that the client reads them.
 REPLY_BUFFER = 1 << 20
+
+
+class ConnectionOwner(Protocol):
+    """What a connection needs of the front-end that accepted it (``FrontEnd``)."""
+
+    upstream: Upstream
+    limits: Limits
+    link_acceptor: LinkAcceptor | None
+    gate: Gate | None
+
+    def admit(self, conn: ClientConnection) -> bool:
+        """Count ``conn`` as a client; False: refused (it is closed at once)."""
+
+    def release(self, conn: ClientConnection) -> None:
+        """``conn`` closed."""
+
+    def became_link(self, conn: ClientConnection) -> None:
+        """``conn`` turned out to be a front-end's link: it is not a client after all."""
 
 
 class ClientConnection(asyncio.Protocol):
@@ -41,7 +57,7 @@ class ClientConnection(asyncio.Protocol):
     __slots__ = ("_frontend", "_upstream", "_parser", "_transport", "peer", "closed", "_sniff", "_gate",
                  "_backlog", "_writing_paused")
 
-    def __init__(self, frontend: FrontEnd) -> None:
+    def __init__(self, frontend: ConnectionOwner) -> None:
         self._frontend = frontend
         self._upstream = frontend.upstream
         self._parser = RequestParser(frontend.limits)
@@ -117,8 +133,7 @@ class ClientConnection(asyncio.Protocol):
     def _become_link(self, rest: bytes) -> None:
         acceptor = self._frontend.link_acceptor
         assert acceptor is not None and self._transport is not None
-        self._frontend.release(self)
-        self._frontend.accepted -= 1  # counted as a link, not as a client
+        self._frontend.became_link(self)
         self.closed = True
         acceptor(self._transport, self.peer, rest)
 

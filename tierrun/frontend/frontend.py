@@ -5,47 +5,14 @@ from __future__ import annotations
 import asyncio
 import logging
 import socket
-from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Protocol
 
-from ..core import Waiter
-from ..core.watch_state import WATCH_READ
-from ..protocol import Limits, Request
+from ..protocol import Limits
 from .connection import ClientConnection
+from .contracts import Gate, LinkAcceptor, Upstream
 from .listen import DEFAULT_BACKLOG
 
 log = logging.getLogger("tierrun.store")
-
-
-class Upstream(Protocol):
-    """Where a front-end sends requests: the core itself (flat) or a link (tiered)."""
-
-    def execute(self, req: Request, waiter: Waiter) -> bytes | None:
-        """Reply now, or return None and deliver a reply later through ``waiter.wake``.
-
-        Raises ``StoreError`` for a request that must fail.
-        """
-
-    def forget(self, waiter: Waiter) -> None:
-        """The waiter's connection closed: drop whatever it was waiting for."""
-
-    def execute_watching(self, req: Request, waiter: Waiter, watcher: object, how: int = WATCH_READ) -> bytes | None:
-        """A one-key CHECK, GET or WAIT that also watches its key, ``how``: one of
-        ``core.watch_state``'s WATCH_READ (a link's WATCH entry), FETCH (a WAIT of a
-        WATCHES entry), FETCH_AFTER_WRITES (of a FETCHES entry): see
-        ``StoreCore.execute_watching``."""
-
-
-LinkAcceptor = Callable[[asyncio.Transport, str, bytes], None]
-
-
-class Gate(Protocol):
-    """Holds answers back while ``closed`` (``server.reply_gate.ReplyGate``)."""
-
-    closed: bool
-
-    def emit(self, send: Callable[[bytes], None], data: bytes) -> None: ...
 
 
 @dataclass
@@ -94,6 +61,11 @@ class FrontEnd:
 
     def release(self, conn: ClientConnection) -> None:
         self.connections.discard(conn)
+
+    def became_link(self, conn: ClientConnection) -> None:
+        """``conn`` turned out to be a front-end's link: it is not a client after all."""
+        self.connections.discard(conn)
+        self.accepted -= 1
 
     async def listen(self, sock: socket.socket, backlog: int = DEFAULT_BACKLOG) -> None:
         """Serve clients on an already bound and listening socket. asyncio listens again

@@ -20,9 +20,9 @@ from __future__ import annotations
 import asyncio
 import logging
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from time import monotonic
-from typing import Any, Protocol
+from typing import Protocol
 
 from ..link.frames import LEASE_MARGIN, WATCH_LEASE, encode_invalidate
 
@@ -31,16 +31,38 @@ log = logging.getLogger("tierrun.store")
 Send = Callable[[bytes], None]
 
 
-class Session(Protocol):
-    """A watching link session, as a round sees it (``hub.session.Session``)."""
+class SessionHost(Protocol):
+    """The link server a watching session belongs to (``LinkServer``)."""
 
-    sid: bytes
-    server: Any  # its link server: ``sessions`` and ``gate``
-    last_ping_rx: float  # when its last heartbeat arrived (monotonic)
+    @property
+    def gate(self) -> ReplyGate: ...
 
-    def flush_answers(self) -> None: ...
+    @property
+    def sessions(self) -> Mapping[bytes, object]:
+        """The open sessions, by session id."""
 
-    def send(self, data: bytes) -> None: ...
+
+class WatchingSession(Protocol):
+    """A link session that watches keys (the link server's ``Session``)."""
+
+    @property
+    def server(self) -> SessionHost: ...
+
+    @property
+    def sid(self) -> bytes: ...
+
+    @property
+    def peer(self) -> str: ...
+
+    @property
+    def last_ping_rx(self) -> float:
+        """When its last ACK arrived (``time.monotonic``): its watch lease began before."""
+
+    def send(self, data: bytes) -> None:
+        """Send a frame on its connection, or keep it for a resume."""
+
+    def flush_answers(self) -> None:
+        """Send the answers it is owed now, ahead of anything emitted later."""
 
 
 class _Round:
@@ -48,7 +70,7 @@ class _Round:
 
     def __init__(self, round_id: int, on_done: Callable[[], None] | None) -> None:
         self.id = round_id
-        self.awaiting: dict[Session, None] = {}
+        self.awaiting: dict[WatchingSession, None] = {}
         self.on_done = on_done
         self.timer: asyncio.TimerHandle | None = None
 
@@ -72,7 +94,7 @@ class ReplyGate:
         else:
             send(data)
 
-    def begin(self, watches: dict[Session, list[int]], on_done: Callable[[], None] | None = None) -> None:
+    def begin(self, watches: dict[WatchingSession, list[int]], on_done: Callable[[], None] | None = None) -> None:
         """Start a round: tell each session which of its watches broke, hold every
         later answer until all have confirmed. ``on_done`` runs when the round is
         complete (at once if ``watches`` is empty)."""
@@ -94,7 +116,7 @@ class ReplyGate:
         rnd.timer = asyncio.get_running_loop().call_later(latest - now, self._lapse, rnd)
         self._rounds.append(rnd)
 
-    def confirmed(self, session: Session, round_id: int) -> None:
+    def confirmed(self, session: WatchingSession, round_id: int) -> None:
         """``session`` answered INVALIDATED for ``round_id`` (unknown rounds: ignored)."""
         rounds = self._rounds
         if rounds:
@@ -139,7 +161,7 @@ def break_watches(watchers: list, on_done: Callable[[], None] | None = None) -> 
     got them) changed: run an invalidation round for the sessions still open, on their
     link server's gate (one round per gate), and ``on_done`` when all are over. The
     core's ``on_watches_broken``; a stacked front-end's, for the front-ends below it."""
-    by_gate: dict[ReplyGate, dict[Session, list[int]]] = {}
+    by_gate: dict[ReplyGate, dict[WatchingSession, list[int]]] = {}
     for session, wid in watchers:
         server = session.server
         if server.sessions.get(session.sid) is session:

@@ -17,8 +17,9 @@ from torch.distributed.launcher.api import elastic_launch
 from torch.distributed.run import config_from_args
 
 from .. import rendezvous
-from ..link.auth import load_token, new_token
+from ..link.auth import new_token
 from ..rendezvous.handler_base import JobStoppedError
+from ..settings import Settings, SettingsError, export_token
 from .args import TIERRUN_BACKENDS, UsageError, build_parser, normalise
 from .devices import resolve_nproc_per_node
 from .reporting import JobReporting
@@ -26,9 +27,10 @@ from .reporting import JobReporting
 log = logging.getLogger("tierrun")
 
 
-def prepare(argv: list[str]):
+def prepare(argv: list[str], settings: Settings):
     """Parse and check the flags; return torch's (LaunchConfig, entrypoint, args) and
-    this launch's reporting, attached to the agent."""
+    this launch's reporting, attached to the agent. A job token it makes up is put in
+    this process's environment, for the rendezvous handlers and child processes."""
     args = normalise(build_parser().parse_args(argv))
     args.nproc_per_node = resolve_nproc_per_node(args.nproc_per_node)
     if args.standalone:
@@ -48,13 +50,13 @@ def prepare(argv: list[str]):
         args.rdzv_conf = f"{args.rdzv_conf},{conf}" if args.rdzv_conf else conf
         args.node_rank = 0  # now in rdzv_conf; keeps torch from warning it is ignored
     if args.tiered:
-        if load_token() is None:
+        if settings.job_token() is None:
             if args.standalone or args.nnodes.split(":")[-1] == "1":
-                os.environ["TIERRUN_TOKEN"] = new_token()  # one node: nobody else needs it
+                export_token(new_token())  # one node: nobody else needs it
             else:
                 # torch_npu_run's flags carry no secret; stay drop-in, but say what it costs
                 identity = f"tierrun:{args.rdzv_id}:{args.rdzv_endpoint}"
-                os.environ["TIERRUN_TOKEN"] = hashlib.sha256(identity.encode()).hexdigest()
+                export_token(hashlib.sha256(identity.encode()).hexdigest())
                 log.warning(
                     "no job token: the store links are keyed by the job's endpoint and id, "
                     "which stops mistakes, not attackers. Set TIERRUN_TOKEN to the same secret "
@@ -95,10 +97,11 @@ def _script_name(cmd_args: list[str]) -> str:
 @record
 def main(argv: list[str]) -> int:
     logging.basicConfig(format="[tierrun] %(levelname)s %(message)s")
-    logging.getLogger("tierrun").setLevel(os.environ.get("TIERRUN_LOG_LEVEL", "WARNING").upper())
     try:
-        config, entrypoint, cmd_args, reporting = prepare(argv)
-    except UsageError as e:
+        settings = Settings.from_env()
+        logging.getLogger("tierrun").setLevel(settings.log_level.upper())
+        config, entrypoint, cmd_args, reporting = prepare(argv, settings)
+    except (UsageError, SettingsError) as e:
         print(f"tierrun: error: {e}", file=sys.stderr)
         return 2
     try:

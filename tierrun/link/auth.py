@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import hashlib
 import hmac
-import os
 import secrets
 import struct
 
@@ -17,19 +16,6 @@ from .frames import AUTH, ERROR, HELLO, VERSION, WELCOME, LinkError, frame
 
 NONCE = 32
 _ver = struct.Struct("<H")
-
-
-def load_token(value: str | None = None) -> bytes | None:
-    """The job token: ``value``, else $TIERRUN_TOKEN, else the file named by $TIERRUN_TOKEN_FILE."""
-    if value:
-        return value.encode()
-    if os.environ.get("TIERRUN_TOKEN"):
-        return os.environ["TIERRUN_TOKEN"].encode()
-    path = os.environ.get("TIERRUN_TOKEN_FILE")
-    if path:
-        with open(path, "rb") as f:
-            return f.read().strip()
-    return None
 
 
 def new_token() -> str:

@@ -1,8 +1,8 @@
-"""Timing and memory bounds of a link session, shared by both ends."""
+"""Timing and memory bounds of a link session, shared by both ends (``tierrun.settings``
+reads the variables that override them)."""
 
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass
 
 
@@ -40,20 +40,3 @@ class LinkConfig:
     #: of one storm (a barrier) reach the store host together, and it takes them in
     #: one wake-up (512x8 wire-up: ~10% fewer frames and context switches at node 0).
     hold_grid: float = 0.01
-
-    @classmethod
-    def from_env(cls) -> LinkConfig:
-        """Defaults, overridden by $TIERRUN_LINK_HEARTBEAT, $TIERRUN_LINK_TIMEOUT,
-        $TIERRUN_LINK_GRACE, $TIERRUN_LINK_BATCH_WINDOW, $TIERRUN_LINK_WRITE_HOLD and
-        $TIERRUN_LINK_HOLD_GRID (seconds), which the launcher
-        passes to every store process, and $TIERRUN_LINK_BATCHES_IN_FLIGHT."""
-        d = cls()
-        return cls(
-            heartbeat_interval=float(os.environ.get("TIERRUN_LINK_HEARTBEAT", d.heartbeat_interval)),
-            heartbeat_timeout=float(os.environ.get("TIERRUN_LINK_TIMEOUT", d.heartbeat_timeout)),
-            grace=float(os.environ.get("TIERRUN_LINK_GRACE", d.grace)),
-            batch_window=float(os.environ.get("TIERRUN_LINK_BATCH_WINDOW", d.batch_window)),
-            batches_in_flight=int(os.environ.get("TIERRUN_LINK_BATCHES_IN_FLIGHT", d.batches_in_flight)),
-            contended_write_hold=float(os.environ.get("TIERRUN_LINK_WRITE_HOLD", d.contended_write_hold)),
-            hold_grid=float(os.environ.get("TIERRUN_LINK_HOLD_GRID", d.hold_grid)),
-        )

@@ -8,6 +8,7 @@ from torch.distributed.elastic.rendezvous import (
     rendezvous_handler_registry,
 )
 
+from ..settings import Settings
 from . import elastic, parallel
 
 #: called with every handler tierrun's backends create (the launcher's reporting)
@@ -15,9 +16,11 @@ on_handler_created: list[Callable[[RendezvousHandler], None]] = []
 _registered = False
 
 
-def _announced(create: Callable[[RendezvousParameters], RendezvousHandler]):
+def _announced(create: Callable[[RendezvousParameters, Settings], RendezvousHandler]):
+    """The creator torch's registry calls: an entry point, so it reads the environment
+    (``tierrun.settings``), as the launcher left it, for the handler."""
     def creator(params: RendezvousParameters) -> RendezvousHandler:
-        handler = create(params)
+        handler = create(params, Settings.from_env())
         for callback in on_handler_created:
             callback(handler)
         return handler
@@ -25,10 +28,10 @@ def _announced(create: Callable[[RendezvousParameters], RendezvousHandler]):
     return creator
 
 
-def _etcd_handler(params: RendezvousParameters) -> RendezvousHandler:
+def _etcd_handler(params: RendezvousParameters, settings: Settings) -> RendezvousHandler:
     from . import etcd  # needs etcd3gw (the etcd extra): imported only when used
 
-    return etcd.create_handler(params)
+    return etcd.create_handler(params, settings)
 
 
 def register() -> None:

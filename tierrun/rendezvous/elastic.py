@@ -59,6 +59,7 @@ from torch.distributed.elastic.rendezvous.utils import (
 
 from ..client import StoreClient
 from ..report.progress import Arrivals
+from ..settings import Settings
 from .handler_base import StoreRendezvousHandler
 from . import liveness
 from .job_store import JobStore, store_workers_from, token_from
@@ -359,12 +360,13 @@ def _hosts_store(host: str, local_addr: str | None) -> bool:
     return _matches_machine_hostname(host)
 
 
-def create_handler(params: RendezvousParameters) -> RendezvousHandler:
+def create_handler(params: RendezvousParameters, settings: Settings) -> RendezvousHandler:
     host, port = parse_rendezvous_endpoint(params.endpoint, DEFAULT_PORT)
     join_timeout = float(params.config.get("join_timeout", DEFAULT_JOIN_TIMEOUT))
     last_call = float(params.config.get("last_call_timeout", DEFAULT_LAST_CALL_TIMEOUT))
     timeout = timedelta(seconds=max(join_timeout, 60))
     job = JobStore(host, port, hosting=_hosts_store(host, params.local_addr), timeout=timeout,
-                   token=token_from(params.config), store_workers=store_workers_from(params.config))
+                   token=token_from(params.config, settings), store_workers=store_workers_from(params.config),
+                   link_config=settings.link)
     return ElasticRendezvousHandler(job, params.run_id, params.min_nodes, params.max_nodes,
                                     join_timeout, last_call, params.local_addr, params.config)

@@ -53,8 +53,10 @@ from torch.distributed.elastic.rendezvous import (
     RendezvousTimeoutError,
 )
 
+from ..settings import Settings
 from .elastic import DEFAULT_JOIN_TIMEOUT, DEFAULT_LAST_CALL_TIMEOUT, join_timeout_message
-from .etcd_client import Etcd, EtcdAuthError, EtcdOptions, EtcdUnavailable, absent, count, put
+from .etcd_client import Etcd, EtcdAuthError, EtcdOptions, EtcdUnavailable, KeyValue, absent, count, put
+from .etcd_watch import keep_alive, when_gone, when_set
 from .handler_base import StoreRendezvousHandler
 from .job_store import JobStore, store_workers_from, token_from
 
@@ -79,7 +81,7 @@ class EtcdRendezvousHandler(StoreRendezvousHandler):
 
     def __init__(self, options: EtcdOptions, run_id: str, min_nodes: int, max_nodes: int,
                  join_timeout: float, last_call_timeout: float, local_addr: str | None,
-                 config: dict) -> None:
+                 config: dict, settings: Settings) -> None:
         super().__init__(None, run_id, local_addr, config)
         self.options = options
         self._etcd = Etcd(options)
@@ -87,7 +89,8 @@ class EtcdRendezvousHandler(StoreRendezvousHandler):
         self._max = max_nodes
         self._join_timeout = join_timeout
         self._last_call = last_call_timeout
-        self._token = token_from(config)
+        self._token = token_from(config, settings)
+        self._link_config = settings.link
         self._store_port = int(config.get("store_port", 0))
         self._store_workers = store_workers_from(config)
         self._store_timeout = timedelta(seconds=max(join_timeout, 60))
@@ -301,7 +304,7 @@ class EtcdRendezvousHandler(StoreRendezvousHandler):
             if job is None or not job.hosting or job.lost() is not None:
                 self._use_store(JobStore(self.node_addr, self._store_port, hosting=True,
                                          timeout=self._store_timeout, token=self._token,
-                                         store_workers=self._store_workers))
+                                         store_workers=self._store_workers, link_config=self._link_config))
             endpoint = self.job.worker_endpoint(namespace)
             assert endpoint is not None
             # flat, the other nodes' workers connect to this namespace listener too
@@ -320,7 +323,8 @@ class EtcdRendezvousHandler(StoreRendezvousHandler):
         job = self.job
         if job is None or (job.host, job.port) != (where["host"], where["port"]) or job.lost() is not None:
             self._use_store(JobStore(where["host"], where["port"], hosting=False,
-                                     timeout=self._store_timeout, token=self._token))
+                                     timeout=self._store_timeout, token=self._token,
+                                     link_config=self._link_config))
         return self.job.worker_endpoint(namespace) or (where["host"], where["worker_port"])
 
     def _use_store(self, job: JobStore) -> None:
@@ -340,66 +344,30 @@ class EtcdRendezvousHandler(StoreRendezvousHandler):
         self._lease = self._etcd.grant(self._lease_ttl)
         self._lease_lost = False
         self._keepalive_stop = threading.Event()
-        threading.Thread(target=self._keep_alive, args=(self._lease, self._keepalive_stop),
+        threading.Thread(target=keep_alive, args=(self._etcd, self._lease, self._beat_interval, self._keepalive_stop,
+                                                  self._lease_expired, self.node_addr),
                          name="tierrun-etcd-lease", daemon=True).start()
 
-    def _keep_alive(self, lease: int, stop: threading.Event) -> None:
-        """Renew the lease every heartbeat interval. etcd away: retry quietly (etcd renews
-        leases when it is back); the lease expired: re-form with a new one."""
-        etcd = self._etcd.clone()
-        away_since: float | None = None
-        while not stop.wait(self._beat_interval):
-            try:
-                if not etcd.keepalive(lease):
-                    if stop.is_set():
-                        break  # revoked: this node is leaving
-                    log.warning("node %s's etcd lease expired; the others re-formed without it. "
-                                "Rejoining.", self.node_addr)
-                    with self._lock:
-                        self._lease_lost = True
-                    return
-                if away_since is not None:
-                    log.warning("etcd is back after %.0f s", time.monotonic() - away_since)
-                    away_since = None
-            except EtcdUnavailable as e:
-                if away_since is None:
-                    away_since = time.monotonic()
-                    log.warning("node %s cannot reach etcd (%s); the workers go on, retrying", self.node_addr, e)
-        etcd.close()
+    def _lease_expired(self) -> None:
+        with self._lock:
+            self._lease_lost = True
 
     def _watch_changed(self, r: int, stop: threading.Event) -> None:
-        etcd = self._etcd.clone()
-        key = self._k(r, "sig/changed")
-        while not stop.is_set():
-            try:
-                kv, revision = etcd.get(key)
-                if kv is not None:
-                    with self._lock:
-                        self._changed.add(r)
-                    log.info("round %d of '%s' changed: %s", r, self.run_id, kv.value.decode())
-                    break
-                etcd.watch(key, revision + 1, _WATCH_SLICE)
-            except EtcdUnavailable:
-                stop.wait(1.0)
-        etcd.close()
+        def changed(kv: KeyValue) -> None:
+            with self._lock:
+                self._changed.add(r)
+            log.info("round %d of '%s' changed: %s", r, self.run_id, kv.value.decode())
+
+        when_set(self._etcd, self._k(r, "sig/changed"), stop, _WATCH_SLICE, changed)
 
     def _watch_member(self, r: int, member: str, addr: str, stop: threading.Event) -> None:
         """Mark round r changed once ``member``'s key is gone (its lease ended)."""
-        etcd = self._etcd.clone()
-        key = self._k(r, f"joined/{member}")
-        while not stop.is_set():
-            try:
-                kv, revision = etcd.get(key)
-                if kv is None:
-                    if not stop.is_set():
-                        log.warning("rendezvous '%s' round %d: node %s is gone (its etcd lease "
-                                    "ended); re-forming the job without it", self.run_id, r, addr)
-                        etcd.create(self._k(r, "sig/changed"), f"dead {addr}".encode())
-                    break
-                etcd.watch(key, revision + 1, _WATCH_SLICE)
-            except EtcdUnavailable:
-                stop.wait(1.0)
-        etcd.close()
+        def gone(etcd: Etcd) -> None:
+            log.warning("rendezvous '%s' round %d: node %s is gone (its etcd lease "
+                        "ended); re-forming the job without it", self.run_id, r, addr)
+            etcd.create(self._k(r, "sig/changed"), f"dead {addr}".encode())
+
+        when_gone(self._etcd, self._k(r, f"joined/{member}"), stop, _WATCH_SLICE, gone)
 
     def _stop_round_watch(self) -> None:
         self._round_stop.set()
@@ -491,11 +459,11 @@ class EtcdRendezvousHandler(StoreRendezvousHandler):
         return True
 
 
-def create_handler(params: RendezvousParameters) -> RendezvousHandler:
-    options = EtcdOptions.parse(params.endpoint, params.config, os.environ.get("TIERRUN_ETCD_PASSWORD"))
+def create_handler(params: RendezvousParameters, settings: Settings) -> RendezvousHandler:
+    options = EtcdOptions.parse(params.endpoint, params.config, settings.etcd_password)
     return EtcdRendezvousHandler(
         options, params.run_id, params.min_nodes, params.max_nodes,
         float(params.config.get("join_timeout", DEFAULT_JOIN_TIMEOUT)),
         float(params.config.get("last_call_timeout", DEFAULT_LAST_CALL_TIMEOUT)),
-        params.local_addr, params.config,
+        params.local_addr, params.config, settings,
     )

@@ -19,7 +19,6 @@ from torch.distributed.elastic.rendezvous import (
 from torch.distributed.elastic.utils.store import _barrier_nonblocking
 
 from ..client import StoreClient, StoreClientError
-from ..link.config import LinkConfig
 from ..report.progress import MODES, Arrivals, RendezvousProgress, StillWaiting
 from . import liveness
 from .job_store import JobStore
@@ -245,7 +244,7 @@ class StoreRendezvousHandler(RendezvousHandler):
         One stats request to the proxy while the link is sound."""
         if self.job is None:
             return
-        config = LinkConfig.from_env()  # (what the proxy, started with this environment, uses)
+        config = self.job.link_config  # (what its proxy runs with)
         deadline = time.monotonic() + config.heartbeat_timeout + config.grace + 2
         while self.job.link_in_doubt(config.heartbeat_interval) and time.monotonic() < deadline:
             time.sleep(0.2)

@@ -27,8 +27,9 @@ from torch.distributed import TCPStore
 from torch.distributed.elastic.rendezvous import RendezvousConnectionError
 
 from ..client import StoreClient, StoreClientError
-from ..link.auth import load_token
+from ..link.config import LinkConfig
 from ..server import LINK_LOST, HostedFrontEnd, StoreProcess, StoreStartError
+from ..settings import Settings, store_process_env
 
 log = logging.getLogger("tierrun.rendezvous")
 
@@ -43,7 +44,9 @@ class JobStore:
 
     def __init__(self, host: str, port: int, hosting: bool, timeout: timedelta,
                  token: str | None = None, store_workers: int = 1,
-                 tree: TreePlace | None = None) -> None:
+                 tree: TreePlace | None = None, link_config: LinkConfig = LinkConfig()) -> None:
+        """``link_config``: the link timings of the store processes it starts, which read
+        them from the environment they inherit (give ``Settings.link``)."""
         self.host = host
         self.port = port
         self.hosting = hosting
@@ -51,6 +54,7 @@ class JobStore:
         self.token = token
         self.store_workers = store_workers
         self.tree = tree if token is not None else None
+        self.link_config = link_config
         #: What this node's store traffic goes through, as messages name it.
         self.upstream_name = f"the job's store host {host}:{port}"
         self.root: StoreProcess | None = None
@@ -61,12 +65,6 @@ class JobStore:
     @property
     def tiered(self) -> bool:
         return self.token is not None
-
-    def _env(self) -> dict[str, str]:
-        env = dict(os.environ)
-        if self.token is not None:
-            env["TIERRUN_TOKEN"] = self.token
-        return env
 
     def start(self) -> None:
         if self.hosting and self.root is None:
@@ -84,7 +82,7 @@ class JobStore:
                 extra = ["--link-listen", f"{_bracket(tree.addr)}:0"]
             proxy = StoreProcess(
                 host=PROXY_HOST, port=0, unix=f"@tierrun-proxy-{os.getpid()}-{secrets.token_hex(4)}",
-                controlled=True, command="proxy", env=self._env(),
+                controlled=True, command="proxy", env=store_process_env(self.token),
                 extra_args=["--upstream", upstream,
                             "--connect-timeout", str(self.timeout.total_seconds()), *extra],
                 start_timeout=self.timeout.total_seconds() + 10,
@@ -191,7 +189,7 @@ class JobStore:
         # tiered, the store process is this node's front-end too (unless this node takes
         # other nodes' links in a store tree: a proxy of its own does that)
         node = self.tiered and (self.tree is None or not self.tree.has_children)
-        proc = StoreProcess(host=None, port=self.port, controlled=True, env=self._env(),
+        proc = StoreProcess(host=None, port=self.port, controlled=True, env=store_process_env(self.token),
                             extra_args=self._store_args(),
                             node_frontend_unix=f"@tierrun-proxy-{os.getpid()}-{secrets.token_hex(4)}" if node else None)
         try:
@@ -265,11 +263,12 @@ class JobStore:
         self.proxy = self.root = None
 
 
-def token_from(config: dict) -> str | None:
-    """The job token when ``--rdzv_conf tiered=1`` (set by ``--tiered``), else None."""
+def token_from(config: dict, settings: Settings) -> str | None:
+    """The job token when ``--rdzv_conf tiered=1`` (set by ``--tiered``), else None.
+    Raises ValueError when there is none, ``OSError`` if its file cannot be read."""
     if str(config.get("tiered", "0")).lower() not in ("1", "true"):
         return None
-    token = load_token()
+    token = settings.job_token()
     if token is None:
         raise ValueError("tiered wire-up needs a job token: set TIERRUN_TOKEN on every node")
     return token.decode()

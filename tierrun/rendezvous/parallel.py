@@ -34,6 +34,7 @@ from torch.distributed.elastic.rendezvous.utils import parse_rendezvous_endpoint
 
 from ..client import StoreClient
 from ..report.progress import Arrivals
+from ..settings import Settings
 from . import liveness
 from .handler_base import JobStoppedError, StoreRendezvousHandler
 from .job_store import JobStore, TreePlace, store_fanout_from, store_workers_from, token_from
@@ -207,7 +208,7 @@ class ParallelRendezvousHandler(StoreRendezvousHandler):
         return True
 
 
-def create_handler(params: RendezvousParameters) -> RendezvousHandler:
+def create_handler(params: RendezvousParameters, settings: Settings) -> RendezvousHandler:
     if params.min_nodes != params.max_nodes:
         raise ValueError(
             f"the parallel rendezvous needs a fixed number of nodes, got "
@@ -228,7 +229,7 @@ def create_handler(params: RendezvousParameters) -> RendezvousHandler:
     if fanout:
         tree = TreePlace(rank, params.max_nodes, fanout, params.local_addr or socket.gethostname(),
                          params.run_id)
-    store = JobStore(host, port, hosting=rank == 0, timeout=timeout, token=token_from(params.config),
-                     store_workers=store_workers_from(params.config), tree=tree)
+    store = JobStore(host, port, hosting=rank == 0, timeout=timeout, token=token_from(params.config, settings),
+                     store_workers=store_workers_from(params.config), tree=tree, link_config=settings.link)
     return ParallelRendezvousHandler(store, rank, params.max_nodes, params.run_id, timeout,
                                      params.local_addr, params.config)

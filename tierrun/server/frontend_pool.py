@@ -26,8 +26,10 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from ..frontend import FrontEndConfig
-from .frontend_process import HAND_OFF, LISTEN, MAX_MESSAGE, STATS, TOKEN_ENV
 from ..hub.link_server import LinkServer
+from ..settings import frontend_process_env
+from .frontend_process import HAND_OFF, LISTEN, MAX_MESSAGE, STATS
+from .options import frontend_arguments
 
 log = logging.getLogger("tierrun.store")
 
@@ -62,15 +64,7 @@ class FrontEndPool:
 
     def __init__(self, count: int, links: LinkServer, config: FrontEndConfig) -> None:
         self.links = links
-        limits = config.limits
-        self.args = [
-            "--max-key-bytes", str(limits.max_key_bytes),
-            "--max-value-bytes", str(limits.max_value_bytes),
-            "--max-keys-per-request", str(limits.max_keys_per_request),
-            "--max-request-bytes", str(limits.max_request_bytes),
-            "--max-connections", str(config.max_connections),
-            "--log-level", logging.getLevelName(logging.getLogger().getEffectiveLevel()),
-        ]
+        self.args = frontend_arguments(config, logging.getLevelName(logging.getLogger().getEffectiveLevel()))
         self.listeners: list[Listener] = []
         self.restarts = 0
         self._processes = [_Process(i) for i in range(count)]
@@ -129,7 +123,7 @@ class FrontEndPool:
                 *self.args,
                 pass_fds=(child_channel.fileno(), child_link.fileno()),
                 stdin=asyncio.subprocess.DEVNULL,
-                env={**os.environ, TOKEN_ENV: token.hex()},
+                env=frontend_process_env(token),
             )
         except BaseException:
             for s in (channel, link):

@@ -9,7 +9,7 @@ connection and all, so links never depend on a front-end process.
 It talks to the core process over two socket pairs it inherits:
 
 - the *link*: a link session (link/frames.py) authenticated with a token of its own,
-  from $TIERRUN_FRONTEND_TOKEN;
+  which it finds in its environment (``settings.frontend_process_env``);
 - the *channel* (SOCK_SEQPACKET, one message per datagram, file descriptors attached):
     core -> here   ``L`` + namespace, with a listening socket: serve it
                    ``S``: send your counters
@@ -26,22 +26,18 @@ import asyncio
 import json
 import logging
 import os
-import signal
 import socket
-import sys
 
 from ..frontend import FrontEnd, FrontEndConfig
 from ..tier import LinkUpstream, PlanLimits
 from ..frontend.listen import DEFAULT_BACKLOG
 from ..link.config import LinkConfig
-from .eventloop import run
 
 log = logging.getLogger("tierrun.store")
 
 LISTEN, STATS, HAND_OFF = b"L", b"S", b"H"
 #: Largest channel message (the bytes a link sent before its handshake are tiny).
 MAX_MESSAGE = 1 << 16
-TOKEN_ENV = "TIERRUN_FRONTEND_TOKEN"
 
 
 async def serve_frontend_process(channel: socket.socket, link_sock: socket.socket, token: bytes,
@@ -109,24 +105,3 @@ async def serve_frontend_process(channel: socket.socket, link_sock: socket.socke
         return 3
     return 0
 
-
-def main(argv: list[str]) -> int:
-    from .store_cli import build_parser, frontend_config  # (store_cli imports this module)
-
-    p = build_parser("tierrun store-frontend", "internal: a front-end process of `tierrun store "
-                     "--workers N`", None, 0)
-    p.add_argument("--channel-fd", type=int, required=True)
-    p.add_argument("--link-fd", type=int, required=True)
-    args = p.parse_args(argv)
-    logging.basicConfig(level=args.log_level.upper(),
-                        format=f"[tierrun store front-end {os.getpid()}] %(levelname)s %(message)s")
-    signal.signal(signal.SIGINT, signal.SIG_IGN)
-    token = bytes.fromhex(os.environ.pop(TOKEN_ENV, ""))
-    if not token:
-        print(f"tierrun store-frontend: no ${TOKEN_ENV}; this process is started by `tierrun store`",
-              file=sys.stderr)
-        return 2
-    channel = socket.socket(fileno=args.channel_fd)
-    link_sock = socket.socket(fileno=args.link_fd)
-    return run(serve_frontend_process(channel, link_sock, token, frontend_config(args),
-                                      LinkConfig.from_env()))

@@ -6,20 +6,14 @@
 
 from __future__ import annotations
 
-import json
 import os
-import re
 import subprocess
 import sys
 import threading
 from collections.abc import Sequence
 
-_LISTENING = re.compile(r"^tierrun (?:store|proxy) listening on tcp \[?([^\]]*?)\]?:(\d+)$")
-_NAMESPACE = re.compile(r"^tierrun (?:store|proxy) namespace (\S+) listening on tcp port (\d+)$")
-_LINKS = re.compile(r"^tierrun proxy taking links on tcp \[?([^\]]*?)\]?:(\d+)$")
-_STATS = re.compile(r"^tierrun (?:store|proxy) stats (\{.*\})$")
-_NODE_LISTENING = re.compile(r"^tierrun store node front-end listening on tcp \[?([^\]]*?)\]?:(\d+)$")
-_NODE_NAMESPACE = re.compile(r"^tierrun store node front-end namespace (\S+) listening on tcp port (\d+)$")
+from .control import Command, Listening, NamespaceListening, OpenNamespace, SendStats, Stats, TakingLinks
+from .control import format_command, parse_event
 
 
 class StoreStartError(RuntimeError):
@@ -114,26 +108,25 @@ class StoreProcess:
         for line in self.proc.stdout:
             self._output.append(line)
             del self._output[:-200]
-            m = _LISTENING.search(line.rstrip())
-            if m and self.port is None:
-                self.port = int(m.group(2))
-                ready.set()
-            m = _LINKS.search(line.rstrip())
-            if m:
-                self.link_port = int(m.group(2))
-            m = _NODE_LISTENING.search(line.rstrip())
-            if m:  # (before the store's own line: start() returns with both known)
-                self.node_port = int(m.group(2))
-            for pattern, names in ((_NAMESPACE, self._namespaces), (_NODE_NAMESPACE, self._node_namespaces)):
-                m = pattern.search(line.rstrip())
-                if m:
-                    with self._changed:
-                        names[m.group(1)] = int(m.group(2))
-                        self._changed.notify_all()
-            m = _STATS.search(line.rstrip())
-            if m:
+            parsed = parse_event(line)
+            if parsed is None:
+                continue
+            event = parsed[1]
+            if isinstance(event, Listening) and event.port is not None:
+                if event.node:  # (before the store's own line: start() returns with both known)
+                    self.node_port = event.port
+                elif self.port is None:
+                    self.port = event.port
+                    ready.set()
+            elif isinstance(event, TakingLinks) and event.port is not None:
+                self.link_port = event.port
+            elif isinstance(event, NamespaceListening):
                 with self._changed:
-                    self._stats.append(json.loads(m.group(1)))
+                    (self._node_namespaces if event.node else self._namespaces)[event.name] = event.port
+                    self._changed.notify_all()
+            elif isinstance(event, Stats) and not event.node:
+                with self._changed:
+                    self._stats.append(event.counters)
                     self._changed.notify_all()
         ready.set()
         with self._changed:
@@ -143,15 +136,15 @@ class StoreProcess:
         """Open a listener whose clients see only keys under ``name/``; return its port.
         ``node``: on the node front-end (its clients' requests go through its link).
 
-        Idempotent. Needs ``controlled=True``. Raises :class:`StoreStartError` if the
-        store does not answer (it died).
+        Idempotent. Needs ``controlled=True``. Blocks up to ``timeout``; raises
+        :class:`StoreStartError` if the store does not answer (it died), ``ValueError``
+        for a name that is empty or holds whitespace (``control``).
         """
         assert self.controlled and self.proc is not None and self.proc.stdin is not None
         names = self._node_namespaces if node else self._namespaces
         with self._changed:
             if name not in names:
-                self.proc.stdin.write(f"{'node-namespace' if node else 'namespace'} {name}\n")
-                self.proc.stdin.flush()
+                self._command(OpenNamespace(name, node))
                 self._changed.wait_for(
                     lambda: name in names or self.proc.poll() is not None, timeout
                 )
@@ -164,11 +157,15 @@ class StoreProcess:
         assert self.controlled and self.proc is not None and self.proc.stdin is not None
         with self._changed:
             seen = len(self._stats)
-            self.proc.stdin.write("stats\n")
-            self.proc.stdin.flush()
+            self._command(SendStats())
             if not self._changed.wait_for(lambda: len(self._stats) > seen, timeout):
                 raise StoreStartError(f"no stats from the {self.command_name} process")
             return self._stats[-1]
+
+    def _command(self, command: Command) -> None:
+        assert self.proc is not None and self.proc.stdin is not None
+        self.proc.stdin.write(format_command(command) + "\n")
+        self.proc.stdin.flush()
 
     def exited(self) -> int | None:
         """The exit status once the process has ended, else None. O(1)."""

@@ -17,6 +17,7 @@ from ..tier import PlanLimits, connect_link
 from ..frontend.listen import describe, tcp_listen_socket
 from ..link.config import LinkConfig
 from ..hub.link_server import LinkServer
+from .control import Event, TakingLinks
 from .service import Service, ServiceConfig
 
 log = logging.getLogger("tierrun.proxy")
@@ -31,7 +32,7 @@ async def serve_proxy(
     upstream_host: str,
     upstream_port: int,
     token: bytes,
-    on_listening: Callable[[str], None] | None = None,
+    on_listening: Callable[[Event], None] | None = None,
     connect_timeout: float = 60.0,
     link_config: LinkConfig | None = None,
     link_listen: tuple[str, int] | None = None,
@@ -42,7 +43,7 @@ async def serve_proxy(
     requests forwarded over this proxy's own link, merged with its local clients'."""
     stop = asyncio.Event()
     lost: list[str] = []
-    announce = on_listening or (lambda line: None)
+    announce = on_listening or (lambda event: None)
 
     def on_lost(reason: str) -> None:
         if not lost:
@@ -59,7 +60,7 @@ async def serve_proxy(
         sock = tcp_listen_socket(*link_listen, config.backlog)
         await asyncio.get_running_loop().create_server(
             lambda: links.accept(sniffed=False), sock=sock, backlog=config.backlog)
-        announce(f"taking links on {describe(sock)}")
+        announce(TakingLinks(describe(sock)))
 
     def stats() -> dict:
         silence = link.silence()  # (-1: no connection, the link is reconnecting)

@@ -8,16 +8,18 @@ host's agent and workers then cost no other process, and their requests no link.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 from collections.abc import Callable
 
 from ..core import StoreCore
 from ..frontend import Upstream
 from ..frontend.namespace import NamespacedUpstream
 from ..link.config import LinkConfig
-from .frontend_pool import FrontEndPool
-from ..hub.reply_gate import break_watches
 from ..hub.link_server import LinkServer
+from ..hub.reply_gate import break_watches
 from ..hub.session import core_upstreams
+from .control import Event
+from .frontend_pool import FrontEndPool
 from .service import Service, ServiceConfig
 
 RootConfig = ServiceConfig
@@ -25,7 +27,7 @@ RootConfig = ServiceConfig
 
 async def serve_root(
     config: ServiceConfig,
-    on_listening: Callable[[str], None] | None = None,
+    on_listening: Callable[[Event], None] | None = None,
     stop: asyncio.Event | None = None,
     token: bytes | None = None,
     link_config: LinkConfig | None = None,
@@ -33,8 +35,8 @@ async def serve_root(
 ) -> None:
     """Serve until ``stop`` is set, or until SIGINT/SIGTERM when ``stop`` is None.
 
-    ``on_listening`` gets one line per event (``listening on tcp [::]:29500``, answers
-    to control commands; the node front-end's start with ``node front-end``). Links are
+    ``on_listening`` gets every event (``control.Listening`` once per listener, the
+    answers to control commands; the node front-end's with ``node`` set). Links are
     accepted only when ``token`` is given; ``node_frontend`` (where this host's agent and
     workers connect) needs one. Raises ``OSError`` if a bind fails.
     """
@@ -56,14 +58,14 @@ async def serve_root(
                 "watches_evicted": core.watches_evicted,
                 "invalidation_rounds": links.gate.rounds, "invalidations_lapsed": links.gate.lapsed}
 
-    announce = on_listening or (lambda line: None)
+    announce = on_listening or (lambda event: None)
     node = None
     if node_frontend is not None:
         # (on the core like the public port's clients, with no link in between: an
         # in-process link cost node 0 ~15% more CPU at 512x8, see docs/benchmarks.md,
         # and merging the requests of one node's workers saves the core little)
-        node = Service(node_frontend, make_upstream, dict, lambda line: announce("node front-end " + line),
-                       gate=links.gate)
+        node = Service(node_frontend, make_upstream, dict,
+                       lambda event: announce(dataclasses.replace(event, node=True)), gate=links.gate)
     pool = FrontEndPool(config.workers, links, config.frontend) if config.workers > 1 else None
     service = Service(
         config, make_upstream, stats, announce,

@@ -1,25 +1,16 @@
 """What the root store and the node proxy share: listeners, namespaces, control.
 
 With ``control_stdin`` the parent (the launcher's agent) controls the process through
-stdin, one command per line, and the process stops when stdin closes, so it never
-outlives the agent that supervises it:
-
-    namespace NAME  ->  "namespace NAME listening on tcp port PORT": a new listener
-                        whose clients see only the keys under NAME/
-    stats           ->  "stats {json}": counters (connections, links, batches, merges)
-
-A root store that also runs its node's front-end (``node``, another Service whose
-lines start with "node front-end") takes these for it:
-
-    node-namespace NAME  ->  "node front-end namespace NAME listening on tcp port PORT"
-
-and its stats carry the node front-end's under "node_frontend".
+stdin and the process stops when stdin closes, so it never outlives the agent that
+supervises it; ``control`` describes the commands and the lines that answer them. A
+root store that also runs its node's front-end (``node``, another Service) takes that
+front-end's commands too, and its stats carry the node front-end's under
+"node_frontend".
 """
 
 from __future__ import annotations
 
 import asyncio
-import json
 import logging
 import signal
 import socket
@@ -28,11 +19,11 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from ..frontend import FrontEnd, FrontEndConfig, Upstream
-from ..frontend.frontend import LinkAcceptor
+from ..frontend.contracts import LinkAcceptor
 from ..frontend.listen import DEFAULT_BACKLOG, describe, tcp_listen_socket, unix_listen_socket
-
-from .frontend_pool import FrontEndPool, Listener
 from ..hub.reply_gate import ReplyGate
+from .control import Event, Listening, NamespaceListening, OpenNamespace, SendStats, Stats, parse_command
+from .frontend_pool import FrontEndPool, Listener
 
 log = logging.getLogger("tierrun.store")
 
@@ -63,7 +54,7 @@ class Service:
         config: ServiceConfig,
         make_upstream: Callable[[str], Upstream],
         stats: Callable[[], dict],
-        announce: Callable[[str], None],
+        announce: Callable[[Event], None],
         link_acceptor: LinkAcceptor | None = None,
         pool: FrontEndPool | None = None,
         gate: ReplyGate | None = None,
@@ -104,10 +95,10 @@ class Service:
             if self.node is not None:
                 await self.node.close()
             await self.close()
-            self.announce("stats " + json.dumps(final))
+            self.announce(Stats(final))
 
     async def listen(self) -> None:
-        """Open the listeners and say where (``listening on ...`` lines)."""
+        """Open the listeners and say where (``Listening`` events)."""
         config = self.config
         pool = self.pool
         pooled = pool is not None and not config.workers_for_namespaces_only
@@ -122,8 +113,8 @@ class Service:
                 await self.main.listen(sock, config.backlog)
             if pool is not None:
                 await pool.start([])
-        for line in described:
-            self.announce(f"listening on {line}")
+        for address in described:
+            self.announce(Listening(address))
 
     async def close(self) -> None:
         for frontend in self.frontends:
@@ -170,15 +161,19 @@ class Service:
         reader = asyncio.StreamReader()
         await loop.connect_read_pipe(lambda: asyncio.StreamReaderProtocol(reader), sys.stdin)
         while line := await reader.readline():
-            words = line.decode().split()
-            if len(words) == 2 and words[0] == "namespace":
-                port = await self.open_namespace(words[1])
-                self.announce(f"namespace {words[1]} listening on tcp port {port}")
-            elif len(words) == 2 and words[0] == "node-namespace" and self.node is not None:
-                port = await self.node.open_namespace(words[1])
-                self.node.announce(f"namespace {words[1]} listening on tcp port {port}")
-            elif words == ["stats"]:
-                self.announce("stats " + json.dumps(await self.all_stats()))
-            elif words:
-                log.warning("unknown control command %r", line.decode().strip())
+            try:
+                command = parse_command(line.decode())
+            except ValueError as e:
+                log.warning("%s", e)
+                continue
+            if isinstance(command, SendStats):
+                self.announce(Stats(await self.all_stats()))
+            elif isinstance(command, OpenNamespace) and not command.node:
+                port = await self.open_namespace(command.name)
+                self.announce(NamespaceListening(command.name, port))
+            elif isinstance(command, OpenNamespace) and self.node is not None:
+                port = await self.node.open_namespace(command.name)
+                self.node.announce(NamespaceListening(command.name, port))
+            elif command is not None:
+                log.warning("no node front-end here: ignored control command %r", line.decode().strip())
         stop.set()  # the supervising agent is gone

@@ -1,47 +1,26 @@
-"""``tierrun store`` (the root store) and ``tierrun proxy`` (a node front-end)."""
+"""The store processes' commands: ``tierrun store`` (the root store), ``tierrun proxy`` (a
+node front-end) and ``tierrun store-frontend`` (internal: a front-end process of
+``tierrun store --workers N``). The edge: ``tierrun.cli`` alone imports this module.
+Each command reads the environment once (``tierrun.settings``), after its arguments."""
 
 from __future__ import annotations
 
 import argparse
 import logging
+import os
+import signal
+import socket
 import sys
+from collections.abc import Callable
 
-from ..frontend import FrontEndConfig
-from ..link.auth import load_token
-from ..link.config import LinkConfig
-from ..protocol import Limits
+from ..settings import FRONTEND_TOKEN, Settings, SettingsError, take_frontend_token
+from .control import Event, format_event
 from .eventloop import run
+from .frontend_process import serve_frontend_process
+from .options import frontend_config, store_parser
 from .proxy import serve_proxy
 from .root import serve_root
 from .service import ServiceConfig
-
-
-def build_parser(prog: str, description: str, default_host: str | None, default_port: int) -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog=prog, description=description)
-    p.add_argument("--host", default=default_host,
-                   help=f"address to listen on (default: {default_host or 'all, dual-stack'})")
-    p.add_argument("--port", type=int, default=default_port, help="TCP port (0 picks a free one)")
-    p.add_argument("--unix", default=None, help="also listen on this Unix socket (@name: abstract)")
-    d = Limits()
-    p.add_argument("--max-key-bytes", type=int, default=d.max_key_bytes)
-    p.add_argument("--max-value-bytes", type=int, default=d.max_value_bytes)
-    p.add_argument("--max-keys-per-request", type=int, default=d.max_keys_per_request)
-    p.add_argument("--max-request-bytes", type=int, default=d.max_request_bytes)
-    p.add_argument("--max-connections", type=int, default=FrontEndConfig().max_connections)
-    p.add_argument("--control-stdin", action="store_true",
-                   help="take commands on stdin (used by the launcher) and stop when stdin closes")
-    p.add_argument("--log-level", default="WARNING", help="DEBUG, INFO, WARNING or ERROR")
-    return p
-
-
-def frontend_config(args: argparse.Namespace) -> FrontEndConfig:
-    limits = Limits(
-        max_key_bytes=args.max_key_bytes,
-        max_value_bytes=args.max_value_bytes,
-        max_keys_per_request=args.max_keys_per_request,
-        max_request_bytes=args.max_request_bytes,
-    )
-    return FrontEndConfig(limits=limits, max_connections=args.max_connections)
 
 
 def _config(args: argparse.Namespace) -> ServiceConfig:
@@ -57,15 +36,25 @@ def _config(args: argparse.Namespace) -> ServiceConfig:
 NODE_FRONTEND_HOST = "127.0.0.1"
 
 
-def _announcer(name: str):
-    def announce(line: str) -> None:
-        print(f"tierrun {name} {line}", flush=True)
+def _announcer(process: str) -> Callable[[Event], None]:
+    def announce(event: Event) -> None:
+        print(format_event(process, event), flush=True)
 
     return announce
 
 
+def _settings(command: str) -> Settings | None:
+    """The environment's settings; None (after saying why on stderr) if it holds
+    something unusable."""
+    try:
+        return Settings.from_env()
+    except SettingsError as e:
+        print(f"{command}: {e}", file=sys.stderr)
+        return None
+
+
 def store_main(argv: list[str]) -> int:
-    p = build_parser("tierrun store", "Run a key-value store that torch's TCPStore clients can use. "
+    p = store_parser("tierrun store", "Run a key-value store that torch's TCPStore clients can use. "
                      "Node proxies link to it when it has a job token ($TIERRUN_TOKEN or $TIERRUN_TOKEN_FILE).",
                      None, 29500)
     p.add_argument("--workers", type=int, default=1,
@@ -83,7 +72,10 @@ def store_main(argv: list[str]) -> int:
     args = p.parse_args(argv)
     if args.workers < 1:
         p.error(f"--workers {args.workers}: write 1 or more")
-    token = load_token()
+    settings = _settings("tierrun store")
+    if settings is None:
+        return 2
+    token = settings.job_token()
     node = None
     if args.node_frontend:
         node = ServiceConfig(host=NODE_FRONTEND_HOST, port=0, unix=args.node_frontend_unix,
@@ -91,7 +83,7 @@ def store_main(argv: list[str]) -> int:
     logging.basicConfig(level=args.log_level.upper(), format="[tierrun store] %(levelname)s %(message)s")
     try:
         run(serve_root(_config(args), on_listening=_announcer("store"), token=token,
-                       link_config=LinkConfig.from_env(), node_frontend=node))
+                       link_config=settings.link, node_frontend=node))
     except OSError as e:
         print(f"tierrun store: cannot listen on {args.host or '*'}:{args.port}: {e.strerror or e}. "
               "Pick another --port, or stop whatever uses it.", file=sys.stderr)
@@ -100,7 +92,7 @@ def store_main(argv: list[str]) -> int:
 
 
 def proxy_main(argv: list[str]) -> int:
-    p = build_parser("tierrun proxy", "Run a node front-end: local clients in, one authenticated "
+    p = store_parser("tierrun proxy", "Run a node front-end: local clients in, one authenticated "
                      "link to the store host out. The job token comes from $TIERRUN_TOKEN or "
                      "$TIERRUN_TOKEN_FILE.", "127.0.0.1", 0)
     p.add_argument("--upstream", required=True, help="the store host, HOST:PORT")
@@ -110,7 +102,10 @@ def proxy_main(argv: list[str]) -> int:
                    "proxy instead of the store host); HOST is an address of this node")
     args = p.parse_args(argv)
     logging.basicConfig(level=args.log_level.upper(), format="[tierrun proxy] %(levelname)s %(message)s")
-    token = load_token()
+    settings = _settings("tierrun proxy")
+    if settings is None:
+        return 2
+    token = settings.job_token()
     if token is None:
         print("tierrun proxy: no job token: set TIERRUN_TOKEN or TIERRUN_TOKEN_FILE to the token "
               "the store host was started with", file=sys.stderr)
@@ -123,7 +118,29 @@ def proxy_main(argv: list[str]) -> int:
     try:
         return run(serve_proxy(_config(args), host.strip("[]"), int(port), token,
                                on_listening=_announcer("proxy"), connect_timeout=args.connect_timeout,
-                               link_config=LinkConfig.from_env(), link_listen=link_listen))
+                               link_config=settings.link, link_listen=link_listen))
     except Exception as e:  # one line for any start failure (refused, token, timeout)
         print(f"tierrun proxy: cannot link to the store host {args.upstream}: {e}", file=sys.stderr)
         return 1
+
+
+def store_frontend_main(argv: list[str]) -> int:
+    p = store_parser("tierrun store-frontend", "internal: a front-end process of `tierrun store "
+                     "--workers N`", None, 0)
+    p.add_argument("--channel-fd", type=int, required=True)
+    p.add_argument("--link-fd", type=int, required=True)
+    args = p.parse_args(argv)
+    logging.basicConfig(level=args.log_level.upper(),
+                        format=f"[tierrun store front-end {os.getpid()}] %(levelname)s %(message)s")
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    token = take_frontend_token()
+    if not token:
+        print(f"tierrun store-frontend: no ${FRONTEND_TOKEN}; this process is started by `tierrun store`",
+              file=sys.stderr)
+        return 2
+    settings = _settings("tierrun store-frontend")
+    if settings is None:
+        return 2
+    channel = socket.socket(fileno=args.channel_fd)
+    link_sock = socket.socket(fileno=args.link_fd)
+    return run(serve_frontend_process(channel, link_sock, token, frontend_config(args), settings.link))

@@ -3,6 +3,7 @@ watches, readahead, hold) composed by thin asyncio adapters (upstream, connectio
 
 from .connection import LinkConnection
 from .plan import PlanLimits
-from .upstream import CoalescingStats, LinkUpstream, LinkView, connect_link
+from .stats import CoalescingStats
+from .upstream import LinkUpstream, LinkView, connect_link
 
 __all__ = ["CoalescingStats", "LinkConnection", "LinkUpstream", "LinkView", "PlanLimits", "connect_link"]

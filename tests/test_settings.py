@@ -1,0 +1,85 @@
+"""The TIERRUN_* variables, read in one place (tierrun/settings.py), as tables."""
+
+import os
+import subprocess
+import sys
+
+import pytest
+
+from tierrun.link.config import LinkConfig
+from tierrun.settings import (
+    FRONTEND_TOKEN, Settings, SettingsError, frontend_process_env, store_process_env, take_frontend_token,
+)
+
+
+@pytest.mark.parametrize("environ, expected", [
+    ({}, Settings()),
+    ({"TIERRUN_TOKEN": "t0k"}, Settings(token="t0k")),
+    ({"TIERRUN_TOKEN": "", "TIERRUN_TOKEN_FILE": ""}, Settings()),
+    ({"TIERRUN_TOKEN_FILE": "/run/token"}, Settings(token_file="/run/token")),
+    ({"TIERRUN_LOG_LEVEL": "debug"}, Settings(log_level="debug")),
+    ({"TIERRUN_ETCD_PASSWORD": "s3cret"}, Settings(etcd_password="s3cret")),
+    ({"TIERRUN_ETCD_PASSWORD": ""}, Settings(etcd_password="")),
+    ({"TIERRUN_LINK_HEARTBEAT": "0.2", "TIERRUN_LINK_TIMEOUT": "1", "TIERRUN_LINK_GRACE": "4"},
+     Settings(link=LinkConfig(heartbeat_interval=0.2, heartbeat_timeout=1.0, grace=4.0))),
+    ({"TIERRUN_LINK_BATCH_WINDOW": "0.01", "TIERRUN_LINK_BATCHES_IN_FLIGHT": "0"},
+     Settings(link=LinkConfig(batch_window=0.01, batches_in_flight=0))),
+    ({"TIERRUN_LINK_WRITE_HOLD": "0", "TIERRUN_LINK_HOLD_GRID": "0.05"},
+     Settings(link=LinkConfig(contended_write_hold=0.0, hold_grid=0.05))),
+    ({"PATH": "/bin", "TIERRUN_UNKNOWN": "x"}, Settings()),
+])
+def test_from_env(environ, expected):
+    assert Settings.from_env(environ) == expected
+
+
+@pytest.mark.parametrize("environ, message", [
+    ({"TIERRUN_LINK_TIMEOUT": "soon"}, r"\$TIERRUN_LINK_TIMEOUT='soon': write a number of seconds"),
+    ({"TIERRUN_LINK_HEARTBEAT": ""}, r"\$TIERRUN_LINK_HEARTBEAT='': write a number of seconds"),
+    ({"TIERRUN_LINK_BATCHES_IN_FLIGHT": "1.5"}, r"\$TIERRUN_LINK_BATCHES_IN_FLIGHT='1.5': write a whole number"),
+])
+def test_unusable_link_timings_are_named(environ, message):
+    with pytest.raises(SettingsError, match=message):
+        Settings.from_env(environ)
+
+
+def test_job_token_from_the_variable_then_the_file(tmp_path):
+    path = tmp_path / "token"
+    path.write_bytes(b"  from-the-file\n")
+    assert Settings(token="direct", token_file=str(path)).job_token() == b"direct"
+    assert Settings(token_file=str(path)).job_token() == b"from-the-file"
+    assert Settings().job_token() is None
+
+
+def test_the_token_file_is_read_only_when_a_token_is_asked_for(tmp_path):
+    settings = Settings.from_env({"TIERRUN_TOKEN_FILE": str(tmp_path / "missing")})
+    with pytest.raises(OSError):
+        settings.job_token()
+
+
+def test_child_environments(monkeypatch):
+    monkeypatch.setenv("TIERRUN_TOKEN", "inherited")
+    assert store_process_env(None)["TIERRUN_TOKEN"] == "inherited"
+    assert store_process_env("given")["TIERRUN_TOKEN"] == "given"
+    env = frontend_process_env(b"\x01\xff")
+    assert env[FRONTEND_TOKEN] == "01ff" and env["TIERRUN_TOKEN"] == "inherited"
+    assert FRONTEND_TOKEN not in os.environ
+
+
+def test_the_frontend_token_is_taken_out_of_the_environment(monkeypatch):
+    monkeypatch.setenv(FRONTEND_TOKEN, "01ff")
+    assert take_frontend_token() == b"\x01\xff"
+    assert FRONTEND_TOKEN not in os.environ
+    assert take_frontend_token() == b""
+
+
+@pytest.mark.parametrize("argv, prefix", [
+    (["store", "--port", "0"], "tierrun store: "),
+    (["proxy", "--upstream", "127.0.0.1:1"], "tierrun proxy: "),
+    (["--standalone", "--nproc_per_node", "1", "train.py"], "tierrun: error: "),
+])
+def test_commands_name_an_unusable_variable_in_one_line(argv, prefix):
+    env = dict(os.environ, TIERRUN_TOKEN="t", TIERRUN_LINK_TIMEOUT="soon")
+    done = subprocess.run([sys.executable, "-m", "tierrun", *argv], env=env, capture_output=True, text=True,
+                          timeout=60)
+    assert done.returncode == 2
+    assert done.stderr == f"{prefix}$TIERRUN_LINK_TIMEOUT='soon': write a number of seconds\n"

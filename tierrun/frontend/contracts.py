@@ -1,0 +1,46 @@
+"""What a front-end and its client connections rely on: where requests go (the
+upstream), the gate that may hold answers back, and who takes a connection that turns
+out to be a link."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Callable
+from typing import Protocol
+
+from ..core import Waiter
+from ..core.watch_state import WATCH_READ
+from ..protocol import Request
+
+
+class Upstream(Protocol):
+    """Where a front-end sends requests: the core itself (flat) or a link (tiered)."""
+
+    def execute(self, req: Request, waiter: Waiter) -> bytes | None:
+        """Reply now, or return None and deliver a reply later through ``waiter.wake``.
+
+        Raises ``StoreError`` for a request that must fail.
+        """
+
+    def forget(self, waiter: Waiter) -> None:
+        """The waiter's connection closed: drop whatever it was waiting for."""
+
+    def execute_watching(self, req: Request, waiter: Waiter, watcher: object, how: int = WATCH_READ) -> bytes | None:
+        """A one-key CHECK, GET or WAIT that also watches its key, ``how``: one of
+        ``core.watch_state``'s WATCH_READ (a link's WATCH entry), FETCH (a WAIT of a
+        WATCHES entry), FETCH_AFTER_WRITES (of a FETCHES entry): see
+        ``StoreCore.execute_watching``."""
+
+
+#: ``(transport, peer, rest)``: takes over a connection that turned out to be a
+#: front-end's link (on the store host's public port); ``rest`` is what was read after
+#: the link's first byte.
+LinkAcceptor = Callable[[asyncio.Transport, str, bytes], None]
+
+
+class Gate(Protocol):
+    """Holds answers back while ``closed`` (``hub.reply_gate.ReplyGate``)."""
+
+    closed: bool
+
+    def emit(self, send: Callable[[bytes], None], data: bytes) -> None: ...
