@@ -164,7 +164,7 @@ def served_by_store_host(log, by: str = "store host"):
 def test_tiered_three_nodes_node0_sees_only_links(tmp_path, mode):
     port = free_port()
     logs = [tmp_path / f"node{k}.log" for k in range(3)]
-    env = {"TIERRUN_TOKEN": "tiered-test-token", "TIERRUN_LOG_LEVEL": "INFO"}
+    env = {"TIERRUN_TOKEN": "tiered-test-token", "TIERRUN_LOG_LEVEL": "DEBUG"}
     procs = []
     for k in range(3):
         if mode == "static":

@@ -71,7 +71,7 @@ def test_failure_report_names_the_earliest_failure_in_the_job():
     assert report.nodes_seen == 2
     text = report.render()
     assert "first failure: rank 4 (local rank 0) on node 10.0.0.3 (node rank 2)" in text
-    assert "exited with code 2" in text and "rank 0 on 10.0.0.1 (+30.0 s)" in text
+    assert "exited with code 2" in text and "rank 0 on 10.0.0.1 (+30.00 s)" in text
     assert report.phases == {"agent start": 4.0, "rendezvous": 1.0, "worker start": 1.0, "run": 39.0}
 
 

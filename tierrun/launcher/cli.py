@@ -76,7 +76,8 @@ def prepare(argv: list[str]):
     config, entrypoint, cmd_args = config_from_args(args)
     if args.rdzv_backend in TIERRUN_BACKENDS:  # (as torch resolved --nproc_per_node)
         config.rdzv_configs["local_world_size"] = config.nproc_per_node
-    reporting = JobReporting(config.run_id, config.local_addr, Path(args.timeline) if args.timeline else None)
+    reporting = JobReporting(config.run_id, config.local_addr, Path(args.timeline) if args.timeline else None,
+                             local_workers=config.nproc_per_node)
     config.event_log_handler = reporting.install(config.event_log_handler)
     rendezvous.on_handler_created[:] = [reporting.handler_created]
     if entrypoint == sys.executable and cmd_args[:1] == ["-u"]:
@@ -108,8 +109,9 @@ def main(argv: list[str]) -> int:
             # the workers failed because the job lost its store (noticed at shutdown)
             print(f"tierrun: error: {reporting.handler.store_lost}", file=sys.stderr)
             return 1
-        reporting.report_failure(config.logs_specs.root_log_dir)
-        raise ChildFailedError(_script_name(cmd_args), e.failures) from None
+        report = reporting.report_failure(config.logs_specs.root_log_dir)
+        failures = reporting.torch_failures_in_report_order(report, e.failures)
+        raise ChildFailedError(_script_name(cmd_args), failures) from None
     except (RendezvousConnectionError, JobStoppedError) as e:
         print(f"tierrun: error: {e}", file=sys.stderr)
         return 1

@@ -128,8 +128,7 @@ class ElasticRendezvousHandler(StoreRendezvousHandler):
             self._rank = rank
             self._members = n
         self._watch_members(store, r, index, rank, n)
-        log.info("rendezvous '%s' round %d: node %s is rank %d of %d",
-                 self.run_id, r, self.node_addr, rank, n)
+        self._log_round(r, rank, n)
         return RendezvousInfo(
             PrefixStore(self._k(r, "agents"), store),
             rank,

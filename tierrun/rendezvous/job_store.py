@@ -206,7 +206,8 @@ class JobStore:
                 "Pick a free port with --master_port or --rdzv_endpoint HOST:PORT."
             ) from e
         self.root = proc
-        log.info("hosting the job's store on port %d (pid %d)", self.port, proc.pid)
+        log.info("this node hosts the job's store (pid %d): the other nodes reach it at %s:%d",
+                 proc.pid, self.host, self.port)
 
     @property
     def client_address(self) -> tuple[str, int]:
@@ -259,9 +260,9 @@ class JobStore:
             if isinstance(proc, StoreProcess):
                 proc.stop()
         # (after both stopped: the store host's own front-end reports through its store)
-        for name, proc in served:
+        for name, proc in served:  # statistics: TIERRUN_LOG_LEVEL=DEBUG shows them
             if proc is not None:
-                log.info("%s served: %s", name, json.dumps(proc.last_stats))
+                log.debug("%s served: %s", name, json.dumps(proc.last_stats))
         self.proxy = self.root = None
 
 
