@@ -17,6 +17,7 @@ from torch.distributed.launcher.api import elastic_launch
 from torch.distributed.run import config_from_args
 
 from .. import rendezvous
+from ..extras import MissingExtraError, require
 from ..link.auth import load_token, new_token
 from ..rendezvous.handler_base import JobStoppedError
 from .args import TIERRUN_BACKENDS, UsageError, build_parser, normalise
@@ -30,6 +31,10 @@ def prepare(argv: list[str]):
     """Parse and check the flags; return torch's (LaunchConfig, entrypoint, args) and
     this launch's reporting, attached to the agent."""
     args = normalise(build_parser().parse_args(argv))
+    if args.rdzv_backend == "tierrun-etcd":
+        require("etcd", "--rdzv_backend tierrun-etcd", ("requests", "etcd3gw"))
+    elif args.rdzv_backend in ("etcd", "etcd-v2"):
+        require("etcd", f"torch's --rdzv_backend {args.rdzv_backend}", ("etcd",))
     args.nproc_per_node = resolve_nproc_per_node(args.nproc_per_node)
     if args.standalone:
         args.rdzv_backend = "tierrun"
@@ -102,6 +107,9 @@ def main(argv: list[str]) -> int:
     except UsageError as e:
         print(f"tierrun: error: {e}", file=sys.stderr)
         return 2
+    except MissingExtraError as e:
+        print(f"tierrun: error: {e}", file=sys.stderr)
+        return 1
     try:
         elastic_launch(config=config, entrypoint=entrypoint)(*cmd_args)
     except ChildFailedError as e:

@@ -91,8 +91,12 @@ class StoreRendezvousHandler(RendezvousHandler):
         if self._user_identical is not None:
             return
         os.environ[IDENTICAL_WORKERS] = "1" if identical else "0"
-        self._rank_note = (f"every node runs {self._local_world_size} workers: ranks computed locally"
-                           if identical else "nodes run different numbers of workers: ranks assigned through the store")
+        if self._local_world_size is None:  # (under torchrun: not told how many workers)
+            self._rank_note = "ranks assigned through the store"
+        elif identical:
+            self._rank_note = f"every node runs {self._local_world_size} workers: ranks computed locally"
+        else:
+            self._rank_note = "nodes run different numbers of workers: ranks assigned through the store"
 
     def _log_round(self, r: int, rank: int, nodes: int) -> None:
         """One INFO line per round: who joined, and this node's place."""

@@ -220,6 +220,12 @@ def create_handler(params: RendezvousParameters) -> RendezvousHandler:
             f"--nnodes {params.min_nodes}:{params.max_nodes}: write --nnodes "
             f"{params.max_nodes}, or use --rdzv_backend tierrun for an elastic job"
         )
+    if "rank" not in params.config and params.max_nodes > 1:
+        raise ValueError(
+            "the parallel rendezvous needs this node's rank: torch's torchrun passes "
+            "--node-rank only to its static backend, so add --rdzv-conf rank=K (0 on the "
+            "store host), or launch with tierrun, which passes --node_rank itself"
+        )
     rank = int(params.config.get("rank", 0))
     if not 0 <= rank < params.max_nodes:
         raise ValueError(
