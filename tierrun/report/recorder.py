@@ -111,7 +111,10 @@ class AgentRecorder(logging.Handler):
         if self.local_workers is None or len(self._started) != self.local_workers:
             return
         ranks = sorted(self._started)
-        span = f"{ranks[0]}-{ranks[-1]}" if ranks == list(range(ranks[0], ranks[-1] + 1)) else ", ".join(map(str, ranks))
+        if len(ranks) > 1 and ranks == list(range(ranks[0], ranks[-1] + 1)):
+            span = f"{ranks[0]}-{ranks[-1]}"
+        else:
+            span = ", ".join(map(str, ranks))
         attempt = self.attempt
         assert attempt is not None
         log.info("node %s (node rank %d): %d worker(s) started, global rank(s) %s of %s",
