@@ -83,10 +83,7 @@ class EtcdRendezvousHandler(StoreRendezvousHandler):
                  join_timeout: float, last_call_timeout: float, local_addr: str | None,
                  config: dict, is_host: bool | None = None) -> None:
         super().__init__(None, run_id, local_addr, config)
-        #: ``--rdzv_conf is_host``: True, this node hosts the store of every round it is
-        #: in (before any other); False, never; None, it may (and stops offering to once
-        #: its store could not start)
-        self._is_host = is_host
+        self._is_host = is_host  # (see create_handler)
         self.options = options
         self._etcd = Etcd(options)
         self._min = min_nodes
@@ -392,37 +389,31 @@ class EtcdRendezvousHandler(StoreRendezvousHandler):
 
     def _watch_changed(self, r: int, stop: threading.Event) -> None:
         etcd = self._etcd.clone()
-        key = self._k(r, "sig/changed")
-        while not stop.is_set():
-            try:
-                kv, revision = etcd.get(key)
-                if kv is not None:
-                    with self._lock:
-                        self._changed.add(r)
-                    log.info("round %d of '%s' changed: %s", r, self.run_id, kv.value.decode())
-                    break
-                etcd.watch(key, revision + 1, _WATCH_SLICE)
-            except EtcdUnavailable:
-                stop.wait(1.0)
-        etcd.close()
+        try:
+            changed, kv = etcd.wait_for(self._k(r, "sig/changed"), stop, lambda kv: kv is not None, _WATCH_SLICE)
+        finally:
+            etcd.close()
+        if changed and kv is not None:
+            with self._lock:
+                self._changed.add(r)
+            log.info("round %d of '%s' changed: %s", r, self.run_id, kv.value.decode())
 
     def _watch_member(self, r: int, member: str, addr: str, stop: threading.Event) -> None:
         """Mark round r changed once ``member``'s key is gone (its lease ended)."""
         etcd = self._etcd.clone()
-        key = self._k(r, f"joined/{member}")
-        while not stop.is_set():
-            try:
-                kv, revision = etcd.get(key)
-                if kv is None:
-                    if not stop.is_set():
-                        log.warning("rendezvous '%s' round %d: node %s is gone (its etcd lease "
-                                    "ended); re-forming the job without it", self.run_id, r, addr)
-                        etcd.create(self._k(r, "sig/changed"), f"dead {addr}".encode())
+        try:
+            gone, _ = etcd.wait_for(self._k(r, f"joined/{member}"), stop, lambda kv: kv is None, _WATCH_SLICE)
+            if gone and not stop.is_set():
+                log.warning("rendezvous '%s' round %d: node %s is gone (its etcd lease ended); "
+                            "re-forming the job without it", self.run_id, r, addr)
+            while gone and not stop.is_set():
+                try:
+                    etcd.create(self._k(r, "sig/changed"), f"dead {addr}".encode())
                     break
-                etcd.watch(key, revision + 1, _WATCH_SLICE)
-            except EtcdUnavailable:
-                stop.wait(1.0)
-        etcd.close()
+                except EtcdUnavailable:
+                    stop.wait(1.0)
+        finally:
+            etcd.close()
 
     def _stop_round_watch(self) -> None:
         self._round_stop.set()

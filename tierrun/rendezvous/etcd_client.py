@@ -15,7 +15,8 @@ from __future__ import annotations
 import base64
 import json
 import logging
-from collections.abc import Sequence
+import threading
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 from urllib.parse import urlsplit
@@ -242,6 +243,21 @@ class Etcd:
                 raise
 
     # -- watches --------------------------------------------------------------------------
+
+    def wait_for(self, key: bytes, stop: threading.Event, done: Callable[[KeyValue | None], bool],
+                 slice_: float = 5.0) -> tuple[bool, KeyValue | None]:
+        """Block until ``done(key's value, or None if absent)`` holds: (True, that value);
+        or until ``stop`` is set: (False, None). Watches ``slice_`` seconds at a time and
+        re-reads; while etcd is away, retries every second."""
+        while not stop.is_set():
+            try:
+                kv, revision = self.get(key)
+                if done(kv):
+                    return True, kv
+                self.watch(key, revision + 1, slice_)
+            except EtcdUnavailable:
+                stop.wait(1.0)
+        return False, None
 
     def watch(self, key: bytes, start_revision: int, timeout: float, prefix: bool = False) -> list[Event]:
         """Events on ``key`` (or under it, with ``prefix``) from ``start_revision`` on:
