@@ -10,7 +10,6 @@ import os
 import re
 import subprocess
 import sys
-import tomllib
 from pathlib import Path
 
 from launch import SCRIPTS, finish, free_port, results
@@ -18,13 +17,23 @@ from launch import SCRIPTS, finish, free_port, results
 ROOT = Path(__file__).resolve().parents[1]
 
 
+def torchrun_handlers(pyproject: str) -> dict[str, str]:
+    """pyproject's ``[project.entry-points."torchrun.handlers"]`` table."""
+    try:
+        import tomllib
+    except ModuleNotFoundError:  # Python 3.10: read the table's lines
+        table = re.search(r'^\[project\.entry-points\."torchrun\.handlers"\]\n((?:[^\[\n].*\n|\n)*)', pyproject, re.M)
+        return dict(re.findall(r'^([\w-]+) = "([^"]+)"', table.group(1), re.M)) if table else {}
+    return tomllib.loads(pyproject)["project"]["entry-points"]["torchrun.handlers"]
+
+
 def entry_points_path(tmp_path: Path) -> str:
     """A PYTHONPATH holding tierrun's metadata with pyproject's entry points, then this tree."""
-    project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
-    handlers = project["entry-points"]["torchrun.handlers"]
-    info = tmp_path / "meta" / f"tierrun-{project['version']}.dist-info"
+    handlers = torchrun_handlers((ROOT / "pyproject.toml").read_text())
+    assert set(handlers) == {"tierrun", "parallel", "tierrun-etcd"}, handlers
+    info = tmp_path / "meta" / "tierrun-0.1.0.dist-info"
     info.mkdir(parents=True)
-    (info / "METADATA").write_text(f"Metadata-Version: 2.1\nName: tierrun\nVersion: {project['version']}\n")
+    (info / "METADATA").write_text("Metadata-Version: 2.1\nName: tierrun\nVersion: 0.1.0\n")
     (info / "entry_points.txt").write_text(
         "[torchrun.handlers]\n" + "".join(f"{name} = {target}\n" for name, target in handlers.items()))
     return os.pathsep.join([str(info.parent), str(ROOT)])
