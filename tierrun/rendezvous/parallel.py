@@ -68,8 +68,11 @@ class ParallelRendezvousHandler(StoreRendezvousHandler):
         store = self.connect()
         base = self._base(self._round)
         workers_key = self._count_local_world_size(store, base)
-        self._arrive(store, base)
+        # (listed before it is counted: the store host's progress, which reads the list
+        # once the count is complete, then names every node; a restarted agent's second
+        # line is the same entry)
         store.append(f"{base}/arrivals", f"{self._rank} {self.node_addr}\n")
+        self._arrive(store, base)
         endpoint = self.job.worker_endpoint(f"{self.run_id}/workers/{self._round}")
         keys = [f"{base}/all_arrived"]
         if not self.job.tiered:  # the host publishes the one worker port of the round
