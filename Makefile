@@ -1,15 +1,18 @@
 # `make demo` runs a small simulated multi-node job; `make test` runs the test suite.
-# Both install what they need first (torch 2.13.0 CPU from the local wheel cache, and
-# Debian's etcd-server for the etcd rendezvous tests).
+# Both install what they need first (torch 2.13.0 CPU from the local wheel cache,
+# Debian's etcd-server for the etcd rendezvous tests, and Debian's Slurm and munge for
+# the Slurm example's test).
 PYTHON ?= python3
 STAMP := .install.stamp
 
-.PHONY: install etcd demo test bench
+.PHONY: install etcd slurm demo test bench
 
 SUDO := $(shell [ "$$(id -u)" -eq 0 ] || echo sudo)
 
 $(STAMP): pyproject.toml
 	@command -v etcd >/dev/null || $(MAKE) --no-print-directory etcd
+	@command -v slurmd >/dev/null && command -v slurmctld >/dev/null && command -v munged >/dev/null \
+	    && command -v sbatch >/dev/null || $(MAKE) --no-print-directory slurm
 	$(PYTHON) -m pip install --quiet torch==2.13.0
 	$(PYTHON) -m pip install --quiet -e '.[test]'
 	@touch $(STAMP)
@@ -19,6 +22,13 @@ install: $(STAMP)
 # a real etcd server for the etcd rendezvous tests (Debian's etcd-server package)
 etcd:
 	$(SUDO) apt-get install -y -q etcd-server || { $(SUDO) apt-get update -q && $(SUDO) apt-get install -y -q etcd-server; }
+
+# a real Slurm for the Slurm example's test (it starts munged, slurmctld and one slurmd
+# per simulated node itself, with their own configuration: nothing is started here)
+SLURM_PACKAGES := munge slurmctld slurmd slurm-client
+slurm:
+	$(SUDO) env DEBIAN_FRONTEND=noninteractive apt-get install -y -q $(SLURM_PACKAGES) \
+	    || { $(SUDO) apt-get update -q && $(SUDO) env DEBIAN_FRONTEND=noninteractive apt-get install -y -q $(SLURM_PACKAGES); }
 
 demo: $(STAMP)
 	$(PYTHON) examples/demo.py

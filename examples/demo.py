@@ -23,7 +23,7 @@ TOKEN = secrets.token_hex(16)  # the job token both nodes share
 def node(rank: int) -> subprocess.Popen:
     cmd = [sys.executable, "-m", "tierrun", "--nnodes", "2", "--nproc_per_node", "2",
            "--rdzv_backend", "parallel", "--master_addr", "127.0.1.1", "--master_port", PORT,
-           "--node_rank", str(rank), "--local_addr", f"127.0.1.{rank + 1}",
+           "--node_rank", str(rank), "--rdzv_id", "demo", "--local_addr", f"127.0.1.{rank + 1}",
            "--enable_tiered_parallel_tcpstore", "true", str(SCRIPT)]
     print(f"node {rank}$ tierrun {' '.join(cmd[3:])}", flush=True)
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1", TIERRUN_TOKEN=TOKEN,

@@ -45,7 +45,13 @@ def test_static_parallel_nodes(tmp_path, nprocs):
         first = sum(nprocs[:k])
         assert sorted(int(r["rank"]) for r in results(log)) == list(range(first, first + nprocs[k]))
         path = "ranks computed locally" if len(set(nprocs)) == 1 else "ranks assigned through the store"
-        assert path in log.read_text()
+        text = log.read_text()
+        assert path in text
+        # INFO says what happens: where the store is, who joined, the workers' world; no statistics
+        assert f"node 127.0.1.{k + 1} is node rank {k}" in text and f"round 0: {nodes} node(s) joined" in text
+        ranks = f"{first}-{first + nprocs[k] - 1}" if nprocs[k] > 1 else str(first)
+        assert f"{nprocs[k]} worker(s) started, global rank(s) {ranks} of {world}" in text
+        assert ("this node hosts the job's store" in text) == (k == 0) and "served:" not in text
 
 
 @pytest.mark.parametrize("nprocs", [(2, 2), (2, 2, 2), (1, 2, 2)])
@@ -164,7 +170,7 @@ def served_by_store_host(log, by: str = "store host"):
 def test_tiered_three_nodes_node0_sees_only_links(tmp_path, mode):
     port = free_port()
     logs = [tmp_path / f"node{k}.log" for k in range(3)]
-    env = {"TIERRUN_TOKEN": "tiered-test-token", "TIERRUN_LOG_LEVEL": "INFO"}
+    env = {"TIERRUN_TOKEN": "tiered-test-token", "TIERRUN_LOG_LEVEL": "DEBUG"}
     procs = []
     for k in range(3):
         if mode == "static":

@@ -71,7 +71,7 @@ def test_failure_report_names_the_earliest_failure_in_the_job():
     assert report.nodes_seen == 2
     text = report.render()
     assert "first failure: rank 4 (local rank 0) on node 10.0.0.3 (node rank 2)" in text
-    assert "exited with code 2" in text and "rank 0 on 10.0.0.1 (+30.0 s)" in text
+    assert "exited with code 2" in text and "rank 0 on 10.0.0.1 (+30.00 s)" in text
     assert report.phases == {"agent start": 4.0, "rendezvous": 1.0, "worker start": 1.0, "run": 39.0}
 
 
@@ -131,3 +131,29 @@ def test_worker_wrapper_records_the_error_and_keeps_python_behaviour(tmp_path):
     out = subprocess.run([sys.executable, "-m", "tierrun.launcher.worker_main", str(script)],
                          env=dict(os.environ, TORCHELASTIC_ERROR_FILE=str(err)))
     assert out.returncode == 3 and not err.exists()
+
+
+def test_collective_failures_after_a_death_are_consequences_not_the_root_cause():
+    """A rank exits at 10.20 s; a peer's all_reduce failed at 10.05 s (the dead rank's
+    clean-up closed its connections before its process ended): the exit is the root
+    cause. When every failure is a collective's, the earliest is."""
+    def node(addr, rank, exit_code, message, when):
+        rec = recorder(addr)
+        rec.on_event(agent_event("RENDEZVOUS", duration_ms=1000), 5.0)
+        rec.on_event(worker_event("START", rank, 0, group_rank=rank), 6.0)
+        error = None if message is None else json.dumps({"message": {"message": message, "extraInfo": {
+            "py_callstack": f"Traceback...\n{message}\n", "tierrun_time": when}}})
+        rec.on_event(worker_event("FAILED", rank, 0, group_rank=rank, exit_code=exit_code, raw_error=error), when)
+        return rec.node
+
+    gloo = "RuntimeError: [gloo/transport/tcp/pair.cc:553] Connection closed by peer [127.0.0.1]:5000"
+    nccl = "torch.distributed.DistBackendError: NCCL error in: ProcessGroupNCCL.cpp:1234, remote process exited"
+    peer, dead = node("10.0.0.1", 0, 1, gloo, 10.05), node("10.0.0.2", 1, 3, None, 10.20)
+    report = FailureReport.build("job", peer, [dead])
+    assert (report.first.failure.global_rank, report.first.consequence) == (1, False)
+    assert [(fr.failure.global_rank, fr.consequence) for fr in report.failed] == [(1, False), (0, True)]
+    text = report.render()
+    assert text.splitlines()[1].endswith(": exited with code 3")
+    assert "1 failure(s) in collectives after it (consequences): rank 0 on 10.0.0.1 (-0.15 s)" in text
+    both = FailureReport.build("job", node("10.0.0.1", 0, 1, gloo, 10.05), [node("10.0.0.2", 1, 1, nccl, 9.9)])
+    assert [fr.failure.global_rank for fr in both.failed] == [1, 0] and not any(fr.consequence for fr in both.failed)

@@ -104,7 +104,7 @@ def test_static_job_with_store_fanout_node0_sees_fanout_links(tmp_path):
     node 2's."""
     port = free_port()
     logs = [tmp_path / f"node{k}.log" for k in range(5)]
-    env = {"TIERRUN_TOKEN": "tree-job-token", "TIERRUN_LOG_LEVEL": "INFO"}
+    env = {"TIERRUN_TOKEN": "tree-job-token", "TIERRUN_LOG_LEVEL": "DEBUG"}
     procs = [tierrun("--nnodes", 5, "--rdzv_backend", "parallel", "--master_addr", "127.0.1.1",
                      "--master_port", port, "--node_rank", k, "--tiered", "--store-fanout", 2,
                      "--nproc_per_node", 1, "--local_addr", f"127.0.1.{k + 1}",

@@ -16,7 +16,8 @@ from torch.distributed.elastic.rendezvous import RendezvousConnectionError
 from torch.distributed.launcher.api import elastic_launch
 from torch.distributed.run import config_from_args
 
-from .. import rendezvous
+from .. import rendezvous, torchrun_plugin
+from ..extras import MissingExtraError, require
 from ..link.auth import new_token
 from ..rendezvous.handler_base import JobStoppedError
 from ..settings import Settings, SettingsError, export_token
@@ -32,6 +33,10 @@ def prepare(argv: list[str], settings: Settings):
     this launch's reporting, attached to the agent. A job token it makes up is put in
     this process's environment, for the rendezvous handlers and child processes."""
     args = normalise(build_parser().parse_args(argv))
+    if args.rdzv_backend == "tierrun-etcd":
+        require("etcd", "--rdzv_backend tierrun-etcd", ("requests", "etcd3gw"))
+    elif args.rdzv_backend in ("etcd", "etcd-v2"):
+        require("etcd", f"torch's --rdzv_backend {args.rdzv_backend}", ("etcd",))
     args.nproc_per_node = resolve_nproc_per_node(args.nproc_per_node)
     if args.standalone:
         args.rdzv_backend = "tierrun"
@@ -74,11 +79,12 @@ def prepare(argv: list[str], settings: Settings):
     elif args.timeline:
         log.warning("--timeline needs a tierrun rendezvous backend (tierrun or parallel); "
                     "with --rdzv_backend %s no timeline is written", args.rdzv_backend)
-    rendezvous.register()
+    torchrun_plugin.register()
     config, entrypoint, cmd_args = config_from_args(args)
     if args.rdzv_backend in TIERRUN_BACKENDS:  # (as torch resolved --nproc_per_node)
         config.rdzv_configs["local_world_size"] = config.nproc_per_node
-    reporting = JobReporting(config.run_id, config.local_addr, Path(args.timeline) if args.timeline else None)
+    reporting = JobReporting(config.run_id, config.local_addr, Path(args.timeline) if args.timeline else None,
+                             local_workers=config.nproc_per_node)
     config.event_log_handler = reporting.install(config.event_log_handler)
     rendezvous.on_handler_created[:] = [reporting.handler_created]
     if entrypoint == sys.executable and cmd_args[:1] == ["-u"]:
@@ -104,6 +110,9 @@ def main(argv: list[str]) -> int:
     except (UsageError, SettingsError) as e:
         print(f"tierrun: error: {e}", file=sys.stderr)
         return 2
+    except MissingExtraError as e:
+        print(f"tierrun: error: {e}", file=sys.stderr)
+        return 1
     try:
         elastic_launch(config=config, entrypoint=entrypoint)(*cmd_args)
     except ChildFailedError as e:
@@ -111,8 +120,9 @@ def main(argv: list[str]) -> int:
             # the workers failed because the job lost its store (noticed at shutdown)
             print(f"tierrun: error: {reporting.handler.store_lost}", file=sys.stderr)
             return 1
-        reporting.report_failure(config.logs_specs.root_log_dir)
-        raise ChildFailedError(_script_name(cmd_args), e.failures) from None
+        report = reporting.report_failure(config.logs_specs.root_log_dir)
+        failures = reporting.torch_failures_in_report_order(report, e.failures)
+        raise ChildFailedError(_script_name(cmd_args), failures) from None
     except (RendezvousConnectionError, JobStoppedError) as e:
         print(f"tierrun: error: {e}", file=sys.stderr)
         return 1

@@ -39,13 +39,15 @@ class JobReporting:
     """Attach with :meth:`install` before the agent starts; :meth:`report_failure` after
     it raised. Nothing here blocks the agent for more than one store round trip."""
 
-    def __init__(self, run_id: str, local_addr: str | None, timeline_path: Path | None) -> None:
+    def __init__(self, run_id: str, local_addr: str | None, timeline_path: Path | None,
+                 local_workers: int | None = None) -> None:
         self.run_id = run_id
         self.timeline_path = timeline_path
         self.handler: StoreRendezvousHandler | None = None
         self._board: JobBoard | None = None
         self._others: list[NodeRecord] = []
-        self.recorder = AgentRecorder(local_addr or socket.gethostname(), os.getpid(), self.board)
+        self.recorder = AgentRecorder(local_addr or socket.gethostname(), os.getpid(), self.board,
+                                      local_workers=local_workers)
 
     def install(self, user_event_handler: str) -> str:
         """Become the agent's event destination; returns its name for LaunchConfig.
@@ -86,12 +88,12 @@ class JobReporting:
         try:
             if mine is not None and mine.state == "FAILED":
                 self.handler.leave_exit_barrier()
-            if hosting:
-                self._others = self._read_when_all_ended(board, mine.world_size if mine else -1)
-            elif mine is not None and mine.state == "FAILED":
-                self._others = board.read_all()
+            if hosting or (mine is not None and mine.state == "FAILED"):
+                # (a node that failed waits for the others' records too: the rank whose
+                # death failed its workers' collectives may be reported a moment later)
+                self._read_when_all_ended(board, mine.world_size if mine else -1)
         except (OSError, StoreClientError) as e:  # the store host already stopped: report what this node saw
-            log.info("could not read the other nodes' records (%s); the report shows this node's", e)
+            log.info("could not read the other nodes' records (%s); the report shows what it read", e)
         if hosting and any(a.state == "FAILED" for r in self._others for a in r.attempts[-1:]):
             time.sleep(LINGER)
         board.close()
@@ -99,14 +101,16 @@ class JobReporting:
             timeline.write(self.timeline_path, timeline.build(self.run_id, self._others))
             print(f"[tierrun] wire-up timeline written to {self.timeline_path}", file=sys.stderr, flush=True)
 
-    @staticmethod
-    def _read_when_all_ended(board: JobBoard, members: int) -> list[NodeRecord]:
+    def _read_when_all_ended(self, board: JobBoard, members: int) -> None:
+        """Read every record into ``_others`` until ``members`` agents have published how
+        their round ended, or ``REPORT_GRACE`` seconds have passed. Raises like the
+        board; what was read before stays in ``_others``."""
         deadline = time.monotonic() + REPORT_GRACE
         while True:
-            records = board.read_all()
-            ended = sum(1 for r in records if r.attempts and r.attempts[-1].state in FINAL_STATES)
+            self._others = board.read_all()
+            ended = sum(1 for r in self._others if r.attempts and r.attempts[-1].state in FINAL_STATES)
             if ended >= members or time.monotonic() > deadline:
-                return records
+                return
             time.sleep(0.1)
 
     def report_failure(self, log_dir: str | None) -> FailureReport:
@@ -122,3 +126,21 @@ class JobReporting:
             except OSError as e:
                 log.warning("could not write the failure report to %s: %s", path, e)
         return report
+
+    @staticmethod
+    def torch_failures_in_report_order(report: FailureReport, failures: dict) -> dict:
+        """This node's failures (torch's ``ChildFailedError.failures``, by global rank) in
+        the report's order, their whole-second timestamps made non-decreasing in it:
+        torch's own summary then names as its "Root Cause" the failure the report puts
+        first on this node, not a peer whose collective failed because that rank died
+        (torch times an exit without an error file by when its agent noticed it)."""
+        when = {fr.failure.global_rank: fr.failure.time for fr in report.failed if fr.node == report.reporter}
+        order = [r for r in when if r in failures] + [r for r in failures if r not in when]
+        aligned: dict = {}
+        floor = 0
+        for rank in order:
+            failure = failures[rank]
+            floor = max(int(when.get(rank, failure.timestamp)), floor)
+            failure.timestamp = floor  # (the first keeps its own second: the floor starts at 0)
+            aligned[rank] = failure
+        return aligned

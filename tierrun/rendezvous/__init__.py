@@ -1,44 +1,41 @@
-"""Rendezvous backends on tierrun's store, registered with torch's elastic registry."""
+"""Rendezvous backends on tierrun's store. :mod:`tierrun.torchrun_plugin` registers them
+with torch's elastic registry (torch's ``torchrun`` finds it through the
+``torchrun.handlers`` entry points; tierrun's launcher calls its ``register``): both
+launchers create the same handlers.
+"""
 
 from typing import Callable
 
-from torch.distributed.elastic.rendezvous import (
-    RendezvousHandler,
-    RendezvousParameters,
-    rendezvous_handler_registry,
-)
+from torch.distributed.elastic.rendezvous import RendezvousHandler, RendezvousParameters
 
+from ..extras import require
 from ..settings import Settings
 from . import elastic, parallel
 
 #: called with every handler tierrun's backends create (the launcher's reporting)
 on_handler_created: list[Callable[[RendezvousHandler], None]] = []
-_registered = False
-
-
-def _announced(create: Callable[[RendezvousParameters, Settings], RendezvousHandler]):
-    """The creator torch's registry calls: an entry point, so it reads the environment
-    (``tierrun.settings``), as the launcher left it, for the handler."""
-    def creator(params: RendezvousParameters) -> RendezvousHandler:
-        handler = create(params, Settings.from_env())
-        for callback in on_handler_created:
-            callback(handler)
-        return handler
-
-    return creator
 
 
 def _etcd_handler(params: RendezvousParameters, settings: Settings) -> RendezvousHandler:
+    require("etcd", "--rdzv_backend tierrun-etcd", ("requests", "etcd3gw"))
     from . import etcd  # needs etcd3gw (the etcd extra): imported only when used
 
     return etcd.create_handler(params, settings)
 
 
-def register() -> None:
-    """Make ``parallel``, ``tierrun`` and ``tierrun-etcd`` known to ``torch.distributed.elastic``."""
-    global _registered
-    if not _registered:
-        rendezvous_handler_registry.register("parallel", _announced(parallel.create_handler))
-        rendezvous_handler_registry.register("tierrun", _announced(elastic.create_handler))
-        rendezvous_handler_registry.register("tierrun-etcd", _announced(_etcd_handler))
-        _registered = True
+_CREATORS: dict[str, Callable[[RendezvousParameters, Settings], RendezvousHandler]] = {
+    "tierrun": elastic.create_handler,
+    "parallel": parallel.create_handler,
+    "tierrun-etcd": _etcd_handler,
+}
+
+
+def create(backend: str, params: RendezvousParameters, settings: Settings) -> RendezvousHandler:
+    """Create a handler of tierrun's ``backend`` and announce it to ``on_handler_created``.
+    ``settings``: what the entry point read of the environment (``Settings.from_env()``).
+    Raises what the backend raises: ``ValueError`` for a wrong setting,
+    ``MissingExtraError`` for a missing extra."""
+    handler = _CREATORS[backend](params, settings)
+    for callback in on_handler_created:
+        callback(handler)
+    return handler

@@ -129,8 +129,7 @@ class ElasticRendezvousHandler(StoreRendezvousHandler):
             self._rank = rank
             self._members = n
         self._watch_members(store, r, index, rank, n)
-        log.info("rendezvous '%s' round %d: node %s is rank %d of %d",
-                 self.run_id, r, self.node_addr, rank, n)
+        self._log_round(r, rank, n)
         return RendezvousInfo(
             PrefixStore(self._k(r, "agents"), store),
             rank,
@@ -361,12 +360,18 @@ def _hosts_store(host: str, local_addr: str | None) -> bool:
 
 
 def create_handler(params: RendezvousParameters, settings: Settings) -> RendezvousHandler:
+    """``--rdzv_conf is_host=true|false`` as torch's c10d backend reads it: given, it
+    decides whether this node hosts the store (and a host that cannot start it fails);
+    else this node hosts if the endpoint names it, and becomes a client of the endpoint
+    if its store cannot start there (another agent on this machine hosts it)."""
     host, port = parse_rendezvous_endpoint(params.endpoint, DEFAULT_PORT)
     join_timeout = float(params.config.get("join_timeout", DEFAULT_JOIN_TIMEOUT))
     last_call = float(params.config.get("last_call_timeout", DEFAULT_LAST_CALL_TIMEOUT))
     timeout = timedelta(seconds=max(join_timeout, 60))
-    job = JobStore(host, port, hosting=_hosts_store(host, params.local_addr), timeout=timeout,
-                   token=token_from(params.config, settings), store_workers=store_workers_from(params.config),
-                   link_config=settings.link)
+    is_host = params.get_as_bool("is_host")
+    job = JobStore(host, port, hosting=_hosts_store(host, params.local_addr) if is_host is None else is_host,
+                   timeout=timeout, token=token_from(params.config, settings),
+                   store_workers=store_workers_from(params.config), link_config=settings.link,
+                   host_fallback="any" if is_host is None else "never")
     return ElasticRendezvousHandler(job, params.run_id, params.min_nodes, params.max_nodes,
                                     join_timeout, last_call, params.local_addr, params.config)

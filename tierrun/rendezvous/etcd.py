@@ -67,6 +67,8 @@ _JOB_CLOSED = b"job-closed"
 _WATCH_SLICE = 5.0
 #: seconds a silent node keeps its membership (its lease's TTL): ``heartbeat_timeout``
 DEFAULT_LEASE_TTL = 10.0
+#: ``is_host`` -> the order in which nodes are chosen to host a round's store
+_HOST_PREFERENCE = {True: 0, None: 1, False: 2}
 
 
 class EtcdRendezvousHandler(StoreRendezvousHandler):
@@ -81,8 +83,9 @@ class EtcdRendezvousHandler(StoreRendezvousHandler):
 
     def __init__(self, options: EtcdOptions, run_id: str, min_nodes: int, max_nodes: int,
                  join_timeout: float, last_call_timeout: float, local_addr: str | None,
-                 config: dict, settings: Settings) -> None:
+                 config: dict, settings: Settings, is_host: bool | None = None) -> None:
         super().__init__(None, run_id, local_addr, config)
+        self._is_host = is_host  # (see create_handler)
         self.options = options
         self._etcd = Etcd(options)
         self._min = min_nodes
@@ -175,7 +178,8 @@ class EtcdRendezvousHandler(StoreRendezvousHandler):
         """Join round r; the members' ids and addresses in rank order once it closes with
         this node, None if it closed without it."""
         me = json.dumps({"id": self._id, "addr": self.node_addr, "prev_rank": self._rank,
-                         "prev_round": self._round, "pid": os.getpid()}).encode()
+                         "prev_round": self._round, "pid": os.getpid(),
+                         "host": _HOST_PREFERENCE[self._is_host]}).encode()
         joined, responses, revision = self._etcd.txn(
             [absent(self._k(r, "sig/closed"))],
             [put(self._k(r, f"joined/{self._id}"), me, self._lease), count(self._k(r, "joined/"))],
@@ -227,13 +231,19 @@ class EtcdRendezvousHandler(StoreRendezvousHandler):
     def _close(self, etcd: Etcd, r: int) -> bool:
         """Close round r with the live arrivals (at most max), if at least min; one TXN."""
         kvs, _ = etcd.range(self._k(r, "joined/"))
-        arrivals = [json.loads(kv.value) for kv in kvs[: self._max]]
-        if len(arrivals) < self._min:
+        if len(kvs) < self._min:
             return False
-        order = sorted(range(len(arrivals)),
-                       key=lambda j: (arrivals[j]["prev_rank"] if arrivals[j]["prev_rank"] >= 0 else 1 << 30, j))
-        members = json.dumps({"ids": [arrivals[j]["id"] for j in order],
-                              "addrs": [arrivals[j]["addr"] for j in order]}).encode()
+        # rank 0 hosts the store: nodes that must host first, those that must not last;
+        # then by rank in the previous round, then by arrival (etcd's create revision)
+        arrivals = sorted((dict(json.loads(kv.value), rev=kv.create_revision) for kv in kvs),
+                          key=lambda a: (a.get("host", 1), a["prev_rank"] if a["prev_rank"] >= 0 else 1 << 30,
+                                         a["rev"]))[: self._max]
+        if arrivals[0].get("host", 1) == _HOST_PREFERENCE[False]:
+            log.warning("round %d of '%s': none of the %d nodes that joined may host the store "
+                        "(--rdzv_conf is_host=false); waiting for one that may", r, self.run_id, len(kvs))
+            return False
+        members = json.dumps({"ids": [a["id"] for a in arrivals],
+                              "addrs": [a["addr"] for a in arrivals]}).encode()
         closed, _, _ = etcd.txn([absent(self._k(r, "sig/closed"))],
                                 [put(self._k(r, "sig/closed"), members),
                                  put(f"{self._base}/round".encode(), str(r + 1).encode())])
@@ -302,9 +312,20 @@ class EtcdRendezvousHandler(StoreRendezvousHandler):
         if rank == 0:
             job = self.job
             if job is None or not job.hosting or job.lost() is not None:
-                self._use_store(JobStore(self.node_addr, self._store_port, hosting=True,
-                                         timeout=self._store_timeout, token=self._token,
-                                         store_workers=self._store_workers, link_config=self._link_config))
+                try:
+                    self._use_store(JobStore(self.node_addr, self._store_port, hosting=True,
+                                             timeout=self._store_timeout, token=self._token,
+                                             store_workers=self._store_workers, host_fallback="never",
+                                             link_config=self._link_config))
+                except RendezvousConnectionError as e:
+                    # the others re-form (without this node if it must host: it fails)
+                    self._etcd.create(self._k(r, "sig/changed"), f"store host {self.node_addr} failed".encode())
+                    if self._is_host:
+                        raise RendezvousConnectionError(f"node {self.node_addr} (--rdzv_conf is_host=true): {e}") from e
+                    log.warning("node %s cannot host the store of round %d (%s); re-forming with "
+                                "another node as the store host", self.node_addr, r, e)
+                    self._is_host = False  # as torch's c10d does: a client from now on
+                    return None
             endpoint = self.job.worker_endpoint(namespace)
             assert endpoint is not None
             # flat, the other nodes' workers connect to this namespace listener too
@@ -460,10 +481,15 @@ class EtcdRendezvousHandler(StoreRendezvousHandler):
 
 
 def create_handler(params: RendezvousParameters, settings: Settings) -> RendezvousHandler:
+    """``--rdzv_conf is_host=true|false``: the endpoint is etcd's, and the store moves
+    to each round's rank 0, so ``is_host`` says which nodes may be that rank: true, this
+    node hosts every round it is in (and fails if its store cannot start there); false,
+    never; unset, it may, and if its store cannot start (``store_port`` taken) the round
+    re-forms with another host and this node stays a client, as torch's c10d does."""
     options = EtcdOptions.parse(params.endpoint, params.config, settings.etcd_password)
     return EtcdRendezvousHandler(
         options, params.run_id, params.min_nodes, params.max_nodes,
         float(params.config.get("join_timeout", DEFAULT_JOIN_TIMEOUT)),
         float(params.config.get("last_call_timeout", DEFAULT_LAST_CALL_TIMEOUT)),
-        params.local_addr, params.config, settings,
+        params.local_addr, params.config, settings, is_host=params.get_as_bool("is_host"),
     )

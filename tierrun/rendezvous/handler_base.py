@@ -64,6 +64,8 @@ class StoreRendezvousHandler(RendezvousHandler):
         #: every node runs as many (None: unknown, torch's store-based path).
         self._local_world_size = int(config["local_world_size"]) if "local_world_size" in config else None
         self._user_identical = os.environ.get(IDENTICAL_WORKERS)  # a user's own choice stands
+        #: How this round's global ranks are assigned, for the round's log line.
+        self._rank_note = ""
 
     def _count_local_world_size(self, store, base: str) -> str | None:
         """Before this node announces itself in round ``base`` of a static job: count it
@@ -88,9 +90,18 @@ class StoreRendezvousHandler(RendezvousHandler):
         if self._user_identical is not None:
             return
         os.environ[IDENTICAL_WORKERS] = "1" if identical else "0"
-        log.info("rendezvous '%s': %s", self.run_id,
-                 f"every node runs {self._local_world_size} workers: ranks computed locally"
-                 if identical else "nodes run different numbers of workers: ranks assigned through the store")
+        if self._local_world_size is None:  # (under torchrun: not told how many workers)
+            self._rank_note = "ranks assigned through the store"
+        elif identical:
+            self._rank_note = f"every node runs {self._local_world_size} workers: ranks computed locally"
+        else:
+            self._rank_note = "nodes run different numbers of workers: ranks assigned through the store"
+
+    def _log_round(self, r: int, rank: int, nodes: int) -> None:
+        """One INFO line per round: who joined, and this node's place."""
+        note = f"; {self._rank_note}" if self._rank_note else ""
+        log.info("rendezvous '%s' round %d: %d node(s) joined; node %s is node rank %d%s",
+                 self.run_id, r, nodes, self.node_addr, rank, note)
 
     def get_run_id(self) -> str:
         return self.run_id
@@ -120,6 +131,38 @@ class StoreRendezvousHandler(RendezvousHandler):
         self._heartbeat = liveness.Heartbeat(
             self.job.agent_address, key, index, watched, self._beat_interval, self._beat_timeout, on_dead,
         ).start()
+
+    def _wait_quietly(self, keys: list[str], timeout: float, check: Callable[[], None]) -> None:
+        """WAIT for ``keys`` (as torch's client names them, without the leading ``/``) on
+        a connection of its own, up to ``timeout`` seconds, calling ``check()`` every
+        second meanwhile (it must not use the store; raising ends the wait with its
+        exception). One WAIT in all, not one per second: torch's C++ client prints two
+        warnings for every wait that times out, which is what a poll in slices made of
+        a late node. Blocks; raises ``TimeoutError`` after ``timeout``, ``OSError`` or
+        ``StoreClientError`` if the store connection is lost."""
+        client = StoreClient(self.job.agent_address, timeout=max(timeout, 1.0) + 30)
+        outcome: list[BaseException | None] = []
+        done = threading.Event()
+
+        def wait() -> None:
+            try:
+                client.wait([f"/{k}".encode() for k in keys], timeout=max(timeout, 0.001))
+                outcome.append(None)
+            except BaseException as e:  # handed to the caller
+                outcome.append(e)
+            finally:
+                client.close()
+                done.set()
+
+        threading.Thread(target=wait, name="tierrun-rendezvous-wait", daemon=True).start()
+        try:
+            while not done.wait(1.0):
+                check()
+        except BaseException:
+            client.abort()  # (the waiting thread then closes it)
+            raise
+        if outcome[0] is not None:
+            raise outcome[0]
 
     def _stop_watching(self) -> None:
         if self._watcher is not None:

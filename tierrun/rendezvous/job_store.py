@@ -44,12 +44,20 @@ class JobStore:
 
     def __init__(self, host: str, port: int, hosting: bool, timeout: timedelta,
                  token: str | None = None, store_workers: int = 1,
-                 tree: TreePlace | None = None, link_config: LinkConfig = LinkConfig()) -> None:
+                 tree: TreePlace | None = None, link_config: LinkConfig = LinkConfig(),
+                 host_fallback: str = "port_in_use") -> None:
         """``link_config``: the link timings of the store processes it starts, which read
-        them from the environment they inherit (give ``Settings.link``)."""
+        them from the environment they inherit (give ``Settings.link``);
+        ``host_fallback``: what a ``hosting`` node does when its store cannot start
+        (``start``): ``"any"`` (its hosting was inferred, torch's c10d rule): become a
+        client of ``host:port`` whatever the reason; ``"port_in_use"``: only when the port
+        is taken (then by another agent of the job on this machine); ``"never"``: raise."""
+        if host_fallback not in ("any", "port_in_use", "never"):
+            raise ValueError(f"host_fallback={host_fallback!r}")
         self.host = host
         self.port = port
         self.hosting = hosting
+        self.host_fallback = host_fallback
         self.timeout = timeout
         self.token = token
         self.store_workers = store_workers
@@ -195,16 +203,23 @@ class JobStore:
         try:
             self.port = proc.start()
         except StoreStartError as e:
-            if self.port != 0 and _port_in_use(self.port):
-                log.info("port %d is taken; using the store there instead", self.port)
+            taken = self.port != 0 and _port_in_use(self.port)
+            why = f"port {self.port} is taken" if taken else _last_line(str(e))
+            if self.host_fallback == "any" or (self.host_fallback == "port_in_use" and taken):
+                log.log(logging.INFO if taken else logging.WARNING,
+                        "this node could not host the job's store (%s); joining as a client of "
+                        "%s:%d", why, self.host, self.port)
                 self.hosting = False
                 return
             raise RendezvousConnectionError(
-                f"could not start the job's store on port {self.port}: {e}. "
-                "Pick a free port with --master_port or --rdzv_endpoint HOST:PORT."
+                f"could not start the job's store on port {self.port} of this node ({why}). "
+                "Pick a free port with --master_port or --rdzv_endpoint HOST:PORT"
+                + (", or let another node host it (--rdzv_conf is_host=false here)."
+                   if self.host_fallback == "never" else ".")
             ) from e
         self.root = proc
-        log.info("hosting the job's store on port %d (pid %d)", self.port, proc.pid)
+        log.info("this node hosts the job's store (pid %d): the other nodes reach it at %s:%d",
+                 proc.pid, self.host, self.port)
 
     @property
     def client_address(self) -> tuple[str, int]:
@@ -257,9 +272,9 @@ class JobStore:
             if isinstance(proc, StoreProcess):
                 proc.stop()
         # (after both stopped: the store host's own front-end reports through its store)
-        for name, proc in served:
+        for name, proc in served:  # statistics: TIERRUN_LOG_LEVEL=DEBUG shows them
             if proc is not None:
-                log.info("%s served: %s", name, json.dumps(proc.last_stats))
+                log.debug("%s served: %s", name, json.dumps(proc.last_stats))
         self.proxy = self.root = None
 
 
@@ -348,6 +363,11 @@ def _closed_by_peer(sock: socket.socket) -> bool:
         return False
     except OSError:
         return True
+
+
+def _last_line(text: str) -> str:
+    lines = [line.strip() for line in text.strip().splitlines() if line.strip()]
+    return lines[-1] if lines else "no output"
 
 
 def _port_in_use(port: int) -> bool:

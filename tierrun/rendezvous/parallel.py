@@ -19,11 +19,11 @@ import json
 import logging
 import secrets
 import socket
-import time
 from datetime import timedelta
 
 from torch.distributed import PrefixStore
 from torch.distributed.elastic.rendezvous import (
+    RendezvousConnectionError,
     RendezvousHandler,
     RendezvousInfo,
     RendezvousParameters,
@@ -32,7 +32,7 @@ from torch.distributed.elastic.rendezvous import (
 )
 from torch.distributed.elastic.rendezvous.utils import parse_rendezvous_endpoint
 
-from ..client import StoreClient
+from ..client import StoreClient, StoreClientError
 from ..report.progress import Arrivals
 from ..settings import Settings
 from . import liveness
@@ -69,8 +69,11 @@ class ParallelRendezvousHandler(StoreRendezvousHandler):
         store = self.connect()
         base = self._base(self._round)
         workers_key = self._count_local_world_size(store, base)
-        self._arrive(store, base)
+        # (listed before it is counted: the store host's progress, which reads the list
+        # once the count is complete, then names every node; a restarted agent's second
+        # line is the same entry)
         store.append(f"{base}/arrivals", f"{self._rank} {self.node_addr}\n")
+        self._arrive(store, base)
         endpoint = self.job.worker_endpoint(f"{self.run_id}/workers/{self._round}")
         keys = [f"{base}/all_arrived"]
         if not self.job.tiered:  # the host publishes the one worker port of the round
@@ -83,6 +86,7 @@ class ParallelRendezvousHandler(StoreRendezvousHandler):
         if endpoint is None:
             endpoint = (self.job.host, int(store.get(f"{base}/worker_port")))
         self._watch_nodes(base)
+        self._log_round(self._round, self._rank, self._world_size)
         return RendezvousInfo(
             PrefixStore(f"{base}/agents", store),
             self._rank,
@@ -106,19 +110,24 @@ class ParallelRendezvousHandler(StoreRendezvousHandler):
             store.set(f"{base}/all_arrived", "1")
 
     def _wait_for_all(self, store, keys: list[str], base: str) -> None:
-        """WAIT for ``keys`` (every node arrived), one second at a time, so that a node lost in the previous
-        round (its watchers set ``failed``) ends the wait at once. O(1) operations
-        per node per second."""
-        deadline = time.monotonic() + self._timeout.total_seconds()
-        while True:
-            try:
-                store.wait(keys, timedelta(seconds=min(1.0, max(deadline - time.monotonic(), 0.01))))
-                return
-            except Exception as e:
-                self.check_store_host()
-                self._raise_if_failed()
-                if time.monotonic() >= deadline:
-                    raise RendezvousTimeoutError(self._missing_message(store, base)) from e
+        """WAIT for ``keys`` (every node arrived), checking every second, without a store
+        request, whether a node was lost in the previous round (its watchers set
+        ``failed``) or this node lost the store: either ends the wait at once. One WAIT
+        per node (see ``_wait_quietly``). Raises ``RendezvousTimeoutError`` naming the
+        missing node ranks, ``JobStoppedError`` or ``RendezvousConnectionError``."""
+        try:
+            self._wait_quietly(keys, self._timeout.total_seconds(),
+                               lambda: (self.check_store_host(), self._raise_if_failed()))
+        except TimeoutError as e:
+            raise RendezvousTimeoutError(self._missing_message(store, base)) from e
+        except (OSError, StoreClientError) as e:
+            self.check_store_host()
+            self._raise_if_failed()
+            raise RendezvousConnectionError(
+                f"node rank {self._rank} ({self.node_addr}) lost its connection to "
+                f"{self.job.upstream_name} while waiting for the other nodes ({e}). Check that "
+                "the store host is running, then restart the job."
+            ) from e
 
     def _watch_nodes(self, base: str) -> None:
         """While the round runs: wait for ``failed``, and beat (the first ranks also watch
@@ -214,6 +223,12 @@ def create_handler(params: RendezvousParameters, settings: Settings) -> Rendezvo
             f"the parallel rendezvous needs a fixed number of nodes, got "
             f"--nnodes {params.min_nodes}:{params.max_nodes}: write --nnodes "
             f"{params.max_nodes}, or use --rdzv_backend tierrun for an elastic job"
+        )
+    if "rank" not in params.config and params.max_nodes > 1:
+        raise ValueError(
+            "the parallel rendezvous needs this node's rank: torch's torchrun passes "
+            "--node-rank only to its static backend, so add --rdzv-conf rank=K (0 on the "
+            "store host), or launch with tierrun, which passes --node_rank itself"
         )
     rank = int(params.config.get("rank", 0))
     if not 0 <= rank < params.max_nodes:

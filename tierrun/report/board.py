@@ -29,9 +29,10 @@ class Failure:
     global_rank: int
     local_rank: int
     exitcode: int | None
-    time: float
+    time: float  # when it failed, as precisely as known (see recorder._error_details)
     message: str
     traceback: str = ""
+    exited: float | None = None  # when the process ended, if this agent saw it
 
     @property
     def stopped_by_agent(self) -> bool:

@@ -20,6 +20,7 @@ from torch.distributed.elastic.events import Event, EventSource
 
 from ..client import StoreClientError
 from .board import Attempt, Failure, JobBoard, NodeRecord
+from .exits import ExitClock
 
 log = logging.getLogger("tierrun.report")
 
@@ -36,12 +37,17 @@ class AgentRecorder(logging.Handler):
     """
 
     def __init__(self, addr: str, pid: int, board: Callable[[], JobBoard | None],
-                 forward: logging.Handler | None = None) -> None:
+                 forward: logging.Handler | None = None, local_workers: int | None = None) -> None:
         super().__init__(logging.INFO)
         self.node = NodeRecord(node=f"{addr}:{pid}", addr=addr, started=process_start_time())
         self._board = board
         self.forward = forward
         self._board_down = False
+        #: when each worker process ended (torch's agent notices at its monitor interval)
+        self.exits = ExitClock()
+        #: workers per round on this node, to say once they have all started (None: unknown)
+        self.local_workers = local_workers
+        self._started: list[int] = []  # global ranks started in the current attempt
 
     @property
     def attempt(self) -> Attempt | None:
@@ -64,12 +70,16 @@ class AgentRecorder(logging.Handler):
                 self.attempt.state, self.attempt.ended = "RESTARTED", now - md["duration_ms"] / 1000
             self.node.attempts.append(Attempt(number=restarts,
                                                  rendezvous=(now - md["duration_ms"] / 1000, now)))
+            self._started = []
         elif event.source == EventSource.WORKER and self.attempt is not None:
             extra = json.loads(str(md.get("metadata") or "{}"))
             if state == "START":
                 self.attempt.workers_started = now
                 self.attempt.group_rank = int(md["group_rank"])
                 self.attempt.world_size = int(extra.get("group_world_size", -1))
+                if str(md.get("worker_id") or "").isdigit():  # torch's local agent: the pid
+                    self.exits.watch(int(md["worker_id"]))
+                self._say_started(int(md["global_rank"]), _first(extra.get("role_world_size")))
             elif state in FINAL_STATES:
                 self._end(state, md, extra, now)
             else:
@@ -87,11 +97,28 @@ class AgentRecorder(logging.Handler):
         if state != "FAILED":
             return
         exitcode = _first(extra.get("exit_code"))
-        message, tb, when = _error_details(md.get("raw_error"), exitcode, now)
+        pid = _first(extra.get("worker_pid"))
+        exited = self.exits.exited_at(int(pid)) if isinstance(pid, int) else None
+        message, tb, when = _error_details(md.get("raw_error"), exitcode, now, exited)
         attempt.failures.append(Failure(
             global_rank=int(md["global_rank"]), local_rank=int(_first(extra.get("local_rank")) or 0),
-            exitcode=exitcode, time=when, message=message, traceback=tb,
+            exitcode=exitcode, time=when, message=message, traceback=tb, exited=exited,
         ))
+
+    def _say_started(self, global_rank: int, world: int | None) -> None:
+        """Once every worker of this node has started: one INFO line with their ranks."""
+        self._started.append(global_rank)
+        if self.local_workers is None or len(self._started) != self.local_workers:
+            return
+        ranks = sorted(self._started)
+        if len(ranks) > 1 and ranks == list(range(ranks[0], ranks[-1] + 1)):
+            span = f"{ranks[0]}-{ranks[-1]}"
+        else:
+            span = ", ".join(map(str, ranks))
+        attempt = self.attempt
+        assert attempt is not None
+        log.info("node %s (node rank %d): %d worker(s) started, global rank(s) %s of %s",
+                 self.node.addr, attempt.group_rank, len(ranks), span, world if world is not None else "?")
 
     def publish(self) -> None:
         if self._board_down:
@@ -128,19 +155,27 @@ def _first(value):
 NO_ERROR_FILE = {"message": "<NONE>"}
 
 
-def _error_details(raw_error, exitcode: int | None, now: float) -> tuple[str, str, float]:
-    """(message, traceback, time) from a worker's error file, or from its exit code."""
+def _error_details(raw_error, exitcode: int | None, now: float,
+                   exited: float | None = None) -> tuple[str, str, float]:
+    """(message, traceback, time) from a worker's error file, or from its exit code.
+
+    The time is when the failure happened, as precisely as known: the raise time
+    tierrun's worker wrapper writes, else the process's exit (``exited``, from the
+    :class:`ExitClock`), else the error file's whole-second timestamp (torch's
+    ``@record``), else ``now`` (when the agent reported it)."""
     data = json.loads(raw_error) if isinstance(raw_error, str) else raw_error
-    if data and data != NO_ERROR_FILE:
+    # (torch adds "errorTraits" to its shared no-file record: compare the message only)
+    if data and data.get("message") != NO_ERROR_FILE["message"]:
         msg = data.get("message", data)
         if isinstance(msg, dict):
             info = msg.get("extraInfo", {})
-            when = float(info.get("tierrun_time") or info.get("timestamp") or now)
+            when = float(info.get("tierrun_time") or exited or info.get("timestamp") or now)
             return str(msg.get("message", "")), str(info.get("py_callstack", "")), when
-        return str(msg), "", now
+        return str(msg), "", exited or now
+    when = exited or now
     if exitcode is not None and exitcode < 0:
         try:
-            return f"killed by signal {signal.Signals(-exitcode).name}", "", now
+            return f"killed by signal {signal.Signals(-exitcode).name}", "", when
         except ValueError:
-            return f"killed by signal {-exitcode}", "", now
-    return f"exited with code {exitcode}", "", now
+            return f"killed by signal {-exitcode}", "", when
+    return f"exited with code {exitcode}", "", when
