@@ -1,0 +1,102 @@
+"""Runs histories on torch's server and on every tierrun target, keeps the servers
+clean between histories (restarting what died), and counts what it did."""
+
+from __future__ import annotations
+
+import time
+from collections import Counter
+from dataclasses import dataclass, field
+
+from . import sequential
+from .history import History
+from .sequential import Mismatch, Trace
+from .targets import Target, Targets
+
+
+@dataclass
+class Stats:
+    histories: int = 0
+    operations: int = 0  # requests sent to torch's server (each also sent to every target)
+    runs: Counter = field(default_factory=Counter)  # target -> histories run
+    target_operations: Counter = field(default_factory=Counter)
+    ops: Counter = field(default_factory=Counter)  # opcode name -> requests (torch's run)
+    mismatches: Counter = field(default_factory=Counter)  # target -> confirmed mismatches
+    flaky: Counter = field(default_factory=Counter)  # target -> mismatches not seen again
+    restarts: Counter = field(default_factory=Counter)
+    seconds: float = 0.0
+
+    def as_dict(self) -> dict:
+        return {"histories": self.histories, "operations": self.operations, "runs": dict(self.runs),
+                "target_operations": dict(self.target_operations), "ops": dict(self.ops),
+                "mismatches": dict(self.mismatches), "flaky": dict(self.flaky),
+                "restarts": dict(self.restarts), "seconds": round(self.seconds, 1)}
+
+
+class Oracle:
+    def __init__(self, targets: Targets | None = None, names=None) -> None:
+        self.targets = targets or Targets(**({"names": names} if names else {}))
+        self.stats = Stats()
+
+    def close(self) -> None:
+        self.targets.stop()
+
+    def __enter__(self) -> Oracle:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def _after(self, target: Target, history: History) -> None:
+        """Empty the store (or restart what died or cannot be emptied)."""
+        if not target.alive() or not target.clean(history.queue_keys()):
+            self.stats.restarts[target.name] += 1
+            target.restart()
+            if not target.clean(history.queue_keys()):
+                raise RuntimeError(f"{target.name} cannot be emptied after a restart")
+
+    def reference(self, history: History) -> Trace:
+        torch = self.targets.torch
+        for _ in range(3):
+            ref = sequential.run(history, torch)
+            self._after(torch, history)
+            if not ref.error:
+                return ref
+        raise RuntimeError(f"torch's server did not run the history: {ref.error}")
+
+    def run_on(self, history: History, target: Target, ref: Trace) -> Mismatch | None:
+        got = sequential.run(history, target, ref)
+        self._after(target, history)
+        return sequential.compare(history, ref, got)
+
+    def check(self, history: History, targets=None, confirm: bool = True) -> list[Mismatch]:
+        """Run one history everywhere; the confirmed mismatches (a mismatch is run again,
+        torch's run too, and counted only if it repeats)."""
+        t0 = time.monotonic()
+        ref = self.reference(history)
+        st = self.stats
+        st.histories += 1
+        sent = [r for s in ref.steps if s.sent for r in s.sent]
+        st.operations += len(sent)
+        from .wire import op_name
+
+        st.ops.update(op_name(r) for r in sent)
+        out = []
+        for target in targets or self.targets.tierrun:
+            st.runs[target.name] += 1
+            st.target_operations[target.name] += len(sent)
+            m = self.run_on(history, target, ref)
+            if m is not None and confirm:
+                again = self.run_on(history, target, self.reference(history))
+                if again is None:
+                    st.flaky[target.name] += 1
+                    m = None
+            if m is not None:
+                st.mismatches[target.name] += 1
+                out.append(m)
+        st.seconds += time.monotonic() - t0
+        return out
+
+    def mismatch_of(self, history: History, target_name: str) -> Mismatch | None:
+        """One run on one target (for minimizing): its mismatch, or None."""
+        target = next(t for t in self.targets.tierrun if t.name == target_name)
+        return self.run_on(history, target, self.reference(history))
