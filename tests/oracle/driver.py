@@ -48,7 +48,7 @@ class Oracle:
 
     def _after(self, target: Target, history: History) -> None:
         """Empty the store (or restart what died or cannot be emptied)."""
-        if not target.alive() or not target.clean(history.queue_keys()):
+        if not target.healthy() or not target.clean(history.queue_keys()):
             self.stats.restarts[target.name] += 1
             target.restart()
             if not target.clean(history.queue_keys()):

@@ -7,8 +7,8 @@ connection is closed. A step is over once the acting client's burst is answered 
 but a WAIT or BARRIER that may block), then a probe through the same front-end has been
 answered and nothing more arrives for ``slack`` seconds (so a wake-up of another
 client is seen at the step that caused it). A client whose WAIT is still pending when
-it acts again first cancels it (CANCEL_WAIT in the same write), as torch's client does
-after its timeout. Running it on tierrun replays what torch's run sent, waits (up to
+it acts again first cancels it (CANCEL_WAIT), as torch's client does
+after its timeout (and reads its answer before it writes the burst). Running it on tierrun replays what torch's run sent, waits (up to
 a deadline) for as many answers as torch gave, then settles the same way.
 """
 
@@ -33,6 +33,7 @@ FINAL_SLACK = 0.03
 class StepRecord:
     sent: tuple | None  # what the acting client wrote (None: its connection was closed)
     seen: dict[int, tuple[tuple, bool]]  # client -> (replies completed at this step, closed)
+    cancel: bool = False  # its WAIT was pending: it sent CANCEL_WAIT first (and read the answer)
 
 
 @dataclass
@@ -125,11 +126,13 @@ def run(history: History, target: Target, reference: Trace | None = None, stop_a
             if reference is not None:
                 if s >= len(reference.steps):
                     break
-                sent = reference.steps[s].sent
-            elif c.closed:
-                sent = None
+                sent, cancel = reference.steps[s].sent, reference.steps[s].cancel
             else:
-                sent = ((Op.CANCEL_WAIT,), *burst) if c.reader.waiting else burst
+                sent = None if c.closed else burst
+                cancel = sent is not None and c.reader.waiting
+            if cancel and not c.closed:  # (its own write, answered before the burst)
+                c.send([(Op.CANCEL_WAIT,)])
+                _wait(conns, lambda: c.closed or not c.reader.pending, time.monotonic() + _deadline(()))
             if sent is not None and not c.closed:
                 c.send(sent)
             if reference is None:
@@ -148,7 +151,7 @@ def run(history: History, target: Target, reference: Trace | None = None, stop_a
                 new = tuple(cj.reader.tokens[marks[j]:])
                 marks[j] = len(cj.reader.tokens)
                 seen[j] = (new, cj.closed)
-            trace.steps.append(StepRecord(sent, seen))
+            trace.steps.append(StepRecord(sent, seen, cancel))
             if reference is not None and stop_at_mismatch and seen != reference.steps[s].seen:
                 break
         else:
@@ -187,7 +190,7 @@ def compare(history: History, ref: Trace, got: Trace) -> Mismatch | None:
     for s, (r, g) in enumerate(zip(ref.steps, got.steps)):
         if r.seen != g.seen:
             client, burst = history.steps[s]
-            what = " ".join(op_name(q) for q in (r.sent or burst))
+            what = ("CANCEL_WAIT; " if r.cancel else "") + " ".join(op_name(q) for q in (r.sent or burst))
             e = f"after c{client} {what}: {_describe(r.seen, r.sent, client)}"
             g_ = _describe(g.seen, g.sent, client)
             if not got.alive:

@@ -156,6 +156,10 @@ class Target:
     def alive(self) -> bool:
         raise NotImplementedError
 
+    def healthy(self) -> bool:
+        """Every process of the target's servers is up (more than ``alive``)."""
+        return self.alive()
+
     def admin(self) -> Conn:
         raise NotImplementedError
 
@@ -282,13 +286,13 @@ class TierrunCluster:
     def port(self, name: str) -> int:
         return self.procs[name].port
 
-    def alive(self) -> bool:
-        return all(p.exited() is None for p in self.procs.values())
+    def alive(self, names=None) -> bool:
+        return all(p.exited() is None for n, p in self.procs.items() if names is None or n in names)
 
-    def deaths(self) -> str:
+    def deaths(self, names=None) -> str:
         out = []
         for name, p in self.procs.items():
-            if p.exited() is not None:
+            if (names is None or name in names) and p.exited() is not None:
                 out.append(f"{name} exited with {p.exited()}: {p.last_error() or p.output[-300:].strip()}")
         return "; ".join(out)
 
@@ -311,6 +315,8 @@ class TierrunCluster:
 
 #: Which of the cluster's front-ends each tierrun target's clients use.
 LAYOUTS = {"flat": ["S"], "tiered": ["P1"], "tree": ["P3"], "mixed": ["S", "P1", "P2", "P3"]}
+#: The processes each target's answers go through.
+PATHS = {"flat": ["S"], "tiered": ["S", "P1"], "tree": ["S", "P2", "P3"], "mixed": ["S", "P1", "P2", "P3"]}
 
 
 class TierrunTarget(Target):
@@ -328,10 +334,15 @@ class TierrunTarget(Target):
         return [self.cluster.port(n) for n in LAYOUTS[self.name]]
 
     def alive(self) -> bool:
-        return self.cluster.alive()
+        """The processes on this target's path are up (another target's proxy may have
+        died: the driver restarts the cluster for the next history anyway)."""
+        return self.cluster.alive(PATHS[self.name])
 
     def describe_death(self) -> str:
-        return self.cluster.deaths()
+        return self.cluster.deaths(PATHS[self.name])
+
+    def healthy(self) -> bool:
+        return self.cluster.alive()
 
     def admin(self) -> Conn:
         return self.cluster.admin()

@@ -168,16 +168,18 @@ class ReplyReader:
     def sending(self, req: tuple) -> None:
         if expects_reply(req):
             self.pending.append((self.sent, req))
+            if len(self.pending) == 1:
+                self.feed(b"")  # (an empty answer is complete at once)
         self.sent += 1
 
     def feed(self, data: bytes) -> None:
         self.buf += data
         pos = 0
         buf = self.buf
-        while self.pending and pos < len(buf):
+        while self.pending:  # (a MULTI_GET of no keys is answered with no bytes)
             index, req = self.pending[0]
             if req[0] in BLOCKING and len(self.pending) > 1 and self.pending[1][1][0] == Op.CANCEL_WAIT \
-                    and buf[pos] == 1:
+                    and pos < len(buf) and buf[pos] == 1:
                 self.pending.popleft()  # cancelled: the 1 is the CANCEL_WAIT's
                 self.tokens.append((index, b"<cancelled>"))
                 continue
