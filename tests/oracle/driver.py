@@ -24,12 +24,29 @@ class Stats:
     flaky: Counter = field(default_factory=Counter)  # target -> mismatches not seen again
     restarts: Counter = field(default_factory=Counter)
     seconds: float = 0.0
+    # concurrent histories
+    c_histories: int = 0
+    c_operations: int = 0  # requests per run (each run on torch's server and every target)
+    c_runs: Counter = field(default_factory=Counter)
+    c_failures: Counter = field(default_factory=Counter)  # target -> not linearizable / unanswered
+    model_failures: int = 0  # torch's own server judged not linearizable: the model is wrong
+    c_ops_on_tierrun: int = 0
+    c_seconds: float = 0.0
 
     def as_dict(self) -> dict:
         return {"histories": self.histories, "operations": self.operations, "runs": dict(self.runs),
                 "target_operations": dict(self.target_operations), "ops": dict(self.ops),
                 "mismatches": dict(self.mismatches), "flaky": dict(self.flaky),
-                "restarts": dict(self.restarts), "seconds": round(self.seconds, 1)}
+                "restarts": dict(self.restarts), "seconds": round(self.seconds, 1),
+                "concurrent_histories": self.c_histories, "concurrent_operations": self.c_operations,
+                "concurrent_runs": dict(self.c_runs), "concurrent_failures": dict(self.c_failures),
+                "model_failures": self.model_failures, "concurrent_seconds": round(self.c_seconds, 1),
+                "operations_tried_on_tierrun": self.operations_tried}
+
+    @property
+    def operations_tried(self) -> int:
+        """Requests sent to tierrun, every target counted (the issue's figure)."""
+        return sum(self.target_operations.values()) + self.c_ops_on_tierrun
 
 
 class Oracle:
@@ -94,6 +111,32 @@ class Oracle:
                 st.mismatches[target.name] += 1
                 out.append(m)
         st.seconds += time.monotonic() - t0
+        return out
+
+    def check_concurrent(self, history, targets=None) -> list:
+        """Run one concurrent history on torch's server (its answers must satisfy the
+        model: else the model is wrong, counted apart) and on every target; the
+        outcomes that are not linearizable (or lost a request, or closed a client)."""
+        from . import concurrent
+
+        t0 = time.monotonic()
+        st = self.stats
+        st.c_histories += 1
+        st.c_operations += history.operations
+        ref = concurrent.run(history, self.targets.torch)
+        self._after(self.targets.torch, history)
+        if not concurrent.check(ref):
+            st.model_failures += 1
+        out = []
+        for target in targets or self.targets.tierrun:
+            st.c_runs[target.name] += 1
+            st.c_ops_on_tierrun += history.operations
+            got = concurrent.run(history, target)
+            self._after(target, history)
+            if not concurrent.check(got):
+                st.c_failures[target.name] += 1
+                out.append(got)
+        st.c_seconds += time.monotonic() - t0
         return out
 
     def mismatch_of(self, history: History, target_name: str) -> Mismatch | None:

@@ -117,3 +117,59 @@ def minimize_mismatch(oracle, m: Mismatch, max_tries: int = 300) -> History:
         return got is not None and kind(got) == want
 
     return minimize(m.history, failing, max_tries)
+
+
+def minimize_concurrent(history, failing, max_tries: int = 200):
+    """The same greedy shrinking for a concurrent history (``failing(h) -> bool`` should
+    try a few runs: interleavings vary): whole bursts, requests, whole clients."""
+    from .concurrent import ConcurrentHistory
+
+    h = history
+    tries = 0
+
+    def attempt(c) -> bool:
+        nonlocal tries
+        if tries >= max_tries or not any(c.scripts):
+            return False
+        tries += 1
+        return failing(c)
+
+    def make(scripts, pauses, where):
+        keep = [i for i, s in enumerate(scripts) if s]
+        return ConcurrentHistory([scripts[i] for i in keep], [pauses[i] for i in keep],
+                                 tuple(where[i] for i in keep), h.seed)
+
+    changed = True
+    while changed and tries < max_tries:
+        changed = False
+        for i in range(len(h.scripts) - 1, -1, -1):  # whole clients
+            if i < len(h.scripts):
+                scripts = h.scripts[:i] + [[]] + h.scripts[i + 1:]
+                cand = make(scripts, h.pauses, h.where)
+                if attempt(cand):
+                    h, changed = cand, True
+        for i in range(len(h.scripts)):  # bursts
+            j = 0
+            while i < len(h.scripts) and j < len(h.scripts[i]):
+                scripts = [list(s) for s in h.scripts]
+                pauses = [list(p) for p in h.pauses]
+                del scripts[i][j]
+                del pauses[i][j]
+                cand = make(scripts, pauses, h.where)
+                if attempt(cand):
+                    h, changed = cand, True
+                else:
+                    j += 1
+        for i in range(len(h.scripts)):  # requests
+            for j in range(len(h.scripts[i])):
+                k = 0
+                while k < len(h.scripts[i][j]) and len(h.scripts[i][j]) > 1:
+                    scripts = [list(s) for s in h.scripts]
+                    b = scripts[i][j]
+                    scripts[i][j] = b[:k] + b[k + 1:]
+                    cand = make(scripts, h.pauses, h.where)
+                    if attempt(cand):
+                        h, changed = cand, True
+                    else:
+                        k += 1
+    return h

@@ -257,6 +257,7 @@ class TierrunCluster:
         self.extra_env = extra_env or {}
         self.procs: dict[str, StoreProcess] = {}
         self._admin: Conn | None = None
+        self._checkers: dict[str, Conn] = {}
         self.restarts = -1
         self.start()
 
@@ -301,7 +302,17 @@ class TierrunCluster:
             self._admin = Conn(self.port("S"), nonce=0xAD)
         return self._admin
 
+    def checker(self, name: str) -> Conn:
+        """A connection to one front-end, for health checks."""
+        c = self._checkers.get(name)
+        if c is None or c.closed:
+            c = self._checkers[name] = Conn(self.port(name), nonce=0xC0)
+        return c
+
     def stop(self) -> None:
+        for c in self._checkers.values():
+            c.close()
+        self._checkers = {}
         if self._admin:
             self._admin.close()
             self._admin = None
@@ -342,7 +353,15 @@ class TierrunTarget(Target):
         return self.cluster.deaths(PATHS[self.name])
 
     def healthy(self) -> bool:
-        return self.cluster.alive()
+        """Every process is up and every front-end answers (a proxy may be wedged)."""
+        if not self.cluster.alive():
+            return False
+        try:
+            for name in self.cluster.procs:
+                self.cluster.checker(name).call((Op.GETNUMKEYS,), timeout=3)
+        except (OSError, ClosedError, TimeoutError):
+            return False
+        return True
 
     def admin(self) -> Conn:
         return self.cluster.admin()
