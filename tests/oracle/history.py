@@ -184,8 +184,9 @@ class Generator:
             return (op, r.choice(QUEUES), self.value())
         if op in (Op.QUEUE_POP, Op.QUEUE_LEN):
             return (op, r.choice(QUEUES))
-        if op == Op.BARRIER:
-            return (op, r.choice(BARRIER_KEYS), r.choice([1, 2, 2, 3, 3, 0, -1]))
+        if op == Op.BARRIER:  # (/n may hold any number: a count that overflows)
+            keys = BARRIER_KEYS[:1] if "barrier-overflow" in self.p.avoid else BARRIER_KEYS
+            return (op, r.choice(keys), r.choice([1, 2, 2, 3, 3, 0, -1]))
         if op == Op.PING:
             return (op, r.getrandbits(32))
         if op == Op.VALIDATE:
@@ -257,6 +258,12 @@ class Generator:
             burst = burst[:1] + [r for r in burst[1:] if r[0] not in (Op.PING, Op.CANCEL_WAIT)]
         if "empty-multi-set" in avoid:
             burst = [(Op.MULTI_SET, (b"/a",), (b"1",)) if r[0] == Op.MULTI_SET and not r[1] else r for r in burst]
+        if "after-failure-executed" in avoid:  # (an ADD may fail: nothing after it)
+            adds = [i for i, r in enumerate(burst) if r[0] == Op.ADD]
+            if adds:
+                burst = burst[:adds[0] + 1]
+        if "multi-set-partial" in avoid:  # (a refused pair first: nothing before it applied)
+            burst = [_refused_first(r) if r[0] == Op.MULTI_SET else r for r in burst]
         if "add-overflow-merge" in avoid:
             seen, out = set(), []
             for r in burst:
@@ -287,6 +294,12 @@ class Generator:
                 (Op.SET, k, Big(VALUE_LIMIT, b"h")) for k in [b"/h%d" % i for i in range(33)]) + ((Op.GETNUMKEYS,),)))
         where = tuple(r.randrange(self.p.fronts) for _ in range(clients))
         return History(clients, steps, where, seed=self.seed)
+
+
+def _refused_first(req: tuple) -> tuple:
+    pairs = list(zip(req[1], req[2]))
+    pairs.sort(key=lambda kv: not refused((Op.SET, *kv)))
+    return (Op.MULTI_SET, tuple(k for k, _ in pairs), tuple(v for _, v in pairs))
 
 
 def refused(req: tuple) -> bool:
