@@ -53,6 +53,11 @@ class Oracle:
     def __init__(self, targets: Targets | None = None, names=None) -> None:
         self.targets = targets or Targets(**({"names": names} if names else {}))
         self.stats = Stats()
+        #: What the tierrun cluster ran since it last started, ("sequential" or
+        #: "concurrent", seed): a failure that depends on a proxy's state (its watches,
+        #: the keys it has seen) replays from it.
+        self.since_restart: list[tuple[str, int | None]] = []
+        self._generation = self.targets.cluster.restarts
 
     def close(self) -> None:
         self.targets.stop()
@@ -85,10 +90,17 @@ class Oracle:
         self._after(target, history)
         return sequential.compare(history, ref, got)
 
+    def _note(self, kind: str, seed) -> None:
+        if self.targets.cluster.restarts != self._generation:
+            self._generation = self.targets.cluster.restarts
+            self.since_restart = []
+        self.since_restart.append((kind, seed))
+
     def check(self, history: History, targets=None, confirm: bool = True) -> list[Mismatch]:
         """Run one history everywhere; the confirmed mismatches (a mismatch is run again,
         torch's run too, and counted only if it repeats)."""
         t0 = time.monotonic()
+        self._note("sequential", history.seed)
         ref = self.reference(history)
         st = self.stats
         st.histories += 1
@@ -120,6 +132,7 @@ class Oracle:
         from . import concurrent
 
         t0 = time.monotonic()
+        self._note("concurrent", history.seed)
         st = self.stats
         st.c_histories += 1
         st.c_operations += history.operations
