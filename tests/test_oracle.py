@@ -26,7 +26,7 @@ from oracle.regressions import ALL, CASES, CONCURRENT, KNOWN
 from oracle.sequential import Trace
 
 #: The seeded budget (the whole module stays well within two minutes on 2 cores).
-SEQUENTIAL_SEEDS = range(80)
+SEQUENTIAL_SEEDS = range(60)
 CONCURRENT_SEEDS = range(150)
 
 

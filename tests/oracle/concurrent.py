@@ -31,6 +31,8 @@ from .targets import ClosedError, Conn, Target
 from .wire import BLOCKING, I64_MAX, I64_MIN, SILENT, expects_reply, op_name
 
 _pack_u64 = struct.Struct("<Q").pack
+#: Reads a node front-end may answer from a watch (a path of their own).
+WATCHED = frozenset({Op.GET, Op.CHECK, Op.WAIT})
 
 COUNTERS = (b"/k2", b"/k3")  # only ever numbers
 FREE = b"/k0"  # set, appended to, deleted, waited for
@@ -109,17 +111,27 @@ def generate(seed: int, avoid=frozenset(), clients=(2, 4), bursts=(2, 6), fronts
                 req = r.choice(vocabulary) if r.random() < 0.8 else _request(r, avoid)
                 if "reply-order" in avoid and burst and req[0] == Op.PING:
                     continue
-                if "tree-get-before-wait" in avoid and req[0] == Op.WAIT and any(q[0] == Op.GET for q in burst):
+                if "tree-reply-order" in avoid and _mixes_reads([*burst, req]):
                     continue
                 burst.append(req)
                 if req[0] in BLOCKING:
                     break
-            if not expects_reply(burst[-1]):
-                burst.append((Op.GET, r.choice(COUNTERS)))  # (a fence: the burst is over once answered)
+            if not expects_reply(burst[-1]):  # (a fence: the burst is over once answered)
+                fence = (Op.GET, r.choice(COUNTERS))
+                if "tree-reply-order" in avoid:
+                    fence = (Op.GETNUMKEYS,)
+                if "tree-reply-order" not in avoid or not _mixes_reads([*burst, fence]):
+                    burst.append(fence)
             script.append(tuple(burst))
         scripts.append(script)
         pauses.append([r.choice((0.0, 0.0, 0.0, 0.0005, 0.002)) for _ in script])
     return ConcurrentHistory(scripts, pauses, tuple(r.randrange(fronts) for _ in scripts), seed)
+
+
+def _mixes_reads(burst) -> bool:
+    """A read a front-end may answer from a watch, with another answered request."""
+    answered = [q for q in burst if expects_reply(q)]
+    return len(answered) > 1 and any(q[0] in WATCHED for q in answered)
 
 
 # -- the sequential model (torch's libuv server) -------------------------------------------
@@ -294,6 +306,9 @@ def run(history: ConcurrentHistory, target: Target, deadline: float = 3.0) -> Ou
             out.problem = f"connection of client(s) {closed} closed"
         elif unanswered:
             out.problem = f"never answered: {', '.join(f'c{c.client} {op_name(c.req)}' for c in unanswered)}"
+            stuck = {c.client for c in unanswered}
+            out.problem += "".join(f"; c{i} holds {bytes(conns[i].reader.buf)[:24]!r} (a reply cut wrong: "
+                                   "answers out of order?)" for i in sorted(stuck) if conns[i].reader.buf)
         elif any(c.reader.buf for c in conns):
             out.problem = "bytes that answer nothing: " + ", ".join(
                 f"c{i} {bytes(c.reader.buf)[:40]!r}" for i, c in enumerate(conns) if c.reader.buf)

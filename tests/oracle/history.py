@@ -26,6 +26,8 @@ from .wire import (
 _pack_u64 = struct.Struct("<Q").pack
 
 MiB = 1024 * 1024
+#: Reads a node front-end may answer from a watch (a path of their own).
+WATCHED = frozenset({Op.GET, Op.CHECK, Op.WAIT})
 
 
 @dataclass
@@ -203,9 +205,13 @@ class Generator:
 
     def fence(self) -> tuple:
         r = self.rnd
-        fences = [(Op.GETNUMKEYS,), (Op.CHECK, (r.choice(self.keys),)), (Op.GET, r.choice(self.keys)),
-                  (Op.QUEUE_LEN, r.choice(QUEUES)), (Op.LIST_KEYS,), (Op.PING, 7)]
-        return r.choice(fences[:-1] if "reply-order" in self.p.avoid else fences)
+        fences = [(Op.GETNUMKEYS,), (Op.QUEUE_LEN, r.choice(QUEUES)), (Op.LIST_KEYS,), (Op.PING, 7),
+                  (Op.CHECK, (r.choice(self.keys),)), (Op.GET, r.choice(self.keys))]
+        if "tree-reply-order" in self.p.avoid:
+            fences = fences[:4]
+        if "reply-order" in self.p.avoid:
+            fences = [f for f in fences if f[0] != Op.PING]
+        return r.choice(fences)
 
     def special_burst(self) -> list[tuple]:
         """What a node front-end merges: several writes of one client back to back."""
@@ -254,6 +260,10 @@ class Generator:
             bad = [r for r in burst if refused(r)]
             if bad and len(burst) > 1:
                 burst = bad[:1]
+        if "tree-reply-order" in avoid:  # (reads a front-end may answer from a watch: alone)
+            answered = [r for r in burst if expects_reply(r)]
+            if len(answered) > 1 and any(r[0] in WATCHED for r in answered):
+                burst = [r for r in burst if r[0] not in WATCHED] or burst[:1]
         if "reply-order" in avoid:  # (PING and CANCEL_WAIT only first in a burst)
             burst = burst[:1] + [r for r in burst[1:] if r[0] not in (Op.PING, Op.CANCEL_WAIT)]
         if "empty-multi-set" in avoid:
