@@ -41,6 +41,9 @@ def main() -> int:
     p.add_argument("--concurrent-share", type=float, default=0.5,
                    help="share of the time spent on concurrent histories")
     p.add_argument("--minimize", type=int, default=3, help="mismatches minimized per target (0: none)")
+    p.add_argument("--minimize-concurrent", action="store_true",
+                   help="minimize concurrent failures too (slow: each try is several runs, and most "
+                   "depend on timing or on a proxy's state, see --replay)")
     p.add_argument("--no-write", action="store_true", help="print only; leave docs/ alone")
     p.add_argument("--replay", metavar="FUZZ_JSON:N", default=None,
                    help="run again what the cluster ran before mismatch N of a fuzz.json, in order "
@@ -71,7 +74,7 @@ def main() -> int:
                     entry = {"kind": "concurrent", "seed": seed, "target": outcome.target,
                              "problem": outcome.problem or "not linearizable", "outcome": outcome.describe(),
                              "cluster_ran": list(oracle.since_restart)}
-                    if minimized.get(outcome.target, 0) < args.minimize:
+                    if args.minimize_concurrent and minimized.get(outcome.target, 0) < args.minimize:
                         minimized[outcome.target] = minimized.get(outcome.target, 0) + 1
                         entry["minimized"] = repr(_minimize_concurrent(oracle, seed, avoid, outcome.target))
                     found.append(entry)
