@@ -211,6 +211,8 @@ class Outcome:
     problem: str = ""  # a request never answered, a connection closed, ...
     alive: bool = True
     death: str = ""
+    #: Only answers missing at the deadline, nothing cut wrong: maybe a slow machine.
+    slow: bool = False
 
     def describe(self) -> str:
         lines = [f"{self.target}: {self.problem or 'not linearizable'}"]
@@ -307,6 +309,7 @@ def run(history: ConcurrentHistory, target: Target, deadline: float = 3.0) -> Ou
         elif unanswered:
             out.problem = f"never answered: {', '.join(f'c{c.client} {op_name(c.req)}' for c in unanswered)}"
             stuck = {c.client for c in unanswered}
+            out.slow = not any(conns[i].reader.buf for i in stuck)
             out.problem += "".join(f"; c{i} holds {bytes(conns[i].reader.buf)[:24]!r} (a reply cut wrong: "
                                    "answers out of order?)" for i in sorted(stuck) if conns[i].reader.buf)
         elif any(c.reader.buf for c in conns):
@@ -316,6 +319,7 @@ def run(history: ConcurrentHistory, target: Target, deadline: float = 3.0) -> Ou
         for c in conns:
             c.close()
     out.alive, out.death = target.alive(), target.describe_death()
+    out.slow = out.slow and out.alive
     if not out.alive and not out.problem:
         out.problem = out.death
     return out
