@@ -54,6 +54,10 @@ KNOWN_BUGS = {
                         "releases at once, storing b'9223372036854775808'; torch's count wraps to INT64_MIN, "
                         "below any world size: it waits (tierrun/core/store.py _barrier does not wrap as "
                         "_add does)",
+    "unacked-bytes-limit": "a client pipelining 40 SETs of 8 MiB (legal, one by one) through a node proxy: the "
+                           "link's unacknowledged frames pass LinkConfig.max_unacked_bytes (256 MiB) before the "
+                           "store host's next ACK, the proxy takes the store host for dead ('stopped "
+                           "acknowledging') and drops every client (about 1 run in 3; no fold involved)",
     "tree-reply-order": "through stacked proxies (tree), the answers to one client's pipelined requests "
                         "sometimes come out of order: a WAIT's (or CHECK's) answer ahead of the same client's "
                         "earlier GET or ADD, or an ADD's ahead of an earlier CHECK (a few runs in 10-20; timing "
@@ -83,6 +87,7 @@ class Case:
     bug: str | None = None  # a KNOWN_BUGS name (None: every target must pass)
     note: str = ""
     runs: int = 1  # a difference in any of this many runs is a failure (timing-dependent merges)
+    heavy: bool = False  # moves hundreds of megabytes: run only with ORACLE_HEAVY=1
 
 
 @dataclass
@@ -132,6 +137,11 @@ CASES = [
          "torch stores 10 MiB + 1; the proxy dies and c1 with it. (c1's write first makes /a contended: the "
          "proxy holds c0's first APPEND for the next, as it does a barrier's ADDs: without it they merge only "
          "when they happen to meet in one batch)", runs=3),
+    Case("pipelined-sets-past-the-unacked-bytes",
+         H((1, ((Op.SET, b"/h0", b"x"), (Op.GETNUMKEYS,))),
+           (0, tuple((Op.SET, b"/h%d" % i, Big(8 * MiB, b"h")) for i in range(40)) + ((Op.GETNUMKEYS,),)),
+           (1, ((Op.GETNUMKEYS,),)), where=(1, 1)),
+         PROXIES, "unacked-bytes-limit", "torch: 40 keys; the proxy exits, both clients closed", runs=4, heavy=True),
     Case("set-after-failed-add",
          H((1, ((Op.APPEND, b"/a", b"/a"), (Op.GETNUMKEYS,))), (0, ((Op.ADD, b"/a", 1), (Op.SET, b"/a", b"1"))),
            (1, ((Op.MULTI_GET, (b"/a",)),)), where=(3, 0)),
