@@ -163,6 +163,8 @@ def run(history: History, target: Target, reference: Trace | None = None, stop_a
             for j, cj in enumerate(conns):
                 trace.final[j] = (tuple(cj.reader.tokens[marks[j]:]), bytes(cj.reader.buf),
                                   len(cj.reader.pending), cj.closed)
+    except TimeoutError as e:  # (a server that stopped reading a request)
+        trace.error = f"step {len(trace.steps)}: {e}"
     finally:
         for c in conns:
             c.close()
