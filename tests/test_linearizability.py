@@ -25,12 +25,13 @@ import asyncio
 import random
 from collections import deque
 from dataclasses import dataclass, field
-from functools import lru_cache
 
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from inproc import RootFrontEnd, linked, settle
+from linearizability import Call
+from linearizability import linearizable as check_linearizable
 from tierrun.link.config import LinkConfig
 from tierrun.core import StoreCore, StoreError
 from tierrun.protocol import Op
@@ -134,47 +135,9 @@ def apply(state: tuple, req: tuple) -> tuple[tuple, bytes | None] | None:
 INITIAL = ((tuple(sorted((k, b"0") for k in COUNTERS))), ())
 
 
-@dataclass
-class Call:
-    client: int
-    req: tuple
-    invoked: int
-    returned: int | None = None  # logical time; None: never (a WAIT still pending)
-    reply: bytes | None = None
-
-
 def linearizable(calls: list[Call]) -> bool:
-    """Wing & Gong's search with memoisation on (calls left, state). A client's calls
-    take effect in its program order (one connection is FIFO)."""
-    previous: dict[int, int] = {}
-    before = []  # the same client's previous call, or -1
-    for i, c in enumerate(calls):
-        before.append(previous.get(c.client, -1))
-        previous[c.client] = i
-
-    @lru_cache(maxsize=None)
-    def search(left: frozenset, state: tuple) -> bool:
-        if not left:
-            return True
-        # a call can go next only if it was invoked before every other left call returned
-        first_return = min((calls[i].returned for i in left if calls[i].returned is not None), default=None)
-        for i in left:
-            c = calls[i]
-            if (first_return is not None and c.invoked > first_return) or before[i] in left:
-                continue
-            outcome = apply(state, c.req)
-            if outcome is None:
-                continue
-            new_state, reply = outcome
-            if c.returned is not None and c.req[0] not in NO_REPLY_OPS and reply != c.reply:
-                continue
-            if search(left - {i}, new_state):
-                return True
-        # a pending WAIT may never take effect
-        pending = [i for i in left if calls[i].returned is None]
-        return any(search(left - {i}, state) for i in pending)
-
-    return search(frozenset(range(len(calls))), INITIAL)
+    """The shared Wing & Gong search (linearizability.py) with this file's model."""
+    return check_linearizable(calls, apply, INITIAL)
 
 
 # -- running a history --------------------------------------------------------------------

@@ -1,0 +1,95 @@
+"""Issue 32's symptoms, through a real ``tierrun proxy`` linked to a real ``tierrun
+store``, each with an unrelated client (torch's own) on the same node that must keep
+being served, and the answers torch's server gives to the same requests.
+
+Strict xfails while the bugs are in tests/oracle/regressions.py's KNOWN_BUGS (a
+hand-over: fix tierrun, remove the entry, these must pass).
+
+Not here: issue 32's third symptom (an unexpected exception while the store host
+applies a batch) cannot be provoked from outside without a fault injected in tierrun.
+"""
+
+from __future__ import annotations
+
+import select
+import time
+from datetime import timedelta
+
+import pytest
+import torch.distributed as dist
+
+from oracle.regressions import KNOWN_BUGS
+from oracle.targets import TOKEN, Conn, _env
+from oracle.wire import I64_MAX, I64_MIN, Big
+from tierrun.protocol import Op
+from tierrun.server import StoreProcess
+
+MiB = 1 << 20
+
+
+def _xfail(bug: str):
+    return pytest.mark.xfail(bug in KNOWN_BUGS, strict=True, reason=f"{bug}: {KNOWN_BUGS.get(bug)}")
+
+
+@pytest.fixture
+def node():
+    """A store and one node proxy linked to it; torch's client on the proxy."""
+    env = _env()
+    assert env["TIERRUN_TOKEN"] == TOKEN
+    with StoreProcess(host="127.0.0.1", port=0, controlled=True, env=env) as store:
+        with StoreProcess(host="127.0.0.1", port=0, command="proxy", controlled=True, env=env,
+                          extra_args=["--upstream", f"127.0.0.1:{store.port}", "--connect-timeout", "10"]) as proxy:
+            bystander = dist.TCPStore("127.0.0.1", proxy.port, is_master=False, timeout=timedelta(seconds=10))
+            assert bystander.add("bystander", 1) == 1
+            yield store, proxy, bystander
+
+
+def _answers(conn: Conn, n: int, timeout: float = 10.0) -> list[bytes]:
+    deadline = time.monotonic() + timeout
+    while len(conn.reader.tokens) < n and not conn.closed and time.monotonic() < deadline:
+        select.select([conn], [], [], 0.1)
+        conn.pump()
+    return [b for _, b in conn.reader.tokens]
+
+
+def _i64(x: int) -> bytes:
+    return x.to_bytes(8, "little", signed=True)
+
+
+@_xfail("append-merge-past-limit")
+def test_merged_appends_past_the_value_limit_keep_the_node_up(node):
+    """Two pipelined 5 MiB APPENDs to one key (each within torch's 8 MiB value limit,
+    and torch's server stores the 10 MiB they make) must not become one APPEND the store
+    host refuses. Another client's write first makes the key contended, so the proxy
+    holds the first APPEND for the next (as it holds a barrier's ADDs)."""
+    store, proxy, bystander = node
+    for attempt in range(3):  # (whether they meet in one batch depends on timing)
+        key = b"/log%d" % attempt
+        other, writer = Conn(proxy.port), Conn(proxy.port)
+        other.send([(Op.APPEND, key, b"x"), (Op.GETNUMKEYS,)])
+        assert len(_answers(other, 1)) == 1
+        writer.send([(Op.APPEND, key, Big(5 * MiB, b"p")), (Op.APPEND, key, Big(5 * MiB, b"q")), (Op.GETNUMKEYS,)])
+        assert len(_answers(writer, 1)) == 1 and not writer.closed, "the writer lost its store"
+        other.send([(Op.GET, key)])
+        value = _answers(other, 2)[1]
+        assert value == (1 + 10 * MiB).to_bytes(8, "little") + b"x" + b"p" * 5 * MiB + b"q" * 5 * MiB
+        assert proxy.exited() is None, proxy.output[-2000:]
+        assert bystander.add("bystander", 1) == attempt + 2
+        other.close()
+        writer.close()
+
+
+@_xfail("add-overflow-merge")
+def test_merged_adds_past_int64_wrap_and_fail_nobody_else(node):
+    """ADDs to one key merged in one batch whose sum leaves int64: each caller gets what
+    torch's server answers (it wraps), and an unrelated client's ADD in the same batch
+    is answered."""
+    store, proxy, bystander = node
+    adder, neighbour = Conn(proxy.port), Conn(proxy.port)
+    adder.send([(Op.ADD, b"/c", I64_MAX), (Op.ADD, b"/c", 1), (Op.ADD, b"/c", -1)])
+    neighbour.send([(Op.ADD, b"/n", 1)])  # (right behind: the same batch, most of the time)
+    assert _answers(adder, 3, timeout=5) == [_i64(I64_MAX), _i64(I64_MIN), _i64(I64_MAX)]
+    assert _answers(neighbour, 1, timeout=5) == [_i64(1)]
+    time.sleep(0.2)
+    assert proxy.exited() is None, proxy.output[-2000:]
+    assert bystander.add("bystander", 1) == 2
