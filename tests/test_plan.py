@@ -146,10 +146,12 @@ def test_watching_reads_merge_with_their_like_only():
 
 
 def test_read_ahead_joins_the_batch_peek_fold_and_skips_keys_read():
-    plan = plan_batch([("a", b"", (GET, b"r3"))])
+    plan = plan_batch([("a", b"", (GET, b"r3")), ("b", b"", (GET, b"other"))])
     new = plan_peeks(plan, b"", [b"r3", b"r4", b"r5"], peeking={(b"", b"r5"): None}, limits=PlanLimits(max_fold=8))
     assert [u.req for u in new] == [(WAIT, (b"r4",))]
     assert plan.ops[-1].fetch == PEEKS
+    assert plan_peeks(plan, b"", [b"r6", b"r7"], peeking={}, limits=PlanLimits(max_fold=2))
+    assert [1 + len(u.members or ()) for u in plan.ops if u.fetch == PEEKS] == [2, 1]  # (2 keys an entry at most)
 
 
 # -- fan-out --------------------------------------------------------------------------
@@ -199,3 +201,30 @@ def test_a_watch_answer_goes_to_local_clients_as_the_answer_and_below_with_the_s
     assert out == [("a", None, encode_bytes(b"v")), ("b", below, state + encode_bytes(b"v"))]
     with pytest.raises(LinkError):
         watch_answers(u, b"\x07")
+
+
+class _Ticket:
+    """A relayed WAIT's ticket (hub.session.Ticket): its client is the link client."""
+
+    def __init__(self, client):
+        self.client = client
+
+
+def test_a_relayed_clients_wait_does_not_fold_ahead_of_its_own_earlier_request():
+    """A relaying proxy sees one link client's requests under the client itself (an
+    ADD) and under a ticket per WAIT: they are one client's, in order."""
+    link = "link-client"
+    pending = [(_Ticket(link), b"", (WAIT, (b"k1",))), (link, b"", (ADD, b"n", 1)), (_Ticket(link), b"", (WAIT, (b"k2",)))]
+    plan = plan_batch(pending)
+    assert [u.request()[0] for u in plan.ops] == [WAIT, ADD, WAIT] and not plan.ops[0].members
+
+
+def test_a_waits_entry_holds_no_more_keys_than_one_request_may():
+    plan = plan_batch([(str(i), b"", (WAIT, (b"k%d" % i,))) for i in range(7)], PlanLimits(max_keys=3))
+    assert [1 + len(u.members or ()) for u in plan.ops] == [3, 3, 1]
+
+
+def test_an_append_run_is_planned_in_linear_time():
+    plan = plan_batch([("a", b"", (APPEND, b"k", b"x"))] * 20000)
+    (u,) = plan.ops
+    assert u.fold.value_bytes == 20000 and u.request() == (APPEND, b"k", b"x" * 20000)

@@ -42,26 +42,10 @@ KNOWN_BUGS = {
                       "a SET before it is lost",
     "reply-order": "a node front-end answers PING and CANCEL_WAIT at once, ahead of the same client's earlier "
                    "requests still upstream: the answers come out of order",
-    "empty-multi-set": "a MULTI_SET of no keys through a node proxy raises IndexError in the proxy "
-                       "(_contended) and the client is disconnected; torch accepts it",
-    "add-overflow-merge": "a node proxy merges pipelined ADDs to one key whose sum leaves int64: struct.error "
-                          "in _flush, the batch is dropped, its ADDs never answered, and the proxy's next "
-                          "batch is refused by the store host (unknown client): the proxy exits (issue 32, 2)",
-    "append-merge-past-limit": "a node proxy merges two pipelined 5 MiB APPENDs to one key into a 10 MiB APPEND; "
-                               "the store host refuses it and ends the link: the proxy exits with status 3 "
-                               "(issue 32, 1)",
-    "barrier-overflow": "BARRIER on a key holding INT64_MAX: tierrun counts to 2**63 (a Python int) and "
-                        "releases at once, storing b'9223372036854775808'; torch's count wraps to INT64_MIN, "
-                        "below any world size: it waits (tierrun/core/store.py _barrier does not wrap as "
-                        "_add does)",
     "unacked-bytes-limit": "a client pipelining 40 SETs of 8 MiB (legal, one by one) through a node proxy: the "
                            "link's unacknowledged frames pass LinkConfig.max_unacked_bytes (256 MiB) before the "
                            "store host's next ACK, the proxy takes the store host for dead ('stopped "
                            "acknowledging') and drops every client (about 1 run in 3; no fold involved)",
-    "tree-reply-order": "through stacked proxies (tree), the answers to one client's pipelined requests "
-                        "sometimes come out of order: a WAIT's (or CHECK's) answer ahead of the same client's "
-                        "earlier GET or ADD, or an ADD's ahead of an earlier CHECK (a few runs in 10-20; timing "
-                        "and proxy state); no torch client pipelines reads after answered requests",
 }
 
 

@@ -453,7 +453,7 @@ class StoreCore:
     def _barrier(self, req: Request, waiter: Waiter) -> bytes | None:
         _, key, world_size = req
         current = self._data.get(key)
-        count = 1 if current is None else parse_counter(current, key) + 1
+        count = 1 if current is None else _wrap_i64(parse_counter(current, key) + 1)  # (as torch's count wraps)
         self._data[key] = str(count).encode()
         if key in self._watched:
             self._break_watches(key)

@@ -7,8 +7,10 @@ deferred answers (WAIT, BARRIER) of the link woken meanwhile; deferred answers w
 other links' batches leave together at the end of the loop iteration: one frame per
 link, however many waiters a write released.
 
-A request past the store's limits fails its client alone (its front-end closes it, as
-torch's server closes such a client); a malformed batch ends the session.
+A request entry past the store's limits fails its client(s) alone (their front-end closes
+them, as torch's server closes such a client; a write with no answer is dropped with a
+log line: front-ends plan with the store's limits, so only a front-end that does not
+sends one); a malformed batch ends the session.
 """
 
 from __future__ import annotations
@@ -67,7 +69,7 @@ class RemoteClient:
     of its deferred answers. A WAIT or BARRIER waits under a :class:`Ticket` of its
     own, so any number may wait at once; a front-end's link upstream (a stacked
     front-end) also defers every other answer, delivered in request order. It
-    ``relay``\ s: its requests are a whole subtree's (see ``LinkUpstream._contended``)."""
+    relays: its requests are a whole subtree's (see ``tier.hold.HoldPolicy.contended``)."""
 
     __slots__ = ("session", "upstream", "pending", "tickets")
     relay = True

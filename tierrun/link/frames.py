@@ -98,7 +98,8 @@ _session = struct.Struct("<16sBQ")
 _u64 = struct.Struct("<Q")
 SESSION_ID_BYTES = 16
 
-#: Largest frame accepted: a batch of many maximal requests still fits.
+#: Largest frame accepted: two maximal requests (Limits.max_request_bytes) fit; a
+#: larger batch leaves as several frames.
 DEFAULT_MAX_FRAME = 512 * 1024 * 1024
 #: Largest frame accepted before the peer has authenticated (HELLO/AUTH/WELCOME/SESSION/
 #: ERROR): an unauthenticated peer cannot make us buffer more than this.

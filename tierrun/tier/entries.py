@@ -1,5 +1,6 @@
 """A plan's operations as link entries: request ids, link client ids (an OPEN entry for
-a namespace's first), and BATCH frames that never pass a frame's size. No I/O."""
+a namespace's first), and BATCH frames: a batch past a frame's size leaves as several
+(a single entry is at most one request, which the limits keep below a frame). No I/O."""
 
 from __future__ import annotations
 

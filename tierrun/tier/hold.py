@@ -66,6 +66,8 @@ class HoldPolicy:
     def contended(self, waiter: Any, ns: bytes, req: Request, now: float) -> bool:
         """Whether this write's family was written by another client within
         ``CONTENDED_WITHIN`` seconds; notes this write. O(key)."""
+        if req[0] == Op.MULTI_SET and not req[1]:
+            return False  # (no keys: nothing to hold for)
         k = family(ns, req[1][0] if req[0] == Op.MULTI_SET else req[1])
         writers = self._family_writer
         if len(writers) >= MAX_FAMILIES:

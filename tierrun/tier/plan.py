@@ -25,8 +25,8 @@ too: it has no answer, but the client's next answer tells it the SET was done.
 **A merge never builds what a single request may not** (:class:`PlanLimits`): a fold
 or run that would pass the keys per request, the value bytes, the request bytes the
 store host accepts, or (a MULTI_GET) could answer with more than a link frame holds,
-is closed and the request starts a new one. So the store host refuses only what a
-client sent as it is, and that fails that client alone.
+is closed and the request starts a new one. Planned with the store host's limits, a
+merged request is refused only if one of its requests alone would be.
 
 Reads that watch their key (see :mod:`.watches`) come marked: ``(WATCH_MARK, request,
 watcher)`` and the like; they merge only with their like. Cost: O(keys of the batch's
@@ -67,27 +67,35 @@ def wrap_i64(n: int) -> int:
 
 @dataclass(frozen=True)
 class PlanLimits:
-    """What one merged request may hold: the store host's limits on a single request."""
+    """What one merged request may hold: a single request's limits at the store host
+    (a proxy plans with the limits the store host announced when it linked, else its
+    own), and the link's largest frame."""
 
     #: Most requests (keys, in a SET fold) in one fold.
     max_fold: int = 1024
     max_keys: int = Limits.max_keys_per_request
+    max_key_bytes: int = Limits.max_key_bytes
     max_value_bytes: int = Limits.max_value_bytes
     max_request_bytes: int = Limits.max_request_bytes
     #: Most bytes of a link frame; a MULTI_GET fold's answer (up to ``max_value_bytes``
     #: a key) must fit one.
     max_frame_bytes: int = DEFAULT_MAX_FRAME
+    max_get_fold: int = field(init=False, repr=False, compare=False)
+    max_entry_keys: int = field(init=False, repr=False, compare=False)
 
     @classmethod
     def of(cls, limits: Limits, max_frame_bytes: int = DEFAULT_MAX_FRAME, max_fold: int = 1024) -> PlanLimits:
-        return cls(max_fold, limits.max_keys_per_request, limits.max_value_bytes, limits.max_request_bytes,
-                   max_frame_bytes)
+        return cls(max_fold=max_fold, max_keys=limits.max_keys_per_request, max_key_bytes=limits.max_key_bytes,
+                   max_value_bytes=limits.max_value_bytes, max_request_bytes=limits.max_request_bytes,
+                   max_frame_bytes=max_frame_bytes)
 
-    @property
-    def max_get_fold(self) -> int:
-        """GETs in one MULTI_GET: its answer, whatever the values, fits in a frame."""
-        return max(1, min(self.max_fold, self.max_keys,
-                          (self.max_frame_bytes // 2) // (self.max_value_bytes + _ITEM_HEAD + 32)))
+    def __post_init__(self) -> None:
+        # (per request of a batch: computed once)
+        #: GETs in one MULTI_GET: its answer, whatever the values, fits in a frame.
+        object.__setattr__(self, "max_get_fold", max(1, min(
+            self.max_fold, self.max_keys, (self.max_frame_bytes // 2) // (self.max_value_bytes + _ITEM_HEAD + 32))))
+        #: One-key WAITs (and watching reads) in one WAITS entry.
+        object.__setattr__(self, "max_entry_keys", max(1, min(self.max_fold, self.max_keys)))
 
 
 class Fold:
@@ -95,7 +103,7 @@ class Fold:
     values, or which value each GET waiter gets), or an APPEND's pieces; ``size``: the
     encoded bytes of the request it makes."""
 
-    __slots__ = ("keys", "values", "slot", "picks", "size")
+    __slots__ = ("keys", "values", "slot", "picks", "size", "value_bytes")
 
     def __init__(self, u: UpOp) -> None:
         req = u.req
@@ -109,6 +117,7 @@ class Fold:
             self.slot = {req[1]: 0}  # GET: key -> index of its value
             self.picks = [0] * len(u.waiters)  # GET: per waiter, the index of its value
         self.size = request_size(req)
+        self.value_bytes = len(req[2]) if req[0] == Op.APPEND else 0  # (an APPEND run's value so far)
 
     def request(self, op: int) -> Request:
         if op == Op.SET or op == Op.MULTI_SET:
@@ -215,7 +224,7 @@ def plan_batch(pending: list[tuple[Any, bytes, Request]], limits: PlanLimits = P
 
 
 class _Planner:
-    __slots__ = ("limits", "plan", "open_reads", "reads_on", "runs", "folds", "last_touch", "last_write")
+    __slots__ = ("limits", "plan", "open_reads", "reads_on", "runs", "folds", "last_touch", "last_write", "last")
 
     def __init__(self, limits: PlanLimits) -> None:
         self.limits = limits
@@ -226,6 +235,7 @@ class _Planner:
         self.folds: dict[tuple[int, bytes], UpOp] = {}  # (SET|GET|WAIT|mark, ns): the latest fold
         self.last_touch: dict[tuple[bytes, bytes], int] = {}  # (ns, key): place of the last request on it
         self.last_write: dict[tuple[bytes, bytes], int] = {}
+        self.last = -1  # place of the batch's last request (nothing after it needs its keys noted)
 
     def touched(self, ns: bytes, keys, write: bool) -> None:
         # (O(keys) only while an ADD run or a read is open)
@@ -249,9 +259,11 @@ class _Planner:
     def run(self, pending: list[tuple[Any, bytes, Request]]) -> Plan:
         last_of: dict[Any, int] = {}  # client: place of its last request
         plan = self.plan
+        self.last = len(pending) - 1
         for i, (waiter, ns, req) in enumerate(pending):
-            since = last_of.get(waiter, -1)  # this client's previous request
-            last_of[waiter] = i
+            client = getattr(waiter, "client", waiter)  # (a relayed WAIT's ticket: its link client's)
+            since = last_of.get(client, -1)  # this client's previous request
+            last_of[client] = i
             op = req[0]
             if op < 0:
                 self.watching(i, since, waiter, ns, req)
@@ -276,7 +288,7 @@ class _Planner:
         """May a request of a client whose previous one stands at ``since``, on key
         ``k``, join fold ``f`` (its WAITS entry, if ``members``)?"""
         return (f is not None and since < f.pos and self.last_write.get(k, -1) < f.pos
-                and (not members or len(f.members or ()) < self.limits.max_fold))
+                and (not members or len(f.members or ()) + 1 < self.limits.max_entry_keys))
 
     def watching(self, i: int, since: int, waiter: Any, ns: bytes, req: Request) -> None:
         """A read that also watches its key: merged only with its like."""
@@ -331,8 +343,12 @@ class _Planner:
         dk = (ns, op, tuple(keys))  # (keys may come as a list from in-process callers)
         same = self.open_reads.get(dk)
         self.touched(ns, keys, write=False)
-        for k in keys or (ALL_KEYS,):
-            self.last_touch[(ns, k)] = i
+        # (O(keys), but not for the batch's last request: one agent's MULTI_GET of every
+        # node's key, alone, walks none)
+        bookkeeping = i != self.last or plan.fetched
+        if bookkeeping:
+            for k in keys or (ALL_KEYS,):
+                self.last_touch[(ns, k)] = i
         if same is not None and since < same.pos:
             same.waiters.append(waiter)
             if same.fold is not None:
@@ -375,8 +391,9 @@ class _Planner:
         elif op == Op.GET:
             self.folds[(Op.GET, ns)] = u
         self.open_reads[dk] = u
-        for k in keys or (ALL_KEYS,):
-            self.read_on((ns, k), dk)
+        if bookkeeping:
+            for k in keys or (ALL_KEYS,):
+                self.read_on((ns, k), dk)
         plan.ops.append(u)
 
     def add_or_append(self, i: int, since: int, pending: list, waiter: Any, ns: bytes, req: Request) -> None:
@@ -394,11 +411,12 @@ class _Planner:
                 self.runs[rk] = run
                 return
             fold = run.fold or Fold(run)
-            size = sum(map(len, fold.values)) + len(req[2])
-            if size <= self.limits.max_value_bytes and fold.size + len(req[2]) <= self.limits.max_request_bytes:
+            n = len(req[2])
+            if fold.value_bytes + n <= self.limits.max_value_bytes and fold.size + n <= self.limits.max_request_bytes:
                 run.fold = fold
                 fold.values.append(req[2])
-                fold.size += len(req[2])
+                fold.size += n
+                fold.value_bytes += n
                 plan.counts.merged_appends += 1
                 self.runs[rk] = run
                 return
@@ -422,8 +440,9 @@ class _Planner:
             joins = (len(fold.keys) + len(keys) <= min(limits.max_fold, limits.max_keys)
                      and fold.size + size <= limits.max_request_bytes)
         self.touched(ns, keys, write=True)
-        for k in keys:
-            last_touch[(ns, k)] = self.last_write[(ns, k)] = i
+        if i != self.last:  # (an agent's MULTI_SET of every node's key, alone: no need)
+            for k in keys:
+                last_touch[(ns, k)] = self.last_write[(ns, k)] = i
         if joins:
             f.fold = fold  # type: ignore[union-attr]
             if req[0] == Op.SET:
@@ -463,7 +482,7 @@ def plan_peeks(plan: Plan, ns: bytes, keys: list[bytes], peeking, limits: PlanLi
         u.watchers = []
         u.fetch = PEEKS
         new.append(u)
-        if f is not None and len(f.members or ()) < limits.max_fold:
+        if f is not None and len(f.members or ()) + 1 < limits.max_entry_keys:
             f.members = f.members or []
             f.members.append(u)
         else:

@@ -21,9 +21,12 @@ _TRAILING_NUMBER = re.compile(rb"[0-9]{1,18}\Z")
 
 
 class ReadAhead:
-    __slots__ = ("_peeked", "_lookahead_of")
+    """``max_key_bytes``: keys longer are never read ahead (the store host would refuse them)."""
 
-    def __init__(self) -> None:
+    __slots__ = ("_peeked", "_lookahead_of", "max_key_bytes")
+
+    def __init__(self, max_key_bytes: int) -> None:
+        self.max_key_bytes = max_key_bytes
         self._peeked: dict[tuple[bytes, bytes], None] = {}  # keys fetched or read ahead before (not again)
         #: (ns, a key name less its trailing number) -> how many keys it last read ahead
         self._lookahead_of: dict[tuple[bytes, bytes], int] = {}
@@ -53,8 +56,11 @@ class ReadAhead:
             sizes.clear()
         size = sizes[(ns, base)] = min(2 * sizes.get((ns, base), LOOKAHEAD // 2), MAX_LOOKAHEAD)
         ahead = []
+        longest = self.max_key_bytes
         for i in range(n + 1, n + 1 + size):
             k = (ns, base + str(i).encode())
+            if len(k[1]) > longest:
+                break
             if k not in peeked and k not in skip:
                 peeked[k] = None
                 ahead.append(k[1])

@@ -8,7 +8,7 @@ frame (several, past a frame's size) and executed atomically, in order, by the c
 a batch opening with a contended write is held (:mod:`.hold`). Every request of a
 namespace travels under one link client id (opened once per session), whoever sent it;
 the core matches answers by request id. Each WAIT or BARRIER waits at the core on its
-own, so a client's CANCEL_WAIT (answered here, as torch's server answers it) cancels
+own, so a client's CANCEL_WAIT (answered here at once, with torch's answer) cancels
 only what that client waits for: a CANCEL entry once nobody waits under the upstream
 request any more.
 
@@ -73,7 +73,7 @@ class LinkUpstream(SessionEnd):
         self._batches_awaiting: set[int] = set()
         self.stats = CoalescingStats()
         self.watches = WatchCache()
-        self._readahead = ReadAhead()
+        self._readahead = ReadAhead(self.limits.max_key_bytes)
         self._hold_policy = HoldPolicy(self.config.contended_write_hold)
         self._unanswered: dict[Waiter, int] = {}  # client -> its requests awaiting answers
         self._unconfirmed: set[Waiter] = set()  # clients whose last request has no answer
@@ -401,7 +401,13 @@ class LinkUpstream(SessionEnd):
                 self._watch_answered(u, data)
                 continue
             group = u.group
-            for w, answer in fanout.answers(u, data):
+            try:
+                out = fanout.answers(u, data)
+            except Exception:  # (not the answer asked for: the session ends; its clients too)
+                for w in u.waiters:
+                    w.drop("the store host's answer did not match the request")  # type: ignore[attr-defined]
+                raise
+            for w, answer in out:
                 if group:
                     self._wait_of.pop(w, None)
                 answered(w)
@@ -411,7 +417,12 @@ class LinkUpstream(SessionEnd):
         """A watching read's answer: keep the state (the watch is on until
         invalidated), answer local clients with the request's answer and front-ends
         below with both."""
-        watched, value, out = fanout.watch_answers(u, data)
+        try:
+            watched, value, out = fanout.watch_answers(u, data)
+        except Exception:  # (see on_replies)
+            for w in u.waiters:
+                w.drop("the store host's answer did not match the request")  # type: ignore[attr-defined]
+            raise
         self.watches.answered(u, watched, value)
         if u.fetch == PEEKS and not watched:
             self._readahead.past_end(*u.wkey)  # type: ignore[misc]
