@@ -43,10 +43,12 @@ class JobStore:
     saying what is unreachable (the launcher prints it as one line)."""
 
     def __init__(self, host: str, port: int, hosting: bool, timeout: timedelta,
-                 token: str | None = None, store_workers: int = 1,
+                 token: bytes | str | None = None, store_workers: int = 1,
                  tree: TreePlace | None = None, link_config: LinkConfig = LinkConfig(),
                  host_fallback: str = "port_in_use") -> None:
-        """``link_config``: the link timings of the store processes it starts, which read
+        """``token``: the job token (tiered when given), which the store processes this
+        agent starts get through a pipe, not their environment (none of them inherits a
+        secret variable); ``link_config``: the link timings of the store processes it starts, which read
         them from the environment they inherit (give ``Settings.link``);
         ``host_fallback``: what a ``hosting`` node does when its store cannot start
         (``start``): ``"any"`` (its hosting was inferred, torch's c10d rule): become a
@@ -59,7 +61,7 @@ class JobStore:
         self.hosting = hosting
         self.host_fallback = host_fallback
         self.timeout = timeout
-        self.token = token
+        self.token = token.encode() if isinstance(token, str) else token
         self.store_workers = store_workers
         self.tree = tree if token is not None else None
         self.link_config = link_config
@@ -90,7 +92,7 @@ class JobStore:
                 extra = ["--link-listen", f"{_bracket(tree.addr)}:0"]
             proxy = StoreProcess(
                 host=PROXY_HOST, port=0, unix=f"@tierrun-proxy-{os.getpid()}-{secrets.token_hex(4)}",
-                controlled=True, command="proxy", env=store_process_env(self.token),
+                controlled=True, command="proxy", env=store_process_env(), token=self.token,
                 extra_args=["--upstream", upstream,
                             "--connect-timeout", str(self.timeout.total_seconds()), *extra],
                 start_timeout=self.timeout.total_seconds() + 10,
@@ -197,7 +199,7 @@ class JobStore:
         # tiered, the store process is this node's front-end too (unless this node takes
         # other nodes' links in a store tree: a proxy of its own does that)
         node = self.tiered and (self.tree is None or not self.tree.has_children)
-        proc = StoreProcess(host=None, port=self.port, controlled=True, env=store_process_env(self.token),
+        proc = StoreProcess(host=None, port=self.port, controlled=True, env=store_process_env(), token=self.token,
                             extra_args=self._store_args(),
                             node_frontend_unix=f"@tierrun-proxy-{os.getpid()}-{secrets.token_hex(4)}" if node else None)
         try:
@@ -278,15 +280,17 @@ class JobStore:
         self.proxy = self.root = None
 
 
-def token_from(config: dict, settings: Settings) -> str | None:
+def token_from(config: dict, settings: Settings) -> bytes | None:
     """The job token when ``--rdzv_conf tiered=1`` (set by ``--tiered``), else None.
-    Raises ValueError when there is none, ``OSError`` if its file cannot be read."""
+    Raises ValueError when there is none or its file is empty, ``OSError`` if its file
+    cannot be read."""
     if str(config.get("tiered", "0")).lower() not in ("1", "true"):
         return None
     token = settings.job_token()
     if token is None:
-        raise ValueError("tiered wire-up needs a job token: set TIERRUN_TOKEN on every node")
-    return token.decode()
+        raise ValueError("tiered wire-up needs a job token: give every node the same secret, in a file "
+                         "named by TIERRUN_TOKEN_FILE (or in TIERRUN_TOKEN)")
+    return token
 
 
 @dataclass(frozen=True)
