@@ -58,5 +58,12 @@ def test_kubernetes_manifest_is_consistent():
     assert args.master_addr == f"{job['metadata']['name']}-0.{service['metadata']['name']}"
     assert args.master_port == service["spec"]["ports"][0]["port"]
     assert args.training_script == "train.py"
-    token = next(e for e in container["env"] if e["name"] == "TIERRUN_TOKEN")
-    assert "secretKeyRef" in token["valueFrom"]
+    # the token: a Secret mounted read-only, 0400, named by TIERRUN_TOKEN_FILE; no secret in the env
+    assert not any("valueFrom" in e for e in container["env"]), container["env"]
+    token_file = next(e["value"] for e in container["env"] if e["name"] == "TIERRUN_TOKEN_FILE")
+    mount = next(m for m in container["volumeMounts"] if token_file.startswith(m["mountPath"] + "/"))
+    assert mount["readOnly"] is True
+    volume = next(v for v in pod["volumes"] if v["name"] == mount["name"])
+    assert volume["secret"]["defaultMode"] == 0o400
+    # the key the guide's `kubectl create secret ... --from-literal=token=` makes is the file's name
+    assert token_file == f"{mount['mountPath']}/token" and volume["secret"]["secretName"] == "tierrun-token"

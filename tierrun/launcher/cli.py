@@ -113,11 +113,14 @@ def prepare(argv: list[str], settings: Settings):
 def _job_token(settings: Settings, local_addr: str | None) -> bytes | None:
     """The job token the environment gives (``Settings.job_token``); raises
     ``SettingsError`` saying which node cannot read its token file, and what to check."""
+    node = local_addr or socket.gethostname()
     try:
         return settings.job_token()
+    except SettingsError as e:
+        raise SettingsError(f"node {node}: {e}") from None
     except OSError as e:
         raise SettingsError(
-            f"node {local_addr or socket.gethostname()}: cannot read the job token file "
+            f"node {node}: cannot read the job token file "
             f"$TIERRUN_TOKEN_FILE={settings.token_file}: {e.strerror or e}. Check that the file (a "
             "mounted Secret, a file written before srun) exists on this node and that this user "
             "can read it") from None
