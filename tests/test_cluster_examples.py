@@ -18,12 +18,14 @@ ROOT = Path(__file__).resolve().parents[1]
 
 def test_slurm_batch_script_runs_a_tiered_job(tmp_path):
     """sbatch --nodes=3 examples/slurm/tierrun.sbatch: srun starts one tierrun agent per
-    node, node n1 (127.0.1.1) hosts the store, every node runs a proxy (tiered)."""
+    node, node n1 (127.0.1.1) hosts the store, every node runs a proxy (tiered), the job
+    token in a file the script writes and copies to every node (sbcast) before srun."""
     cluster = SlurmCluster(tmp_path / "slurm", nodes=3).start()
     try:
         env = dict(cluster.env, NPROC_PER_NODE="2", TIERRUN_PORT=str(free_port()), OMP_NUM_THREADS="1",
                    PYTHONUNBUFFERED="1", PYTHONPATH=os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")])))
-        env.pop("TIERRUN_TOKEN", None)  # the script makes one
+        env.pop("TIERRUN_TOKEN", None)  # the script makes one, in a file
+        env.pop("TIERRUN_TOKEN_FILE", None)
         log = tmp_path / "slurm.log"
         job_id, state, code = cluster.run_batch(
             ["--nodes=3", f"--output={log}", str(ROOT / "examples/slurm/tierrun.sbatch"),
@@ -38,6 +40,9 @@ def test_slurm_batch_script_runs_a_tiered_job(tmp_path):
     assert all(r["master"].startswith("127.0.0.1:") for r in rows)  # each node's proxy: tiered
     assert sorted(int(r["group_rank"]) for r in rows) == [0, 0, 1, 1, 2, 2]  # $SLURM_NODEID
     assert len(list((tmp_path / "logs" / job_id).iterdir())) == 3  # --log_dir per job id
+    # every node read the token file sbcast copied (no token derived from flags), removed after
+    assert "no job token" not in text and "Traceback" not in text, text[-3000:]
+    assert not Path(f"/tmp/tierrun-token-{job_id}").exists()
 
 
 def test_kubernetes_manifest_is_consistent():
