@@ -98,19 +98,32 @@ def test_the_link_port_takes_only_authenticated_links(tree):
     assert proxies["a"].stats()["links"] == 2
 
 
-def test_static_job_with_store_fanout_node0_sees_fanout_links(tmp_path):
-    """5 nodes, --store-fanout 2: node 0's front-end (in the store process, no link)
-    and node 1's link on the store host, nodes 2 and 3 link to node 1's proxy, node 4 to
-    node 2's."""
+def _static_job(tmp_path, name: str, *tree: object) -> tuple[list, float]:
+    """A 5-node static tiered job (``tree``: extra flags); its logs and wall time."""
     port = free_port()
-    logs = [tmp_path / f"node{k}.log" for k in range(5)]
+    logs = [tmp_path / f"{name}{k}.log" for k in range(5)]
     env = {"TIERRUN_TOKEN": "tree-job-token", "TIERRUN_LOG_LEVEL": "DEBUG"}
+    start = time.monotonic()
     procs = [tierrun("--nnodes", 5, "--rdzv_backend", "parallel", "--master_addr", "127.0.1.1",
-                     "--master_port", port, "--node_rank", k, "--tiered", "--store-fanout", 2,
+                     "--master_port", port, "--node_rank", k, "--tiered", *tree,
                      "--nproc_per_node", 1, "--local_addr", f"127.0.1.{k + 1}",
                      SCRIPTS / "collectives.py", log=logs[k], env=env) for k in range(5)]
     assert finish(procs) == [0] * 5, logs[4].read_text()[-3000:]
+    return logs, time.monotonic() - start
+
+
+def test_static_job_with_store_fanout_node0_sees_fanout_links_and_ends_as_flat_does(tmp_path):
+    """5 nodes, --store-fanout 2: node 0's front-end (in the store process, no link)
+    and node 1's link on the store host, nodes 2 and 3 link to node 1's proxy, node 4 to
+    node 2's. The job ends as a flat one does: every relay serves until its subtree has
+    left, and nobody warns (a relay that stopped first cut its subtree off: they waited
+    out the link's grace period, and node 0 called every node dead)."""
+    logs, tree_wall = _static_job(tmp_path, "tree", "--store-fanout", 2)
     check_world(results(*logs), 5, 15)
+    for log in logs:
+        assert "WARNING" not in log.read_text(), log.read_text()[-3000:]
+    _, flat_wall = _static_job(tmp_path, "flat")
+    assert tree_wall < flat_wall + 5, (tree_wall, flat_wall)  # (cut off: 15 s more)
     served = served_by_store_host(logs[0])
     # 1 link; nodes 2, 3 and 4 each looked up their parent once over a plain connection
     assert served["links_accepted"] == 1 and served["clients_accepted"] == 3

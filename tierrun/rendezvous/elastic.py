@@ -329,7 +329,7 @@ class ElasticRendezvousHandler(StoreRendezvousHandler):
 
     def shutdown(self) -> bool:
         self._run_shutdown_hooks()
-        self._stop_watching()
+        self._stop_watching(leaving=True)
         try:
             self.set_closed()
         except Exception:

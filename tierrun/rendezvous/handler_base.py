@@ -164,12 +164,17 @@ class StoreRendezvousHandler(RendezvousHandler):
         if outcome[0] is not None:
             raise outcome[0]
 
-    def _stop_watching(self) -> None:
+    def _stop_watching(self, leaving: bool = False) -> None:
+        """Stop the round's watch and heartbeat; ``leaving``: this agent is shutting down
+        in order, and tells the round's watchers so (see ``liveness.LEFT``)."""
         if self._watcher is not None:
             self._watcher.abort()
             self._watcher = None
         if self._heartbeat is not None:
-            self._heartbeat.stop()
+            if leaving and self.store_lost is None:
+                self._heartbeat.leave()
+            else:
+                self._heartbeat.stop()
             self._heartbeat = None
 
     @contextlib.contextmanager

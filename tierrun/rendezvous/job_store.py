@@ -278,6 +278,25 @@ class JobStore:
             return self.host, self.root.open_namespace(namespace)
         return None
 
+    def _drain(self, proc: StoreProcess) -> None:
+        """Keep a store process that other nodes link to (the store host, a relay of the
+        tree) up until their links have closed (they close them as they leave), at most
+        the link grace period: a node's path to the store must not end before the node
+        is done with it (its report, its last words to the watchers). Blocks; one stats
+        request every 50 ms."""
+        deadline = time.monotonic() + self.link_config.grace
+        while proc.exited() is None:
+            try:
+                if not proc.stats(timeout=2.0).get("links"):
+                    return
+            except StoreStartError:
+                return
+            if time.monotonic() > deadline:
+                log.warning("stopping the store %s with other nodes still linked to it (after %g s)",
+                            "host" if proc is self.root else "relay", self.link_config.grace)
+                return
+            time.sleep(0.05)
+
     def stop(self) -> None:
         self._client = None
         if self._watch is not None:
@@ -286,6 +305,7 @@ class JobStore:
         served = (("node proxy", self.proxy), ("store host", self.root))
         for _, proc in served:
             if isinstance(proc, StoreProcess):
+                self._drain(proc)
                 proc.stop()
         # (after both stopped: the store host's own front-end reports through its store)
         for name, proc in served:  # statistics: TIERRUN_LOG_LEVEL=DEBUG shows them

@@ -9,7 +9,9 @@ host, none of which a front-end can merge). A death goes unnoticed only if every
 watcher dies with it at once. A counter that has not moved for ``timeout`` seconds is
 a dead member: its watchers mark it, setting a round key on which every member holds
 a WAIT, and their agents restart their workers to re-form without it, even when those
-workers are stuck in a collective with the dead node.
+workers are stuck in a collective with the dead node. A member that leaves in order (its
+agent shuts down: its workers ended) sets its counter to ``LEFT`` first, and its watchers
+stop watching it without a word.
 
 Counters, not timestamps: nodes' clocks do not have to agree; each observer times
 the silence on its own monotonic clock. Beats fall on the wall clock's multiples of the
@@ -35,6 +37,8 @@ DEFAULT_INTERVAL = 1.0
 DEFAULT_TIMEOUT = 3.0
 #: Members (the lowest ranks) that watch all the others.
 WATCHERS = 3
+#: A member's counter once it left in order: not a death.
+LEFT = b"left"
 
 
 def watched_by(rank: int, me: int, members: range) -> list[int]:
@@ -97,6 +101,19 @@ class Heartbeat:
     def stop(self) -> None:
         self._stop.set()
 
+    def leave(self, timeout: float = 5.0) -> None:
+        """Stop, and tell the watchers this member left in order: its counter becomes
+        ``LEFT`` (one SET, on a connection of its own; blocks until it is sent, at most
+        ``timeout`` seconds; store errors are ignored: a member whose store is gone is
+        not watched through it any more)."""
+        self._stop.set()
+        try:
+            with StoreClient(self._address, timeout=timeout) as store:
+                store.set(self._key(f"beat/{self._index}"), LEFT)
+                store.check([self._key(f"beat/{self._index}")])  # (an answer: the SET was taken)
+        except (OSError, StoreClientError):
+            log.debug("member %d could not say it left", self._index, exc_info=True)
+
     def _run(self) -> None:
         interval = self._interval
         mine = self._key(f"beat/{self._index}")
@@ -113,6 +130,9 @@ class Heartbeat:
                         members = list(theirs)
                         # (a member that has not beaten yet reads as empty: still too)
                         values = store.multi_get([theirs[m] for m in members], wait=False)
+                        for m, value in zip(members, values):
+                            if value == LEFT:
+                                del theirs[m]
                         still.sample(dict(zip(members, values)), now)
                         for m in sorted(still.still(now) & theirs.keys()):
                             del theirs[m]  # once: the round is ending

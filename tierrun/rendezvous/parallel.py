@@ -212,7 +212,7 @@ class ParallelRendezvousHandler(StoreRendezvousHandler):
 
     def shutdown(self) -> bool:
         self._run_shutdown_hooks()
-        self._stop_watching()
+        self._stop_watching(leaving=True)
         self.job.stop()
         return True
 
