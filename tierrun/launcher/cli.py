@@ -143,7 +143,6 @@ def main(argv: list[str]) -> int:
     except (UsageError, SettingsError) as e:
         print(f"tierrun: error: {e}", file=sys.stderr)
         return 2
-
     except MissingExtraError as e:
         print(f"tierrun: error: {e}", file=sys.stderr)
         return 1

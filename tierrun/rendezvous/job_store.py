@@ -50,8 +50,8 @@ class JobStore:
                  host_fallback: str = "port_in_use", node: str | None = None) -> None:
         """``token``: the job token (tiered when given), which the store processes this
         agent starts get through a pipe, not their environment (none of them inherits a
-        secret variable); ``link_config``: the link timings of the store processes it starts, which read
-        them from the environment they inherit (give ``Settings.link``);
+        secret variable); ``link_config``: the link timings of the store processes it
+        starts, which read them from the environment they inherit (give ``Settings.link``);
         ``host_fallback``: what a ``hosting`` node does when its store cannot start
         (``start``): ``"any"`` (its hosting was inferred, torch's c10d rule): become a
         client of ``host:port`` whatever the reason; ``"port_in_use"``: only when the port
