@@ -18,12 +18,14 @@ ROOT = Path(__file__).resolve().parents[1]
 
 def test_slurm_batch_script_runs_a_tiered_job(tmp_path):
     """sbatch --nodes=3 examples/slurm/tierrun.sbatch: srun starts one tierrun agent per
-    node, node n1 (127.0.1.1) hosts the store, every node runs a proxy (tiered)."""
+    node, node n1 (127.0.1.1) hosts the store, every node runs a proxy (tiered), the job
+    token in a file the script writes and copies to every node (sbcast) before srun."""
     cluster = SlurmCluster(tmp_path / "slurm", nodes=3).start()
     try:
         env = dict(cluster.env, NPROC_PER_NODE="2", TIERRUN_PORT=str(free_port()), OMP_NUM_THREADS="1",
                    PYTHONUNBUFFERED="1", PYTHONPATH=os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")])))
-        env.pop("TIERRUN_TOKEN", None)  # the script makes one
+        env.pop("TIERRUN_TOKEN", None)  # the script makes one, in a file
+        env.pop("TIERRUN_TOKEN_FILE", None)
         log = tmp_path / "slurm.log"
         job_id, state, code = cluster.run_batch(
             ["--nodes=3", f"--output={log}", str(ROOT / "examples/slurm/tierrun.sbatch"),
@@ -38,6 +40,9 @@ def test_slurm_batch_script_runs_a_tiered_job(tmp_path):
     assert all(r["master"].startswith("127.0.0.1:") for r in rows)  # each node's proxy: tiered
     assert sorted(int(r["group_rank"]) for r in rows) == [0, 0, 1, 1, 2, 2]  # $SLURM_NODEID
     assert len(list((tmp_path / "logs" / job_id).iterdir())) == 3  # --log_dir per job id
+    # every node read the token file sbcast copied (no token derived from flags), removed after
+    assert "no job token" not in text and "Traceback" not in text, text[-3000:]
+    assert not Path(f"/tmp/tierrun-token-{job_id}").exists()
 
 
 def test_kubernetes_manifest_is_consistent():
@@ -58,5 +63,12 @@ def test_kubernetes_manifest_is_consistent():
     assert args.master_addr == f"{job['metadata']['name']}-0.{service['metadata']['name']}"
     assert args.master_port == service["spec"]["ports"][0]["port"]
     assert args.training_script == "train.py"
-    token = next(e for e in container["env"] if e["name"] == "TIERRUN_TOKEN")
-    assert "secretKeyRef" in token["valueFrom"]
+    # the token: a Secret mounted read-only, 0400, named by TIERRUN_TOKEN_FILE; no secret in the env
+    assert not any("valueFrom" in e for e in container["env"]), container["env"]
+    token_file = next(e["value"] for e in container["env"] if e["name"] == "TIERRUN_TOKEN_FILE")
+    mount = next(m for m in container["volumeMounts"] if token_file.startswith(m["mountPath"] + "/"))
+    assert mount["readOnly"] is True
+    volume = next(v for v in pod["volumes"] if v["name"] == mount["name"])
+    assert volume["secret"]["defaultMode"] == 0o400
+    # the key the guide's `kubectl create secret ... --from-literal=token=` makes is the file's name
+    assert token_file == f"{mount['mountPath']}/token" and volume["secret"]["secretName"] == "tierrun-token"

@@ -6,9 +6,11 @@ import sys
 
 import pytest
 
+from tierrun import settings as settings_module
 from tierrun.link.config import LinkConfig
 from tierrun.settings import (
     FRONTEND_TOKEN, Settings, SettingsError, frontend_process_env, store_process_env, take_frontend_token,
+    without_secrets,
 )
 
 
@@ -56,13 +58,51 @@ def test_the_token_file_is_read_only_when_a_token_is_asked_for(tmp_path):
         settings.job_token()
 
 
-def test_child_environments(monkeypatch):
+def test_child_environments_hold_no_secret(monkeypatch):
     monkeypatch.setenv("TIERRUN_TOKEN", "inherited")
-    assert store_process_env(None)["TIERRUN_TOKEN"] == "inherited"
-    assert store_process_env("given")["TIERRUN_TOKEN"] == "given"
-    env = frontend_process_env(b"\x01\xff")
-    assert env[FRONTEND_TOKEN] == "01ff" and env["TIERRUN_TOKEN"] == "inherited"
-    assert FRONTEND_TOKEN not in os.environ
+    monkeypatch.setenv("TIERRUN_ETCD_PASSWORD", "pw")
+    monkeypatch.setenv("TIERRUN_TOKEN_FILE", "/run/token")  # (a name, no secret)
+    for env in (store_process_env(), frontend_process_env(b"\x01\xff"), without_secrets()):
+        assert "TIERRUN_TOKEN" not in env and "TIERRUN_ETCD_PASSWORD" not in env
+        assert env["TIERRUN_TOKEN_FILE"] == "/run/token" and env["PATH"] == os.environ["PATH"]
+    assert frontend_process_env(b"\x01\xff")[FRONTEND_TOKEN] == "01ff"
+    assert FRONTEND_TOKEN not in os.environ and os.environ["TIERRUN_TOKEN"] == "inherited"
+
+
+def test_take_from_env_reads_then_removes_the_secrets():
+    environ = {"TIERRUN_TOKEN": "t0k", "TIERRUN_ETCD_PASSWORD": "", "TIERRUN_TOKEN_FILE": "/run/token",
+               "TIERRUN_LOG_LEVEL": "INFO", "PATH": "/bin"}
+    assert Settings.take_from_env(environ) == Settings(token="t0k", token_file="/run/token", etcd_password="",
+                                                       log_level="INFO")
+    assert environ == {"TIERRUN_TOKEN_FILE": "/run/token", "TIERRUN_LOG_LEVEL": "INFO", "PATH": "/bin"}
+    assert Settings.take_from_env(environ).token is None  # (a mapping of its own: nothing remembered)
+
+
+def test_take_from_env_remembers_what_it_took_from_this_process(monkeypatch):
+    """A second launch in one process still has the secrets; one set anew wins."""
+    monkeypatch.setattr(settings_module, "_taken", {})
+    monkeypatch.setenv("TIERRUN_TOKEN", "first")
+    monkeypatch.setenv("TIERRUN_ETCD_PASSWORD", "pw")
+    assert Settings.take_from_env().token == "first"
+    assert "TIERRUN_TOKEN" not in os.environ and "TIERRUN_ETCD_PASSWORD" not in os.environ
+    again = Settings.take_from_env()
+    assert (again.token, again.etcd_password) == ("first", "pw")
+    monkeypatch.setenv("TIERRUN_TOKEN", "second")
+    assert Settings.take_from_env().token == "second" and "TIERRUN_TOKEN" not in os.environ
+
+
+def test_take_from_env_removes_nothing_when_a_variable_is_unusable():
+    environ = {"TIERRUN_TOKEN": "t", "TIERRUN_LINK_TIMEOUT": "soon"}
+    with pytest.raises(SettingsError):
+        Settings.take_from_env(environ)
+    assert environ["TIERRUN_TOKEN"] == "t"
+
+
+def test_an_empty_token_file_is_an_error(tmp_path):
+    path = tmp_path / "token"
+    path.write_text(" \n")
+    with pytest.raises(SettingsError, match=r"TIERRUN_TOKEN_FILE=.*token is empty"):
+        Settings(token_file=str(path)).job_token()
 
 
 def test_the_frontend_token_is_taken_out_of_the_environment(monkeypatch):

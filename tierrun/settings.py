@@ -8,13 +8,21 @@ to the code they run, which never looks at the environment itself:
 - ``tierrun store``, ``tierrun proxy`` and the store's front-end processes
   (``tierrun.server.store_cli``).
 
+The launcher and the handler creators read them with :meth:`Settings.take_from_env`,
+which also takes the secret ones (``SECRETS``) out of the process's environment: torch's
+agent gives every training worker a copy of that environment, and a secret there ends
+up in whatever records a worker's environment (experiment trackers, crash reports, the
+shell of a data-loader's subprocess). The store processes the launcher starts get the
+job token through a pipe (``tierrun store --token-fd``), not their environment.
+
 The variables:
 
 ``TIERRUN_TOKEN``
-    The job token that authenticates the links between store processes.
+    The job token that authenticates the links between store processes (a secret).
 ``TIERRUN_TOKEN_FILE``
     A file holding the job token (surrounding whitespace ignored), when
-    ``TIERRUN_TOKEN`` is unset or empty.
+    ``TIERRUN_TOKEN`` is unset or empty: a mounted Kubernetes Secret, a file written
+    before ``srun``. Its name is no secret and stays in the environment.
 ``TIERRUN_LINK_HEARTBEAT``, ``TIERRUN_LINK_TIMEOUT``, ``TIERRUN_LINK_GRACE``,
 ``TIERRUN_LINK_BATCH_WINDOW``, ``TIERRUN_LINK_WRITE_HOLD``, ``TIERRUN_LINK_HOLD_GRID``
     A link's timings in seconds (``LinkConfig``'s ``heartbeat_interval``,
@@ -26,7 +34,8 @@ The variables:
 ``TIERRUN_LOG_LEVEL``
     The launcher's log level (DEBUG, INFO, WARNING, ERROR; default WARNING).
 ``TIERRUN_ETCD_PASSWORD``
-    The password of ``--rdzv_conf username=`` for the ``tierrun-etcd`` rendezvous.
+    The password of ``--rdzv_conf username=`` for the ``tierrun-etcd`` rendezvous (a
+    secret).
 ``TIERRUN_FRONTEND_TOKEN``
     Internal: the token a ``tierrun store --workers N`` process gives each front-end
     process it starts, for that process's link to it (hex).
@@ -35,7 +44,7 @@ The variables:
 from __future__ import annotations
 
 import os
-from collections.abc import Mapping
+from collections.abc import Mapping, MutableMapping
 from dataclasses import dataclass, field
 
 from .link.config import LinkConfig
@@ -45,6 +54,8 @@ TOKEN_FILE = "TIERRUN_TOKEN_FILE"
 LOG_LEVEL = "TIERRUN_LOG_LEVEL"
 ETCD_PASSWORD = "TIERRUN_ETCD_PASSWORD"
 FRONTEND_TOKEN = "TIERRUN_FRONTEND_TOKEN"
+#: The variables that hold secrets: no process tierrun starts inherits them.
+SECRETS = (TOKEN, ETCD_PASSWORD)
 #: ``LinkConfig`` field -> the variable that overrides its default.
 LINK_VARIABLES = {
     "heartbeat_interval": "TIERRUN_LINK_HEARTBEAT",
@@ -58,6 +69,11 @@ LINK_VARIABLES = {
 
 class SettingsError(ValueError):
     """A variable holds something tierrun cannot use; the message names it."""
+
+
+#: The secrets :meth:`Settings.take_from_env` took out of this process's environment, so
+#: that a second call (a second launch in one process) still finds them.
+_taken: dict[str, str] = {}
 
 
 @dataclass(frozen=True)
@@ -85,15 +101,42 @@ class Settings:
             etcd_password=environ.get(ETCD_PASSWORD),
         )
 
+    @classmethod
+    def take_from_env(cls, environ: MutableMapping[str, str] = os.environ) -> Settings:
+        """:meth:`from_env`, then remove the secret variables (``SECRETS``) from
+        ``environ`` (by default this process's environment), so that no process started
+        from then on inherits them: torch's agent copies ``os.environ`` into every
+        worker's. Secrets taken out of ``os.environ`` by an earlier call count as set
+        (unless set anew). Raises like :meth:`from_env`, and then removes nothing.
+
+        It cannot scrub what the kernel shows in ``/proc/<pid>/environ`` of this very
+        process (its environment at exec): a secret given in ``$TIERRUN_TOKEN`` stays
+        readable there by the same user; ``$TIERRUN_TOKEN_FILE`` leaves nothing there."""
+        taken = {name: environ[name] for name in SECRETS if name in environ}
+        if environ is os.environ:
+            taken = {**_taken, **taken}
+        settings = cls.from_env({**environ, **taken})
+        for name in SECRETS:
+            environ.pop(name, None)
+        if environ is os.environ:
+            _taken.update(taken)
+        return settings
+
     def job_token(self) -> bytes | None:
         """The job token: ``$TIERRUN_TOKEN``, else the contents of the file named by
-        ``$TIERRUN_TOKEN_FILE``, else None. Reads that file on each call (only callers
-        that need a token read it); raises ``OSError`` if it cannot be read."""
+        ``$TIERRUN_TOKEN_FILE`` (surrounding whitespace stripped), else None. Reads that
+        file on each call (only callers that need a token read it); raises ``OSError`` if
+        it cannot be read, :class:`SettingsError` if it holds nothing but whitespace (an
+        empty secret would let anyone in)."""
         if self.token:
             return self.token.encode()
         if self.token_file:
             with open(self.token_file, "rb") as f:
-                return f.read().strip()
+                token = f.read().strip()
+            if not token:
+                raise SettingsError(f"$TIERRUN_TOKEN_FILE={self.token_file} is empty: write the job's "
+                                    "secret in it (the same on every node)")
+            return token
         return None
 
 
@@ -114,25 +157,21 @@ def _number(variable: str, text: str, whole: bool) -> float | int:
         raise SettingsError(f"${variable}={text!r}: write {'a whole number' if whole else 'a number of seconds'}") from None
 
 
-def export_token(token: str) -> None:
-    """Set ``$TIERRUN_TOKEN`` in this process's environment: the launcher's way to hand
-    a token it made up to its rendezvous handlers and to every process it starts."""
-    os.environ[TOKEN] = token
+def without_secrets(environ: Mapping[str, str] = os.environ) -> dict[str, str]:
+    """A copy of ``environ`` without the secret variables (``SECRETS``)."""
+    return {name: value for name, value in environ.items() if name not in SECRETS}
 
 
-def store_process_env(token: str | None) -> dict[str, str]:
-    """The environment of a store process this process starts: its own, with
-    ``$TIERRUN_TOKEN`` set to ``token`` when given."""
-    env = dict(os.environ)
-    if token is not None:
-        env[TOKEN] = token
-    return env
+def store_process_env() -> dict[str, str]:
+    """The environment of a store process this process starts: its own without secrets
+    (it gets the job token through a pipe: ``StoreProcess(token=...)``)."""
+    return without_secrets()
 
 
 def frontend_process_env(token: bytes) -> dict[str, str]:
-    """The environment of one of the store's front-end processes: this process's, with
-    the token of that process's link in ``$TIERRUN_FRONTEND_TOKEN``."""
-    return {**os.environ, FRONTEND_TOKEN: token.hex()}
+    """The environment of one of the store's front-end processes: this process's without
+    secrets, with the token of that process's link in ``$TIERRUN_FRONTEND_TOKEN``."""
+    return {**without_secrets(), FRONTEND_TOKEN: token.hex()}
 
 
 def take_frontend_token() -> bytes:

@@ -59,9 +59,10 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument(
         "--tiered",
         action="store_true",
-        help="tierrun's spelling of --enable_tiered_parallel_tcpstore true. Across nodes, put "
-        "the same secret in $TIERRUN_TOKEN (or a file named by $TIERRUN_TOKEN_FILE) on every "
-        "node to authenticate the links.",
+        help="tierrun's spelling of --enable_tiered_parallel_tcpstore true. Across nodes, give "
+        "every node the same secret in a file named by $TIERRUN_TOKEN_FILE (or in $TIERRUN_TOKEN) "
+        "to authenticate the links; without one, a token derived from --rdzv_id and the store "
+        "endpoint guards against accidents only.",
     )
     parser.add_argument(
         "--store-workers",

@@ -6,8 +6,10 @@ import hashlib
 import logging
 import os
 import signal
+import socket
 import sys
 import uuid
+from dataclasses import replace
 from pathlib import Path
 
 from torch.distributed.elastic.multiprocessing.errors import ChildFailedError, record
@@ -20,18 +22,37 @@ from .. import rendezvous, torchrun_plugin
 from ..extras import MissingExtraError, require
 from ..link.auth import new_token
 from ..rendezvous.handler_base import JobStoppedError
-from ..settings import Settings, SettingsError, export_token
+from ..settings import Settings, SettingsError
 from .args import TIERRUN_BACKENDS, UsageError, build_parser, normalise
 from .devices import resolve_nproc_per_node
 from .reporting import JobReporting
 
 log = logging.getLogger("tierrun")
 
+#: Said once per node when a tiered job across nodes has no secret (torch_npu_run's flags).
+DERIVED_TOKEN_WARNING = (
+    "node %s: no job token (TIERRUN_TOKEN_FILE or TIERRUN_TOKEN), so the store links are "
+    "authenticated with a token derived from the job id %r and the store endpoint %s. That "
+    "guards against accidents (a node of another job, or started with another endpoint or "
+    "id, cannot join this job's store), not against attackers: anyone who knows the id "
+    "and endpoint (every node's command line shows them) can compute it. For a secret, "
+    "point TIERRUN_TOKEN_FILE at a file holding the same secret on every node (a "
+    "Kubernetes Secret, a file written before srun): see the guide's Security section."
+)
+
+
+def derived_token(run_id: str, endpoint: str) -> str:
+    """The job token of a tiered job given no secret: a hash of its id and store endpoint,
+    which every node knows from its flags, and so does anyone who sees them."""
+    return hashlib.sha256(f"tierrun:{run_id}:{endpoint}".encode()).hexdigest()
+
 
 def prepare(argv: list[str], settings: Settings):
     """Parse and check the flags; return torch's (LaunchConfig, entrypoint, args) and
-    this launch's reporting, attached to the agent. A job token it makes up is put in
-    this process's environment, for the rendezvous handlers and child processes."""
+    this launch's reporting, attached to the agent. The rendezvous handlers get
+    ``settings`` (with a job token it makes up), not the environment. Raises
+    ``UsageError``, ``SettingsError`` (a token file that is empty or cannot be read),
+    ``MissingExtraError``."""
     args = normalise(build_parser().parse_args(argv))
     if args.rdzv_backend == "tierrun-etcd":
         require("etcd", "--rdzv_backend tierrun-etcd", ("requests", "etcd3gw"))
@@ -55,18 +76,14 @@ def prepare(argv: list[str], settings: Settings):
         args.rdzv_conf = f"{args.rdzv_conf},{conf}" if args.rdzv_conf else conf
         args.node_rank = 0  # now in rdzv_conf; keeps torch from warning it is ignored
     if args.tiered:
-        if settings.job_token() is None:
+        if _job_token(settings, args.local_addr) is None:
             if args.standalone or args.nnodes.split(":")[-1] == "1":
-                export_token(new_token())  # one node: nobody else needs it
+                settings = replace(settings, token=new_token())  # one node: nobody else needs it
             else:
                 # torch_npu_run's flags carry no secret; stay drop-in, but say what it costs
-                identity = f"tierrun:{args.rdzv_id}:{args.rdzv_endpoint}"
-                export_token(hashlib.sha256(identity.encode()).hexdigest())
-                log.warning(
-                    "no job token: the store links are keyed by the job's endpoint and id, "
-                    "which stops mistakes, not attackers. Set TIERRUN_TOKEN to the same secret "
-                    "on every node (or TIERRUN_TOKEN_FILE) to authenticate them."
-                )
+                settings = replace(settings, token=derived_token(args.rdzv_id, args.rdzv_endpoint))
+                log.warning(DERIVED_TOKEN_WARNING, args.local_addr or socket.gethostname(),
+                            args.rdzv_id, args.rdzv_endpoint)
         if args.store_workers > 1:
             log.warning("--store-workers has no effect with tiered wire-up: the store host sees "
                         "only the nodes' links")
@@ -79,7 +96,7 @@ def prepare(argv: list[str], settings: Settings):
     elif args.timeline:
         log.warning("--timeline needs a tierrun rendezvous backend (tierrun or parallel); "
                     "with --rdzv_backend %s no timeline is written", args.rdzv_backend)
-    torchrun_plugin.register()
+    torchrun_plugin.register(settings)
     config, entrypoint, cmd_args = config_from_args(args)
     if args.rdzv_backend in TIERRUN_BACKENDS:  # (as torch resolved --nproc_per_node)
         config.rdzv_configs["local_world_size"] = config.nproc_per_node
@@ -93,6 +110,22 @@ def prepare(argv: list[str], settings: Settings):
     return config, entrypoint, cmd_args, reporting
 
 
+def _job_token(settings: Settings, local_addr: str | None) -> bytes | None:
+    """The job token the environment gives (``Settings.job_token``); raises
+    ``SettingsError`` saying which node cannot read its token file, and what to check."""
+    node = local_addr or socket.gethostname()
+    try:
+        return settings.job_token()
+    except SettingsError as e:
+        raise SettingsError(f"node {node}: {e}") from None
+    except OSError as e:
+        raise SettingsError(
+            f"node {node}: cannot read the job token file "
+            f"$TIERRUN_TOKEN_FILE={settings.token_file}: {e.strerror or e}. Check that the file (a "
+            "mounted Secret, a file written before srun) exists on this node and that this user "
+            "can read it") from None
+
+
 def _script_name(cmd_args: list[str]) -> str:
     """What the user launched (torch would name the worker_main module)."""
     rest = cmd_args[3:] if cmd_args[1:3] == ["-m", "tierrun.launcher.worker_main"] else cmd_args
@@ -104,7 +137,7 @@ def _script_name(cmd_args: list[str]) -> str:
 def main(argv: list[str]) -> int:
     logging.basicConfig(format="[tierrun] %(levelname)s %(message)s")
     try:
-        settings = Settings.from_env()
+        settings = Settings.take_from_env()  # (secrets out of the environment the workers copy)
         logging.getLogger("tierrun").setLevel(settings.log_level.upper())
         config, entrypoint, cmd_args, reporting = prepare(argv, settings)
     except (UsageError, SettingsError) as e:

@@ -372,6 +372,6 @@ def create_handler(params: RendezvousParameters, settings: Settings) -> Rendezvo
     job = JobStore(host, port, hosting=_hosts_store(host, params.local_addr) if is_host is None else is_host,
                    timeout=timeout, token=token_from(params.config, settings),
                    store_workers=store_workers_from(params.config), link_config=settings.link,
-                   host_fallback="any" if is_host is None else "never")
+                   host_fallback="any" if is_host is None else "never", node=params.local_addr)
     return ElasticRendezvousHandler(job, params.run_id, params.min_nodes, params.max_nodes,
                                     join_timeout, last_call, params.local_addr, params.config)

@@ -316,7 +316,7 @@ class EtcdRendezvousHandler(StoreRendezvousHandler):
                     self._use_store(JobStore(self.node_addr, self._store_port, hosting=True,
                                              timeout=self._store_timeout, token=self._token,
                                              store_workers=self._store_workers, host_fallback="never",
-                                             link_config=self._link_config))
+                                             link_config=self._link_config, node=self.node_addr))
                 except RendezvousConnectionError as e:
                     # the others re-form (without this node if it must host: it fails)
                     self._etcd.create(self._k(r, "sig/changed"), f"store host {self.node_addr} failed".encode())
@@ -345,7 +345,7 @@ class EtcdRendezvousHandler(StoreRendezvousHandler):
         if job is None or (job.host, job.port) != (where["host"], where["port"]) or job.lost() is not None:
             self._use_store(JobStore(where["host"], where["port"], hosting=False,
                                      timeout=self._store_timeout, token=self._token,
-                                     link_config=self._link_config))
+                                     link_config=self._link_config, node=self.node_addr))
         return self.job.worker_endpoint(namespace) or (where["host"], where["worker_port"])
 
     def _use_store(self, job: JobStore) -> None:

@@ -35,6 +35,8 @@ log = logging.getLogger("tierrun.rendezvous")
 
 #: Where a node's proxy listens for its workers and its agent.
 PROXY_HOST = "127.0.0.1"
+#: What a proxy says when its upstream refused its job token (``tierrun.link.auth``).
+TOKEN_REFUSED = ("wrong job token", "does not know the job token")
 
 
 class JobStore:
@@ -43,15 +45,18 @@ class JobStore:
     saying what is unreachable (the launcher prints it as one line)."""
 
     def __init__(self, host: str, port: int, hosting: bool, timeout: timedelta,
-                 token: str | None = None, store_workers: int = 1,
+                 token: bytes | str | None = None, store_workers: int = 1,
                  tree: TreePlace | None = None, link_config: LinkConfig = LinkConfig(),
-                 host_fallback: str = "port_in_use") -> None:
-        """``link_config``: the link timings of the store processes it starts, which read
-        them from the environment they inherit (give ``Settings.link``);
+                 host_fallback: str = "port_in_use", node: str | None = None) -> None:
+        """``token``: the job token (tiered when given), which the store processes this
+        agent starts get through a pipe, not their environment (none of them inherits a
+        secret variable); ``link_config``: the link timings of the store processes it
+        starts, which read them from the environment they inherit (give ``Settings.link``);
         ``host_fallback``: what a ``hosting`` node does when its store cannot start
         (``start``): ``"any"`` (its hosting was inferred, torch's c10d rule): become a
         client of ``host:port`` whatever the reason; ``"port_in_use"``: only when the port
-        is taken (then by another agent of the job on this machine); ``"never"``: raise."""
+        is taken (then by another agent of the job on this machine); ``"never"``: raise;
+        ``node``: this node's address, as messages name it (default: its host name)."""
         if host_fallback not in ("any", "port_in_use", "never"):
             raise ValueError(f"host_fallback={host_fallback!r}")
         self.host = host
@@ -59,10 +64,11 @@ class JobStore:
         self.hosting = hosting
         self.host_fallback = host_fallback
         self.timeout = timeout
-        self.token = token
+        self.token = token.encode() if isinstance(token, str) else token
         self.store_workers = store_workers
         self.tree = tree if token is not None else None
         self.link_config = link_config
+        self.node = f"node {node or socket.gethostname()}"
         #: What this node's store traffic goes through, as messages name it.
         self.upstream_name = f"the job's store host {host}:{port}"
         self.root: StoreProcess | None = None
@@ -90,7 +96,7 @@ class JobStore:
                 extra = ["--link-listen", f"{_bracket(tree.addr)}:0"]
             proxy = StoreProcess(
                 host=PROXY_HOST, port=0, unix=f"@tierrun-proxy-{os.getpid()}-{secrets.token_hex(4)}",
-                controlled=True, command="proxy", env=store_process_env(self.token),
+                controlled=True, command="proxy", env=store_process_env(), token=self.token,
                 extra_args=["--upstream", upstream,
                             "--connect-timeout", str(self.timeout.total_seconds()), *extra],
                 start_timeout=self.timeout.total_seconds() + 10,
@@ -98,6 +104,8 @@ class JobStore:
             try:
                 proxy.start()
             except StoreStartError as e:
+                if any(why in str(e) for why in TOKEN_REFUSED):
+                    raise RendezvousConnectionError(self._token_refused(upstream)) from None
                 raise RendezvousConnectionError(
                     f"this node's store proxy could not link to {upstream} "
                     f"({'the store host' if upstream.endswith(f':{self.port}') else 'its parent node in the store tree'}): {e}"
@@ -105,6 +113,14 @@ class JobStore:
             self.proxy = proxy
             if tree is not None and tree.has_children:  # tell the children where to link
                 self.client().set(tree.key(tree.rank), f"{_bracket(tree.addr)}:{proxy.link_port}")
+
+    def _token_refused(self, upstream: str) -> str:
+        """What to say when ``upstream`` refused this node's job token."""
+        what = "the store host" if upstream == f"{self.host}:{self.port}" else "its parent node in the store tree"
+        return (f"{self.node}: {what} {upstream} refused this node's job token. Every node of the "
+                "job needs the same secret: check that TIERRUN_TOKEN_FILE names a file with the same "
+                "contents on every node (or that TIERRUN_TOKEN is the same); with no secret, the "
+                "token is derived from --rdzv_id and the store endpoint, which must then be the same.")
 
     def ready(self) -> bool:
         """``start`` and ``client`` have nothing left to do (they return at once)."""
@@ -197,7 +213,7 @@ class JobStore:
         # tiered, the store process is this node's front-end too (unless this node takes
         # other nodes' links in a store tree: a proxy of its own does that)
         node = self.tiered and (self.tree is None or not self.tree.has_children)
-        proc = StoreProcess(host=None, port=self.port, controlled=True, env=store_process_env(self.token),
+        proc = StoreProcess(host=None, port=self.port, controlled=True, env=store_process_env(), token=self.token,
                             extra_args=self._store_args(),
                             node_frontend_unix=f"@tierrun-proxy-{os.getpid()}-{secrets.token_hex(4)}" if node else None)
         try:
@@ -298,15 +314,17 @@ class JobStore:
         self.proxy = self.root = None
 
 
-def token_from(config: dict, settings: Settings) -> str | None:
+def token_from(config: dict, settings: Settings) -> bytes | None:
     """The job token when ``--rdzv_conf tiered=1`` (set by ``--tiered``), else None.
-    Raises ValueError when there is none, ``OSError`` if its file cannot be read."""
+    Raises ValueError when there is none or its file is empty, ``OSError`` if its file
+    cannot be read."""
     if str(config.get("tiered", "0")).lower() not in ("1", "true"):
         return None
     token = settings.job_token()
     if token is None:
-        raise ValueError("tiered wire-up needs a job token: set TIERRUN_TOKEN on every node")
-    return token.decode()
+        raise ValueError("tiered wire-up needs a job token: give every node the same secret, in a file "
+                         "named by TIERRUN_TOKEN_FILE (or in TIERRUN_TOKEN)")
+    return token
 
 
 @dataclass(frozen=True)

@@ -245,6 +245,7 @@ def create_handler(params: RendezvousParameters, settings: Settings) -> Rendezvo
         tree = TreePlace(rank, params.max_nodes, fanout, params.local_addr or socket.gethostname(),
                          params.run_id)
     store = JobStore(host, port, hosting=rank == 0, timeout=timeout, token=token_from(params.config, settings),
-                     store_workers=store_workers_from(params.config), tree=tree, link_config=settings.link)
+                     store_workers=store_workers_from(params.config), tree=tree, link_config=settings.link,
+                     node=params.local_addr)
     return ParallelRendezvousHandler(store, rank, params.max_nodes, params.run_id, timeout,
                                      params.local_addr, params.config)

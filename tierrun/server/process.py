@@ -39,10 +39,15 @@ class StoreProcess:
         controlled: bool = False,
         command: str = "store",
         node_frontend_unix: str | None = None,
+        token: bytes | None = None,
     ) -> None:
         """``node_frontend_unix``: a store that is also its host's node front-end
-        (``--node-frontend``), listening on this Unix socket too; see :class:`HostedFrontEnd`."""
+        (``--node-frontend``), listening on this Unix socket too; see :class:`HostedFrontEnd`.
+        ``token``: the job token, handed to the process through a pipe (``--token-fd``),
+        never through its environment or command line; without it the process reads
+        ``$TIERRUN_TOKEN`` / ``$TIERRUN_TOKEN_FILE`` from ``env``."""
         self.command_name = command
+        self.token = token
         self.host = host
         self.requested_port = port
         self.unix = unix
@@ -84,14 +89,24 @@ class StoreProcess:
     def start(self) -> int:
         env = dict(os.environ if self.env is None else self.env)
         env["PYTHONUNBUFFERED"] = "1"
-        self.proc = subprocess.Popen(
-            self.command(),
-            stdin=subprocess.PIPE if self.controlled else subprocess.DEVNULL,
-            stdout=subprocess.PIPE,
-            stderr=subprocess.STDOUT,
-            text=True,
-            env=env,
-        )
+        command, pass_fds = self.command(), ()
+        if self.token is not None:
+            read_end, write_end = os.pipe()  # (both close-on-exec; pass_fds opens one to the child)
+            command, pass_fds = [*command, "--token-fd", str(read_end)], (read_end,)
+        try:
+            self.proc = subprocess.Popen(
+                command,
+                stdin=subprocess.PIPE if self.controlled else subprocess.DEVNULL,
+                stdout=subprocess.PIPE,
+                stderr=subprocess.STDOUT,
+                text=True,
+                env=env,
+                pass_fds=pass_fds,
+            )
+        finally:
+            if self.token is not None:
+                os.close(read_end)
+                self._hand_over_token(write_end)
         ready = threading.Event()
         self._pump_thread = threading.Thread(target=self._pump, args=(ready,), daemon=True)
         self._pump_thread.start()
@@ -102,6 +117,19 @@ class StoreProcess:
                 f"tierrun {self.command_name} did not start:\n" + "".join(self._output[-20:])
             )
         return self.port
+
+    def _hand_over_token(self, write_end: int) -> None:
+        """Write the token into the pipe the child reads it from, and close it. Blocks
+        until the child has read it when it exceeds the pipe's buffer; a child that died
+        before reading it (a broken pipe) is reported by ``start``."""
+        try:
+            rest = memoryview(self.token or b"") if self.proc is not None else memoryview(b"")
+            while rest:
+                rest = rest[os.write(write_end, rest):]
+        except BrokenPipeError:
+            pass
+        finally:
+            os.close(write_end)
 
     def _pump(self, ready: threading.Event) -> None:
         assert self.proc is not None and self.proc.stdout is not None

@@ -13,7 +13,7 @@ import socket
 import sys
 from collections.abc import Callable
 
-from ..settings import FRONTEND_TOKEN, Settings, SettingsError, take_frontend_token
+from ..settings import FRONTEND_TOKEN, TOKEN_FILE, Settings, SettingsError, take_frontend_token
 from .control import Event, format_event
 from .eventloop import run
 from .frontend_process import serve_frontend_process
@@ -53,9 +53,32 @@ def _settings(command: str) -> Settings | None:
         return None
 
 
+def _add_token_fd(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--token-fd", type=int, default=None, metavar="FD",
+                   help="read the job token from this file descriptor to its end, then close it "
+                   "(how the launcher hands it over: a pipe, never the environment); instead of "
+                   "$TIERRUN_TOKEN / $TIERRUN_TOKEN_FILE")
+
+
+def _job_token(command: str, args: argparse.Namespace, settings: Settings) -> tuple[bytes | None, bool]:
+    """The job token (``--token-fd``, else the environment's) and whether it could be
+    read; when it could not, says why on stderr. Blocks until the writer of
+    ``--token-fd`` closes it."""
+    try:
+        if args.token_fd is not None:
+            with open(args.token_fd, "rb") as pipe:
+                return pipe.read(), True
+        return settings.job_token(), True
+    except (OSError, SettingsError) as e:
+        where = f"--token-fd {args.token_fd}" if args.token_fd is not None else f"${TOKEN_FILE}"
+        print(f"{command}: cannot read the job token from {where}: {e}", file=sys.stderr)
+        return None, False
+
+
 def store_main(argv: list[str]) -> int:
     p = store_parser("tierrun store", "Run a key-value store that torch's TCPStore clients can use. "
-                     "Node proxies link to it when it has a job token ($TIERRUN_TOKEN or $TIERRUN_TOKEN_FILE).",
+                     "Node proxies link to it when it has a job token (--token-fd, $TIERRUN_TOKEN or "
+                     "$TIERRUN_TOKEN_FILE).",
                      None, 29500)
     p.add_argument("--workers", type=int, default=1,
                    help="front-end processes that parse client requests, sharing the port "
@@ -69,20 +92,23 @@ def store_main(argv: list[str]) -> int:
                    "port) and on --node-frontend-unix")
     p.add_argument("--node-frontend-unix", default=None, metavar="PATH",
                    help="the node front-end's Unix socket (@name: abstract)")
+    _add_token_fd(p)
     args = p.parse_args(argv)
     if args.workers < 1:
         p.error(f"--workers {args.workers}: write 1 or more")
     settings = _settings("tierrun store")
     if settings is None:
         return 2
-    token = settings.job_token()
+    token, ok = _job_token("tierrun store", args, settings)
+    if not ok:
+        return 2
     node = None
     if args.node_frontend:
         node = ServiceConfig(host=NODE_FRONTEND_HOST, port=0, unix=args.node_frontend_unix,
                              frontend=frontend_config(args))
     logging.basicConfig(level=args.log_level.upper(), format="[tierrun store] %(levelname)s %(message)s")
     try:
-        run(serve_root(_config(args), on_listening=_announcer("store"), token=token,
+        run(serve_root(_config(args), on_listening=_announcer("store"), token=token or None,
                        link_config=settings.link, node_frontend=node))
     except OSError as e:
         print(f"tierrun store: cannot listen on {args.host or '*'}:{args.port}: {e.strerror or e}. "
@@ -93,20 +119,23 @@ def store_main(argv: list[str]) -> int:
 
 def proxy_main(argv: list[str]) -> int:
     p = store_parser("tierrun proxy", "Run a node front-end: local clients in, one authenticated "
-                     "link to the store host out. The job token comes from $TIERRUN_TOKEN or "
-                     "$TIERRUN_TOKEN_FILE.", "127.0.0.1", 0)
+                     "link to the store host out. The job token comes from --token-fd, $TIERRUN_TOKEN "
+                     "or $TIERRUN_TOKEN_FILE.", "127.0.0.1", 0)
     p.add_argument("--upstream", required=True, help="the store host, HOST:PORT")
     p.add_argument("--connect-timeout", type=float, default=60.0)
     p.add_argument("--link-listen", default=None, metavar="HOST:PORT",
                    help="also take other front-ends' links here (a deeper tree: they link to this "
                    "proxy instead of the store host); HOST is an address of this node")
+    _add_token_fd(p)
     args = p.parse_args(argv)
     logging.basicConfig(level=args.log_level.upper(), format="[tierrun proxy] %(levelname)s %(message)s")
     settings = _settings("tierrun proxy")
     if settings is None:
         return 2
-    token = settings.job_token()
-    if token is None:
+    token, ok = _job_token("tierrun proxy", args, settings)
+    if not ok:
+        return 2
+    if not token:
         print("tierrun proxy: no job token: set TIERRUN_TOKEN or TIERRUN_TOKEN_FILE to the token "
               "the store host was started with", file=sys.stderr)
         return 2
