@@ -77,17 +77,20 @@ class PlanLimits:
     #: Most bytes of a link frame; a MULTI_GET fold's answer (up to ``max_value_bytes``
     #: a key) must fit one.
     max_frame_bytes: int = DEFAULT_MAX_FRAME
+    #: Largest answer the store host gives one request: a MULTI_GET fold's must not pass it.
+    max_reply_bytes: int = Limits.max_reply_bytes
 
     @classmethod
     def of(cls, limits: Limits, max_frame_bytes: int = DEFAULT_MAX_FRAME, max_fold: int = 1024) -> PlanLimits:
         return cls(max_fold, limits.max_keys_per_request, limits.max_value_bytes, limits.max_request_bytes,
-                   max_frame_bytes)
+                   max_frame_bytes, limits.max_reply_bytes)
 
     @property
     def max_get_fold(self) -> int:
-        """GETs in one MULTI_GET: its answer, whatever the values, fits in a frame."""
-        return max(1, min(self.max_fold, self.max_keys,
-                          (self.max_frame_bytes // 2) // (self.max_value_bytes + _ITEM_HEAD + 32)))
+        """GETs in one MULTI_GET: its answer, whatever the values, fits in a frame and
+        within the store host's limit of one answer."""
+        room = min(self.max_frame_bytes // 2, self.max_reply_bytes)
+        return max(1, min(self.max_fold, self.max_keys, room // (self.max_value_bytes + _ITEM_HEAD + 32)))
 
 
 class Fold:
@@ -134,7 +137,7 @@ class UpOp:
     """One operation sent upstream, and who gets its answer."""
 
     __slots__ = ("req", "ns", "cid", "rid", "waiters", "deltas", "group", "pos", "fold", "members", "wkey",
-                 "watchers", "fetch")
+                 "watchers", "fetch", "writers")
 
     def __init__(self, req: Request, ns: bytes, waiter: Any, pos: int) -> None:
         self.req = req
@@ -152,6 +155,9 @@ class UpOp:
         #: local client, answered with the request's own answer, not the watch state).
         self.watchers: list[Any] | None = None
         self.fetch = 0  # a WAIT that fetches: its entry kind (WATCHES, FETCHES, PEEKS)
+        #: A write with no answer (SET, APPEND, ... and their folds): the clients whose
+        #: writes it carries, to close if the store host refuses it.
+        self.writers: list[Any] | None = None
 
     def request(self) -> Request:
         """The request that goes upstream (a fold's, or an ADD of the run's sum)."""
@@ -260,13 +266,15 @@ class _Planner:
             elif op == Op.ADD or op == Op.APPEND:
                 self.add_or_append(i, since, pending, waiter, ns, req)
             elif op == Op.SET or op == Op.MULTI_SET and req[1]:
-                self.set(i, since, ns, req)
+                self.set(i, since, ns, req, waiter)
             else:
                 keys = keys_of(req)
                 self.touched(ns, keys, write=True)
                 for k in keys or (ALL_KEYS,):
                     self.last_touch[(ns, k)] = self.last_write[(ns, k)] = i
                 u = UpOp(req, ns, None if op in NO_REPLY_OPS else waiter, i)
+                if op in NO_REPLY_OPS:
+                    u.writers = [waiter]
                 u.group = op == Op.BARRIER
                 plan.ops.append(u)
         plan.read_keys = set(self.reads_on)
@@ -399,16 +407,19 @@ class _Planner:
                 run.fold = fold
                 fold.values.append(req[2])
                 fold.size += len(req[2])
+                run.writers.append(waiter)  # type: ignore[union-attr]
                 plan.counts.merged_appends += 1
                 self.runs[rk] = run
                 return
         u = UpOp(req, ns, waiter if op == Op.ADD else None, i)
         if op == Op.ADD:
             u.deltas = [req[2]]
+        else:
+            u.writers = [waiter]
         self.runs[rk] = u
         plan.ops.append(u)
 
-    def set(self, i: int, since: int, ns: bytes, req: Request) -> None:
+    def set(self, i: int, since: int, ns: bytes, req: Request, waiter: Any) -> None:
         """A SET, or a MULTI_SET (a lower front-end's fold joins ours)."""
         keys = keys_of(req)
         f = self.folds.get((Op.SET, ns))
@@ -433,9 +444,11 @@ class _Planner:
                 fold.keys += req[1]
                 fold.values += req[2]
             fold.size += size
+            f.writers.append(waiter)  # type: ignore[union-attr]
             self.plan.counts.folded_sets += len(keys)
             return
         u = UpOp(req, ns, None, i)
+        u.writers = [waiter]
         self.folds[(Op.SET, ns)] = u
         self.plan.ops.append(u)
 

@@ -46,6 +46,7 @@ from .connection import SessionEnd, open_connection
 from .readahead import ReadAhead
 from .stats import CoalescingStats
 from .watches import MISSING, WatchCache, answer_from
+from .writes import WritesInFlight, refused_write
 
 log = logging.getLogger("tierrun.frontend")
 
@@ -65,6 +66,7 @@ class LinkUpstream(SessionEnd):
         self._pending: list[tuple[Waiter, bytes, Request]] = []
         self._extra: list[bytes] = []  # CANCEL entries for the next batch
         self._inflight: dict[int, UpOp] = {}
+        self._writes = WritesInFlight()  # writes with no answer, answered if refused
         self._wait_of: dict[Waiter, UpOp] = {}  # a client's WAIT or BARRIER upstream
         self._ids = Ids()  # request ids, and a link client id per namespace
         #: Per batch in flight, the request id of its last answer that the upstream
@@ -361,6 +363,8 @@ class LinkUpstream(SessionEnd):
         out = encode_plan(plan, extra, self._ids, self._inflight, self.limits.max_frame_bytes)
         if out.answered_at_once:
             self._batches_awaiting.add(out.answered_at_once)
+        if out.writes:
+            self._writes.sent(out.writes)
         if out.frames and self.dead is None:
             stats = self.stats
             stats.batches += 1
@@ -378,9 +382,13 @@ class LinkUpstream(SessionEnd):
         answer that cannot be the one of the request sent."""
         awaiting = self._batches_awaiting
         answered = self._answered
+        writes = self._writes
         for rid, status, data in decode_replies(payload):
             u = self._inflight.pop(rid, None)
+            refused = writes.answered(rid) if writes else None
             if u is None:
+                if refused is not None and status != OK:
+                    refused_write(*refused, data)
                 continue
             if rid in awaiting:
                 awaiting.discard(rid)
