@@ -150,8 +150,8 @@ class ScanPacer:
         """The scan begun at ``started`` is over: charge its time."""
         if started >= 0:
             now = self._clock()
-            self._refill(now)
             self.credit -= now - started
+            self._refill(now)
 
     def _refill(self, now: float) -> None:
         self.credit = min(self.burst, self.credit + (now - self._last) * self.share)
