@@ -7,12 +7,13 @@ import struct
 
 import pytest
 
+from tierrun.core.values import wrap_i64
 from tierrun.link.frames import FETCHES, PEEKS, WATCHES, LinkError
 from tierrun.protocol import Op
 from tierrun.protocol.replies import encode_bytes
 from tierrun.tier.fanout import answers, split_values, watch_answers
 from tierrun.tier.plan import (
-    FETCH_AFTER_WRITES_MARK, FETCH_MARK, WATCH_MARK, PlanLimits, plan_batch, plan_peeks, request_size, wrap_i64,
+    FETCH_AFTER_WRITES_MARK, FETCH_MARK, WATCH_MARK, PlanLimits, plan_batch, plan_peeks, request_size,
 )
 
 MiB = 1 << 20

@@ -67,14 +67,30 @@ def pipelined(port: int, reqs: list[tuple], reply_bytes: int) -> bytes:
     return c._exact(reply_bytes)
 
 
-def test_two_pipelined_5_mib_appends_to_one_key_are_both_applied(tiered):
+def test_two_pipelined_3_mib_appends_to_one_key_are_both_applied(tiered):
     root, proxy = tiered
     bystander = torch_client(proxy.port)
     bystander.add("bystander", 1)
     writer = torch_client(proxy.port)
-    writer.append("big", "x" * (5 * MiB))  # (torch's APPEND has no answer: these two are pipelined)
+    writer.append("big", "x" * (3 * MiB))  # (torch's APPEND has no answer: these two are pipelined)
+    writer.append("big", "y" * (3 * MiB))
+    assert writer.get("big") == b"x" * (3 * MiB) + b"y" * (3 * MiB)
+    still_served(root, proxy, bystander)
+
+
+def test_of_two_pipelined_5_mib_appends_the_one_past_the_value_limit_fails_alone(tiered):
+    """Not merged into one APPEND past the value limit (issue 32): the first is applied,
+    the second, whose value would pass the limit (issue 33), is refused and its client
+    closed, as torch's server closes a client whose request fails."""
+    root, proxy = tiered
+    bystander = torch_client(proxy.port)
+    bystander.add("bystander", 1)
+    writer = torch_client(proxy.port)
+    writer.append("big", "x" * (5 * MiB))
     writer.append("big", "y" * (5 * MiB))
-    assert writer.get("big") == b"x" * (5 * MiB) + b"y" * (5 * MiB)
+    with pytest.raises(dist.DistError):
+        writer.get("big")
+    assert bystander.get("big") == b"x" * (5 * MiB)
     still_served(root, proxy, bystander)
 
 
@@ -116,8 +132,10 @@ def test_a_request_the_store_host_refuses_fails_that_client_only():
         with pytest.raises(StoreClientError):
             bad.compare_set(b"k", b"", b"v" * (2 * MiB))
         also_bad = StoreClient(("127.0.0.1", proxy.port), timeout=15)
-        also_bad.set(b"k2", b"v" * (2 * MiB))  # (no answer: dropped at the store host, logged)
-        assert not also_bad.check([b"k2"])
+        also_bad.set(b"k2", b"v" * (2 * MiB))  # (no answer: refused at the store host, its client closed)
+        with pytest.raises(StoreClientError):
+            also_bad.check([b"k2"])
+        assert not StoreClient(("127.0.0.1", proxy.port)).check([b"k2"])
         still_served(root, proxy, bystander)
     finally:
         proxy.stop()

@@ -31,6 +31,10 @@ The variables:
     inherit its environment).
 ``TIERRUN_LINK_BATCHES_IN_FLIGHT``
     ``LinkConfig.batches_in_flight`` (a whole number).
+``TIERRUN_MAX_STORE_BYTES``, ``TIERRUN_MAX_STORE_KEYS``
+    The store's budgets (``tierrun store``'s ``--max-store-bytes`` and
+    ``--max-store-keys``, which win over them): how a job started by the launcher
+    raises them (the launcher's store processes inherit its environment).
 ``TIERRUN_LOG_LEVEL``
     The launcher's log level (DEBUG, INFO, WARNING, ERROR; default WARNING).
 ``TIERRUN_ETCD_PASSWORD``
@@ -56,6 +60,8 @@ ETCD_PASSWORD = "TIERRUN_ETCD_PASSWORD"
 FRONTEND_TOKEN = "TIERRUN_FRONTEND_TOKEN"
 #: The variables that hold secrets: no process tierrun starts inherits them.
 SECRETS = (TOKEN, ETCD_PASSWORD)
+MAX_STORE_BYTES = "TIERRUN_MAX_STORE_BYTES"
+MAX_STORE_KEYS = "TIERRUN_MAX_STORE_KEYS"
 #: ``LinkConfig`` field -> the variable that overrides its default.
 LINK_VARIABLES = {
     "heartbeat_interval": "TIERRUN_LINK_HEARTBEAT",
@@ -88,17 +94,23 @@ class Settings:
     log_level: str = "WARNING"
     #: ``$TIERRUN_ETCD_PASSWORD`` (None when unset; an empty password is a password).
     etcd_password: str | None = None
+    #: ``$TIERRUN_MAX_STORE_BYTES``, ``$TIERRUN_MAX_STORE_KEYS`` (None when unset or empty).
+    max_store_bytes: int | None = None
+    max_store_keys: int | None = None
 
     @classmethod
     def from_env(cls, environ: Mapping[str, str] = os.environ) -> Settings:
         """Read every variable once. Raises :class:`SettingsError` naming a link
-        timing that is not a number."""
+        timing that is not a number, or a store budget that is not a positive whole
+        number."""
         return cls(
             token=environ.get(TOKEN) or None,
             token_file=environ.get(TOKEN_FILE) or None,
             link=_link_config(environ),
             log_level=environ.get(LOG_LEVEL, "WARNING"),
             etcd_password=environ.get(ETCD_PASSWORD),
+            max_store_bytes=_count(MAX_STORE_BYTES, environ),
+            max_store_keys=_count(MAX_STORE_KEYS, environ),
         )
 
     @classmethod
@@ -148,6 +160,17 @@ def _link_config(environ: Mapping[str, str]) -> LinkConfig:
             whole = isinstance(getattr(defaults, name), int)
             overrides[name] = _number(variable, environ[variable], whole)
     return LinkConfig(**overrides)  # type: ignore[arg-type]
+
+
+def _count(variable: str, environ: Mapping[str, str]) -> int | None:
+    """A positive whole number, or None when unset or empty. Raises SettingsError."""
+    text = environ.get(variable)
+    if not text:
+        return None
+    n = _number(variable, text, whole=True)
+    if n < 1:
+        raise SettingsError(f"${variable}={text!r}: write a positive whole number")
+    return int(n)
 
 
 def _number(variable: str, text: str, whole: bool) -> float | int:

@@ -1,5 +1,7 @@
 """The store's state and semantics, with no I/O."""
 
-from .store import StoreCore, StoreError, Waiter
+from .budget import BudgetExceeded
+from .store import StoreCore, Waiter
+from .values import StoreError
 
-__all__ = ["StoreCore", "StoreError", "Waiter"]
+__all__ = ["BudgetExceeded", "StoreCore", "StoreError", "Waiter"]

@@ -9,13 +9,12 @@ to the requester's :class:`Waiter` when they become ready.
 
 from __future__ import annotations
 
-import re
 from collections import deque
 from collections.abc import Callable
 from itertools import islice
 from typing import Protocol
 
-from ..protocol import Op, Request
+from ..protocol import Limits, Op, Request
 from ..protocol.opcodes import (
     CHECK_NOT_READY,
     CHECK_READY,
@@ -30,7 +29,11 @@ from ..protocol.replies import (
     encode_queue_pop,
     encode_u32,
 )
+from .budget import ScanPacer, StoreBudget, multi_set_growth
+from .values import StoreError, parse_counter, wrap_i64
 from .watch_state import PEEK, UNWATCHABLE, WATCH_READ, encode_watch_state
+
+__all__ = ["MAX_WATCHES_PER_OWNER", "StoreCore", "StoreError", "Waiter"]
 
 
 class Waiter(Protocol):
@@ -52,48 +55,25 @@ WatchesBroken = Callable[[list[object]], None]
 MAX_WATCHES_PER_OWNER = 8192
 
 
-class StoreError(Exception):
-    """A request the store cannot execute (e.g. ADD on a non-number).
-
-    As in torch's server, the requester's connection is closed; the store is unchanged.
-    """
-
-
-# std::stoll: optional leading whitespace, a sign, then at least one digit; the rest
-# is ignored.
-_LEADING_INT = re.compile(rb"[ \t\n\v\f\r]*([+-]?[0-9]+)")
-_I64_MIN, _I64_MAX = -(1 << 63), (1 << 63) - 1
-
-
-def parse_counter(value: bytes, key: bytes) -> int:
-    """Read a counter the way torch's server does (``std::stoll``)."""
-    if value.isdigit() and len(value) < 19:  # what ADD itself stores: the fast path
-        return int(value)
-    m = _LEADING_INT.match(value)
-    if m is None:
-        raise StoreError(f"key {key!r} holds {value[:32]!r}, which is not a number")
-    n = int(m.group(1))
-    if not _I64_MIN <= n <= _I64_MAX:
-        raise StoreError(f"key {key!r} holds a number outside int64")
-    return n
-
-
-def _wrap_i64(n: int) -> int:
-    """Two's-complement wrap, as an int64 addition does on every platform we run on."""
-    return (n + (1 << 63)) % (1 << 64) - (1 << 63)
-
-
 class StoreCore:
     """Keys, counters, queues and waiters.
 
     ``execute(request, waiter)`` runs one request and returns its reply bytes, or
     ``None`` when there is no reply (SET, APPEND, …) or the reply is deferred (a WAIT
     on missing keys, a BARRIER not yet full); a deferred reply arrives through
-    ``waiter.wake``. Raises :class:`StoreError` for a request that must fail.
-    Never blocks. Cost: O(size of the request) plus O(waiters woken).
+    ``waiter.wake``. Raises :class:`StoreError` for a request that must fail, before
+    it changes anything: a write past the store's budget (``limits.max_store_bytes``,
+    ``max_store_keys``, an APPEND's value past ``max_value_bytes``) or a read whose answer
+    would pass ``max_reply_bytes`` (see :mod:`.budget`; each check O(1) but MULTI_GET's,
+    O(its keys)). Never blocks. Cost: O(size of the request) plus O(waiters woken); a
+    full scan (LIST_KEYS; a namespace's, see ``frontend.namespace``) O(keys in the store),
+    paced (``budget.ScanPacer``).
     """
 
-    def __init__(self) -> None:
+    def __init__(self, limits: Limits | None = None, pacer: ScanPacer | None = None) -> None:
+        self.budget = StoreBudget(limits or Limits())
+        self.pacer = pacer or ScanPacer()
+        self._key_bytes = 0  # bytes of the keys of _data (a LIST_KEYS answer's size)
         self._data: dict[bytes, bytes] = {}
         self._queues: dict[bytes, deque[bytes]] = {}
         # key -> waiters blocked on it, in arrival order (a dict as an ordered set)
@@ -319,9 +299,29 @@ class StoreCore:
 
     # -- operations -------------------------------------------------------------------
 
+    def _grow(self, key: bytes, current: bytes | None, new: bytes) -> None:
+        """Count (or refuse: BudgetExceeded) ``key`` going from ``current`` to ``new``."""
+        if current is None:
+            self.budget.grow(key, len(key) + len(new), 1)
+            self._key_bytes += len(key)
+        else:
+            self.budget.grow(key, len(new) - len(current), 0)
+
+    def _grow_many(self, keys: tuple[bytes, ...], values: tuple[bytes, ...]) -> None:
+        """Count (or refuse, all of it) a MULTI_SET, exactly. O(keys)."""
+        more, entries, key_bytes = multi_set_growth(self._data, keys, values)
+        self.budget.grow(keys[0] if keys else b"", more, entries)
+        self._key_bytes += key_bytes
+
     def _set(self, req: Request, waiter: Waiter) -> None:
-        key = req[1]
-        self._data[key] = req[2]
+        key, value = req[1], req[2]
+        old = self._data.get(key)
+        if old is None:
+            self.budget.grow(key, len(key) + len(value), 1)
+            self._key_bytes += len(key)
+        else:
+            self.budget.grow(key, len(value) - len(old), 0)
+        self._data[key] = value
         if key in self._watched:
             self._break_watches(key)
         if key in self._waiting:
@@ -336,10 +336,12 @@ class StoreCore:
             if expected:
                 result = expected
             else:
+                self._grow(key, None, desired)
                 self._data[key] = result = desired
                 changed = True
         else:
             if current == expected:
+                self.budget.grow(key, len(desired) - len(current), 0)
                 self._data[key] = desired
                 changed = current != desired
                 current = desired
@@ -356,8 +358,10 @@ class StoreCore:
     def _add(self, req: Request, waiter: Waiter) -> bytes:
         _, key, delta = req
         current = self._data.get(key)
-        value = delta if current is None else _wrap_i64(parse_counter(current, key) + delta)
-        self._data[key] = str(value).encode()
+        value = delta if current is None else wrap_i64(parse_counter(current, key) + delta)
+        new = str(value).encode()
+        self._grow(key, current, new)
+        self._data[key] = new
         if key in self._watched:
             self._break_watches(key)
         if key in self._waiting:
@@ -382,16 +386,25 @@ class StoreCore:
 
     def _delete_key(self, req: Request, waiter: Waiter) -> bytes:
         # Deleting wakes nobody, as in torch.
-        if self._data.pop(req[1], None) is None:
+        old = self._data.pop(req[1], None)
+        if old is None:
             return encode_i64(0)
+        self.budget.bytes -= len(req[1]) + len(old)
+        self.budget.entries -= 1
+        self._key_bytes -= len(req[1])
         if req[1] in self._watched:
             self._break_watches(req[1])
         return encode_i64(1)
 
     def _append(self, req: Request, waiter: Waiter) -> None:
-        key = req[1]
+        key, piece = req[1], req[2]
         current = self._data.get(key)
-        self._data[key] = req[2] if current is None else current + req[2]
+        if current is not None:
+            self.budget.value(key, len(current) + len(piece))
+            self.budget.grow(key, len(piece), 0)
+        else:
+            self._grow(key, None, piece)
+        self._data[key] = piece if current is None else current + piece
         if key in self._watched:
             self._break_watches(key)
         if key in self._waiting:
@@ -400,10 +413,13 @@ class StoreCore:
 
     def _multi_get(self, req: Request, waiter: Waiter) -> bytes:
         get = self._data.get
-        return encode_many([get(k, b"") for k in req[1]])
+        values = [get(k, b"") for k in req[1]]  # (references: nothing copied yet)
+        self.budget.reply(8 * len(values) + sum(map(len, values)))
+        return encode_many(values)
 
     def _multi_set(self, req: Request, waiter: Waiter) -> None:
         data = self._data
+        self._grow_many(req[1], req[2])
         waiting = self._waiting
         watched = self._watched
         broken: list[object] = []  # (one invalidation round for the whole request)
@@ -428,8 +444,14 @@ class StoreCore:
         return encode_u32(req[1])
 
     def _queue_push(self, req: Request, waiter: Waiter) -> None:
-        key = req[1]
-        self._queues.setdefault(key, deque()).append(req[2])
+        key, value = req[1], req[2]
+        queue = self._queues.get(key)
+        if queue is None:  # (the queue's name counts, as a key's)
+            self.budget.grow(key, len(key) + len(value), 2)
+            queue = self._queues[key] = deque()
+        else:
+            self.budget.grow(key, len(value), 1)
+        queue.append(value)
         if key in self._watched:
             self._break_watches(key)
         if key in self._waiting:
@@ -441,20 +463,31 @@ class StoreCore:
         if not queue:
             return encode_queue_pop(0, None)
         length = len(queue)
-        return encode_queue_pop(length, queue.popleft())
+        value = queue.popleft()
+        self.budget.bytes -= len(value)
+        self.budget.entries -= 1
+        return encode_queue_pop(length, value)
 
     def _queue_len(self, req: Request, waiter: Waiter) -> bytes:
         queue = self._queues.get(req[1])
         return encode_i64(len(queue) if queue else 0)
 
     def _list_keys(self, req: Request, waiter: Waiter) -> bytes:
-        return encode_key_list(self._data)
+        data = self._data
+        self.budget.reply(8 + 8 * len(data) + self._key_bytes)
+        started = self.pacer.start(len(data))
+        try:
+            return encode_key_list(data)
+        finally:
+            self.pacer.done(started)
 
     def _barrier(self, req: Request, waiter: Waiter) -> bytes | None:
         _, key, world_size = req
         current = self._data.get(key)
-        count = 1 if current is None else _wrap_i64(parse_counter(current, key) + 1)  # (as torch's count wraps)
-        self._data[key] = str(count).encode()
+        count = 1 if current is None else wrap_i64(parse_counter(current, key) + 1)  # (as torch's count wraps)
+        new = str(count).encode()
+        self._grow(key, current, new)
+        self._data[key] = new
         if key in self._watched:
             self._break_watches(key)
         if count >= world_size:

@@ -15,13 +15,18 @@ from typing import Protocol
 from ..core import StoreError
 from ..link.frames import LINK_MAGIC
 from ..protocol import Limits, Op, ProtocolError, RequestParser
+from ..protocol.opcodes import NO_REPLY_OPS
 from ..protocol.replies import encode_u32
 from .contracts import Gate, LinkAcceptor, Upstream
+from .owed import Owed
 
 log = logging.getLogger("tierrun.store")
 
 _PING = Op.PING
-#: Bytes of replies gathered from one read before checking that the client reads them.
+_CANCEL_WAIT = Op.CANCEL_WAIT
+#: A connection executes its client's next request only while it owes the client at
+#: most this many bytes of answers (see :mod:`.owed`); past it, it stops reading until
+#: the client reads (flow control).
 REPLY_BUFFER = 1 << 20
 
 
@@ -48,14 +53,19 @@ class ClientConnection(asyncio.Protocol):
 
     Closing rules: invalid input or a failed request closes this connection with one
     log line naming the peer and the reason; nothing else is affected. When the
-    client stops reading its replies, we stop reading its requests and answering those
-    already read (flow control: one read may carry thousands of GETs of a large value),
-    so a slow client holds about ``REPLY_BUFFER`` bytes of replies here, plus its
-    requests.
+    client stops reading its replies, we stop reading its requests and executing those
+    already read (flow control: one read may carry thousands of GETs of a large value):
+    a connection executes a request only while it owes its client at most
+    ``REPLY_BUFFER`` bytes of answers, counting those not yet read, those held by an
+    invalidation round and, at their largest, those still to come from upstream
+    (:mod:`.owed`). So a client that does not read makes this process, and the store
+    host behind it, hold about ``REPLY_BUFFER`` plus one answer for it, plus its
+    requests; one owed more than ``limits.max_unread_bytes`` (which flow control
+    leaves out of reach of a torch client) is closed.
     """
 
     __slots__ = ("_frontend", "_upstream", "_parser", "_transport", "peer", "closed", "_sniff", "_gate",
-                 "_backlog", "_writing_paused")
+                 "_backlog", "_writing_paused", "_owed", "_out", "_limits")
 
     def __init__(self, frontend: ConnectionOwner) -> None:
         self._frontend = frontend
@@ -67,8 +77,11 @@ class ClientConnection(asyncio.Protocol):
         # On a port that also takes links, the first byte tells a link from a torch client.
         self._sniff = frontend.link_acceptor is not None
         self._gate = frontend.gate
-        self._backlog: list = []  # requests read, not yet answered: the client is not reading
+        self._backlog: list = []  # requests read, not yet executed: the client is not reading
         self._writing_paused = False
+        self._owed = Owed()
+        self._out: list[bytes] | None = None  # while _serve runs: its answers, in order
+        self._limits = frontend.limits
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         self._transport = transport  # type: ignore[assignment]
@@ -102,31 +115,49 @@ class ClientConnection(asyncio.Protocol):
             return
         self._serve(requests)
 
+    def owed(self) -> int:
+        """Bytes of answers this connection owes its client (see :mod:`.owed`). O(1)."""
+        assert self._transport is not None
+        owed = self._owed
+        return self._transport.get_write_buffer_size() + owed.held + owed.reserved
+
     def _serve(self, requests: list) -> None:
-        """Answer ``requests`` in order; past ``REPLY_BUFFER`` bytes of replies while the
-        client does not read them, keep the rest for ``resume_writing``."""
+        """Execute ``requests`` in order and write their answers, in one write; while it
+        owes the client more than ``REPLY_BUFFER``, keep the rest (``_backlog``) and stop
+        reading until it owes less (``_resume``). O(requests) besides their execution."""
         execute = self._upstream.execute
-        out = []
-        size = 0
+        self._out = out = []
+        room = REPLY_BUFFER - self.owed()
+        i = 0
         try:
             for i, req in enumerate(requests):
-                if req[0] == _PING:
+                if room < 0:
+                    self._write(out)
+                    out.clear()
+                    room = REPLY_BUFFER - self.owed()
+                    if room < 0:  # (not reading: keep the rest until it does)
+                        self._backlog = requests[i:]
+                        assert self._transport is not None
+                        self._transport.pause_reading()
+                        return
+                op = req[0]
+                if op == _PING:
                     out.append(encode_u32(req[1]))
                     continue
                 reply = execute(req, self)
                 if reply is not None:
                     out.append(reply)
-                    size += len(reply)
-                    if size > REPLY_BUFFER:
-                        self._write(out)
-                        out, size = [], 0
-                        if self._writing_paused and i + 1 < len(requests):
-                            self._backlog = requests[i + 1 :]
-                            return
+                    room -= len(reply)
+                    if op == _CANCEL_WAIT:
+                        self._owed.cancelled()
+                elif op not in NO_REPLY_OPS:
+                    room -= self._owed.sent(req, self._limits)
         except StoreError as e:
             self._write(out)
-            self.drop(f"{Op(req[0]).name} failed: {e}")
+            self.drop(f"{Op(requests[i][0]).name} failed: {e}")
             return
+        finally:
+            self._out = None
         if out:
             self._write(out)
 
@@ -142,18 +173,36 @@ class ClientConnection(asyncio.Protocol):
             data = out[0] if len(out) == 1 else b"".join(out)
             gate = self._gate
             if gate is not None and gate.closed:
+                self._owed.held += len(data)
                 gate.emit(self._send, data)
                 return
             assert self._transport is not None
             self._transport.write(data)
 
     def wake(self, reply: bytes) -> None:
+        """A deferred answer (a WAIT woken, any answer through a link): written after the
+        answers of the requests being executed, if any (a pipelined SET may wake this
+        client's own WAIT). Closes a client owed more than its budget."""
+        self._owed.answered(reply)
+        if self._out is not None:
+            self._out.append(reply)
+            return
         self._write([reply])
+        if not self.closed:
+            if self.owed() > self._limits.max_unread_bytes:
+                self.drop(f"{self.owed():,} bytes of answers not read, past the limit (--max-unread-bytes) "
+                          f"of {self._limits.max_unread_bytes:,}: it is not reading its answers")
+            elif self._backlog:
+                self._resume()
 
     def _send(self, data: bytes) -> None:
+        """An answer the reply gate held: written now."""
+        self._owed.held -= len(data)
         if not self.closed:
             assert self._transport is not None
             self._transport.write(data)
+            if self._backlog:
+                self._resume()
 
     def drop(self, reason: str) -> None:
         """Close this connection because of something the client did; log one line."""
@@ -170,9 +219,18 @@ class ClientConnection(asyncio.Protocol):
         self._transport.pause_reading()
 
     def resume_writing(self) -> None:
-        assert self._transport is not None
         self._writing_paused = False
-        if self._backlog and not self.closed:
+        self._resume()
+
+    def _resume(self) -> None:
+        """Execute the requests kept while the client was owed too much, if it is owed
+        little enough now; read again once none is left."""
+        assert self._transport is not None
+        if self.closed or self._out is not None:  # (_serve is running: it goes on itself)
+            return
+        if self._backlog:
+            if self.owed() > REPLY_BUFFER:
+                return
             backlog, self._backlog = self._backlog, []
             self._serve(backlog)
         if not self.closed and not self._backlog and not self._writing_paused:

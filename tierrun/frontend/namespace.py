@@ -23,7 +23,9 @@ class NamespacedUpstream:
     """Wraps the core: clients see only the keys under ``prefix``, without the prefix.
 
     Cost per request: one concatenation per key. GETNUMKEYS and LIST_KEYS scan the
-    whole key space (O(keys)); torch uses neither on its start-up path.
+    whole key space (O(keys in the store), paced by the core's ``ScanPacer``, and a
+    LIST_KEYS answer's size checked before it is built); torch uses neither on its
+    start-up path.
     """
 
     def __init__(self, core: StoreCore, prefix: bytes) -> None:
@@ -37,12 +39,27 @@ class NamespacedUpstream:
             req = (op, p + req[1], *req[2:])
         elif op in _KEY_TUPLE:
             req = (op, tuple(p + k for k in req[1]), *req[2:])
-        elif op == Op.LIST_KEYS:
-            n = len(p)
-            return encode_key_list([k[n:] for k in self._core.keys() if k.startswith(p)])
-        elif op == Op.GETNUMKEYS:
-            return encode_i64(sum(1 for k in self._core.keys() if k.startswith(p)))
+        elif op == Op.LIST_KEYS or op == Op.GETNUMKEYS:
+            return self._scan(op)
         return self._core.execute(req, waiter)
+
+    def _scan(self, op: int) -> bytes:
+        """LIST_KEYS or GETNUMKEYS of the namespace. Raises BudgetExceeded (a
+        StoreError) while scans have had their share of the store's time, or for a
+        LIST_KEYS whose answer would pass the store's limit (counted before anything
+        is copied). O(keys in the store)."""
+        core, p = self._core, self._prefix
+        keys = core.keys()
+        started = core.pacer.start(len(keys))
+        try:
+            mine = [k for k in keys if k.startswith(p)]
+            if op == Op.GETNUMKEYS:
+                return encode_i64(len(mine))
+            n = len(p)
+            core.budget.reply(8 + sum(8 + len(k) - n for k in mine))
+            return encode_key_list([k[n:] for k in mine])
+        finally:
+            core.pacer.done(started)
 
     def execute_watching(self, req: Request, waiter: Waiter, watcher: object, how: int = WATCH_READ) -> bytes | None:
         op = req[0]

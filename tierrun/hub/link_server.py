@@ -27,7 +27,7 @@ from ..frontend import Upstream
 from ..link import auth
 from ..link.config import LinkConfig
 from ..link.frames import (
-    ACK, BATCH, DEFAULT_MAX_FRAME, ERROR, FAILED, INVALIDATED, LINK_MAGIC, OK, REQUEST, RESUMED, WATCH_LEASE,
+    ACK, BATCH, DEFAULT_MAX_FRAME, ERROR, FAILED, INVALIDATED, LINK_MAGIC, REQUEST, RESUMED, WATCH_LEASE,
     FrameDecoder, LinkError, decode_count, encode_count, encode_pong, encode_reply, lone_request,
 )
 from ..link.session import Heartbeat, ServerHandshake
@@ -256,7 +256,7 @@ class LinkServerConnection(asyncio.Protocol):
             for ftype, payload in self._decoder.feed(data):
                 session = self._session
                 if session is not None and ftype == BATCH:
-                    ack_due = session.ledger.got()
+                    ack_due = session.ledger.got(len(payload))
                     session.execute(payload)
                     if ack_due:
                         self.write(session.ledger.ack())
@@ -268,7 +268,7 @@ class LinkServerConnection(asyncio.Protocol):
                     gate = self._server.gate
                     if gate.closed:  # (the PONG waits: a plain ACK says we are alive)
                         self.write(ledger.ack())
-                    ledger.unacked_in = 0  # (the PONG acknowledges)
+                    ledger.unacked_in = ledger.unacked_bytes_in = 0  # (the PONG acknowledges)
                     gate.emit(self.write, encode_pong(ledger.received, self._server.lease()))
                 elif session is not None and ftype == INVALIDATED:
                     self._server.gate.confirmed(session, decode_count(payload))
@@ -330,20 +330,20 @@ class LinkServerConnection(asyncio.Protocol):
         stats = self._server.stats
         stats.batches += 1
         stats.operations += 1
-        ack_due = session.ledger.got()
+        ack_due = session.ledger.got(len(data))
         try:
             reply = client.upstream.execute(req, client)
         except StoreError as err:
-            frame = encode_reply(rid, FAILED, str(err).encode())
+            frame = encode_reply(rid, FAILED, session.failed(req, err))
         else:
             if reply is None:
                 if req[0] not in NO_REPLY_OPS:
                     client.pending.append(rid)  # (a stacked front-end's: answered later)
                 frame = b""
             else:
-                frame = encode_reply(rid, OK, reply)
+                frame = encode_reply(rid, *session.vet(reply))
         if frame:  # (through the gate: if the request changed a watched key, the round goes first)
-            self._server.gate.emit(session.send, frame)
+            session.emit(frame)
         if ack_due:
             self.write(session.ledger.ack())
         return True

@@ -10,7 +10,11 @@ link, however many waiters a write released.
 A request entry past the store's limits fails its client(s) alone (their front-end closes
 them, as torch's server closes such a client; a write with no answer is dropped with a
 log line: front-ends plan with the store's limits, so only a front-end that does not
-sends one); a malformed batch ends the session.
+sends one); a malformed batch ends the session. So does an answer that would make the
+store host hold too much for the node (:meth:`Session.vet`): answers sent and not
+acknowledged, queued or held by an invalidation round count, against 7/8 of the link's
+resend buffer, so the node's link never overflows it (a lost node) because a client
+asked for too much.
 """
 
 from __future__ import annotations
@@ -19,6 +23,7 @@ import asyncio
 import logging
 from collections import deque
 from collections.abc import Callable
+from itertools import islice
 from time import monotonic
 from typing import Protocol
 
@@ -41,6 +46,8 @@ from .reply_gate import ReplyGate
 log = logging.getLogger("tierrun.store")
 
 MAX_SHARED_NAMESPACES = 1024
+#: Answers up to this size always go: a node's counters and WAITs must never be refused.
+SMALL_ANSWER = 64 * 1024
 
 
 class Host(Protocol):
@@ -139,6 +146,8 @@ class Session:
         self._flush_due = False  # a _flush_wakes is scheduled
         self._loop = asyncio.get_running_loop()
         self.last_ping_rx = monotonic()  # when its last ACK arrived: its lease began before
+        self.held = 0  # bytes of its frames held by the reply gate
+        self.refused = 0  # requests refused, and answers refused for room (vet)
 
     def execute(self, payload: bytes) -> None:
         """Run one BATCH. Raises LinkError/ProtocolError on a malformed one."""
@@ -164,10 +173,10 @@ class Session:
                 try:
                     reply = client.upstream.execute(req, waiter)
                 except StoreError as err:
-                    replies.append((rid, FAILED, str(err).encode()))
+                    replies.append((rid, FAILED, self.failed(req, err)))
                     continue
                 if reply is not None:
-                    replies.append((rid, OK, reply))
+                    replies.append((rid, *self.vet(reply)))
                 elif waiter is not client:
                     client.tickets[rid] = waiter  # type: ignore[assignment]
                 elif req[0] not in NO_REPLY_OPS:
@@ -199,7 +208,7 @@ class Session:
                     ticket = Ticket(client, r)
                     reply = client.upstream.execute((Op.WAIT, (key,)), ticket)
                     if reply is not None:
-                        replies.append((r, OK, reply))
+                        replies.append((r, *self.vet(reply)))
                     else:
                         client.tickets[r] = ticket
             elif kind == WATCHES or kind == FETCHES or kind == PEEKS:
@@ -235,10 +244,10 @@ class Session:
         try:
             reply = client.upstream.execute_watching(req, ticket, (self, rid), how)
         except StoreError as err:
-            replies.append((rid, FAILED, str(err).encode()))
+            replies.append((rid, FAILED, self.failed(req, err)))
             return
         if reply is not None:
-            replies.append((rid, OK, reply))
+            replies.append((rid, *self.vet(reply)))
         else:
             client.tickets[rid] = ticket
 
@@ -252,11 +261,54 @@ class Session:
         if self.conn is not None:
             self.conn.write(data)
 
+    def failed(self, req: Request, err: StoreError) -> bytes:
+        """A request the store refused (its front-end closes its client): logged (the
+        1st, 2nd, 4th, 8th... of the session: a hog cannot flood the log); the reason."""
+        self.refused += 1
+        if self.refused & (self.refused - 1) == 0:
+            log.warning("link from %s: %s failed (%d refused so far): %s", self.peer, Op(req[0]).name,
+                        self.refused, err)
+        return str(err).encode()
+
+    def vet(self, answer: bytes) -> tuple[int, bytes]:
+        """``(OK, answer)``, or ``(FAILED, why)`` for an answer larger than
+        ``SMALL_ANSWER`` that would make this store host hold more than 7/8 of the
+        link's resend buffer for the node: its client is closed (by its front-end), the
+        link stays up. O(1) for a small answer; O(answers queued) for a large one."""
+        if len(answer) <= SMALL_ANSWER:
+            return OK, answer
+        owed = self.ledger.outbox.bytes + self.held + sum(len(w[2]) for w in islice(self._wakes, 4096))
+        limit = self.server.config.max_unacked_bytes * 7 // 8  # (the rest: room for small answers)
+        if owed + len(answer) <= limit:
+            return OK, answer
+        self.refused += 1
+        why = (f"the store host holds {owed:,} bytes of answers for the node at {self.peer} not yet acknowledged; "
+               f"with this one ({len(answer):,} bytes) it would pass its limit of {limit:,}: the node reads its "
+               "link too slowly for what its clients ask")
+        if self.refused & (self.refused - 1) == 0:  # (the 1st, 2nd, 4th, 8th... : a hog cannot flood the log)
+            log.warning("link from %s: answer refused (%d so far): %s", self.peer, self.refused, why)
+        return FAILED, why.encode()
+
+    def emit(self, frame: bytes) -> None:
+        """Send a REPLIES frame through the reply gate (held while a round runs)."""
+        gate = self.server.gate
+        if gate.closed:
+            self.held += len(frame)
+            gate.emit(self._release, frame)
+        else:
+            self.send(frame)
+
+    def _release(self, frame: bytes) -> None:
+        self.held -= len(frame)
+        self.send(frame)
+
     def queue_reply(self, rid: int, status: int, reply: bytes) -> None:
         """A deferred answer: those queued in one loop iteration leave in one frame."""
         if not self._flush_due:
             self._flush_due = True
             self._loop.call_soon(self._flush_wakes)
+        if status == OK:
+            status, reply = self.vet(reply)
         self._wakes.append((rid, status, reply))
 
     def _flush_wakes(self) -> None:
@@ -272,7 +324,7 @@ class Session:
             wakes.clear()  # (in place: a batch being executed appends to it)
             if self.server.sessions.get(self.sid) is self:
                 for frame in frames:
-                    self.server.gate.emit(self.send, frame)
+                    self.emit(frame)
 
     def flush_answers(self) -> None:
         """Send the answers queued so far now (an invalidation round must follow them)."""

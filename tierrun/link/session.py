@@ -33,29 +33,35 @@ from .outbox import Outbox
 class Ledger:
     """One end's count of a session's numbered frames (BATCH one way; REPLIES and
     INVALIDATE the other): the frames it sent and keeps until acknowledged, the frames
-    it received, and when it owes the peer an ACK. Outlives connections. O(1) per frame."""
+    it received, and when it owes the peer an ACK: every ``ack_every`` frames, or every
+    eighth of the peer's resend buffer (so a peer sending large frames never fills it
+    while we read them). Outlives connections. O(1) per frame."""
 
-    __slots__ = ("outbox", "received", "unacked_in", "ack_every")
+    __slots__ = ("outbox", "received", "unacked_in", "ack_every", "unacked_bytes_in", "ack_bytes")
 
     def __init__(self, max_unacked_bytes: int, ack_every: int) -> None:
         self.outbox = Outbox(max_unacked_bytes)
         self.received = 0  # numbered frames received from the peer
         self.unacked_in = 0  # ... since our last ACK on this connection
         self.ack_every = ack_every
+        self.unacked_bytes_in = 0  # ... and their bytes
+        self.ack_bytes = max(1, max_unacked_bytes // 8)
 
     def sent(self, frame: bytes) -> None:
         """Number and keep ``frame``. Raises LinkError past the resend buffer's bound."""
         self.outbox.add(frame)
 
-    def got(self) -> bool:
-        """A numbered frame arrived: True when an ACK is due (every ``ack_every``)."""
+    def got(self, size: int = 0) -> bool:
+        """A numbered frame (of ``size`` bytes) arrived: True when an ACK is due."""
         self.received += 1
         self.unacked_in += 1
-        return self.unacked_in >= self.ack_every
+        self.unacked_bytes_in += size
+        return self.unacked_in >= self.ack_every or self.unacked_bytes_in >= self.ack_bytes
 
     def ack(self) -> bytes:
         """The ACK frame to send now (it is also the heartbeat)."""
         self.unacked_in = 0
+        self.unacked_bytes_in = 0
         return encode_count(ACK, self.received)
 
     def acked(self, upto: int) -> None:
@@ -66,6 +72,7 @@ class Ledger:
         """A new connection of the session: the frames the peer lacks, to resend in
         order. Raises LinkError when the peer cannot be this session's peer."""
         self.unacked_in = 0
+        self.unacked_bytes_in = 0
         return self.outbox.since(peer_received)
 
 

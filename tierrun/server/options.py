@@ -18,10 +18,28 @@ def store_parser(prog: str, description: str, default_host: str | None, default_
     p.add_argument("--port", type=int, default=default_port, help="TCP port (0 picks a free one)")
     p.add_argument("--unix", default=None, help="also listen on this Unix socket (@name: abstract)")
     d = Limits()
-    p.add_argument("--max-key-bytes", type=int, default=d.max_key_bytes)
-    p.add_argument("--max-value-bytes", type=int, default=d.max_value_bytes)
-    p.add_argument("--max-keys-per-request", type=int, default=d.max_keys_per_request)
-    p.add_argument("--max-request-bytes", type=int, default=d.max_request_bytes)
+    p.add_argument("--max-key-bytes", type=int, default=d.max_key_bytes, help="longest key (default: %(default)s)")
+    p.add_argument("--max-value-bytes", type=int, default=d.max_value_bytes,
+                   help="longest value, an APPEND's result too (default: %(default)s)")
+    p.add_argument("--max-keys-per-request", type=int, default=d.max_keys_per_request,
+                   help="most keys in one request (default: %(default)s)")
+    p.add_argument("--max-request-bytes", type=int, default=d.max_request_bytes,
+                   help="largest request (default: %(default)s)")
+    p.add_argument("--max-store-bytes", type=int, default=None,
+                   help="budget of the bytes of keys and values the store holds: a write past it is refused and "
+                   "its client closed, as torch's server closes a client whose request fails (default: "
+                   f"$TIERRUN_MAX_STORE_BYTES, else {d.max_store_bytes}, 1 GiB)")
+    p.add_argument("--max-store-keys", type=int, default=None,
+                   help="budget of keys, queues and queued values the store holds, as --max-store-bytes "
+                   f"(default: $TIERRUN_MAX_STORE_KEYS, else {d.max_store_keys}; a LIST_KEYS of them all "
+                   "takes ~1 s)")
+    p.add_argument("--max-reply-bytes", type=int, default=d.max_reply_bytes,
+                   help="largest answer to one request (MULTI_GET, LIST_KEYS), checked before it is built "
+                   "(default: %(default)s, 136 MiB)")
+    p.add_argument("--max-unread-bytes", type=int, default=d.max_unread_bytes,
+                   help="per client connection: most bytes of answers it has not read, counting those still "
+                   "to come, before it is closed; past 1 MiB its requests wait until it reads (default: "
+                   "%(default)s, 144 MiB)")
     p.add_argument("--max-connections", type=int, default=FrontEndConfig().max_connections)
     p.add_argument("--control-stdin", action="store_true",
                    help="take commands on stdin (used by the launcher) and stop when stdin closes")
@@ -36,8 +54,29 @@ def frontend_config(args: argparse.Namespace) -> FrontEndConfig:
         max_value_bytes=args.max_value_bytes,
         max_keys_per_request=args.max_keys_per_request,
         max_request_bytes=args.max_request_bytes,
+        max_store_bytes=args.max_store_bytes,
+        max_store_keys=args.max_store_keys,
+        max_reply_bytes=args.max_reply_bytes,
+        max_unread_bytes=args.max_unread_bytes,
     )
     return FrontEndConfig(limits=limits, max_connections=args.max_connections)
+
+
+def parse_store_args(p: argparse.ArgumentParser, argv: list[str], max_store_bytes: int | None = None,
+                     max_store_keys: int | None = None) -> argparse.Namespace:
+    """``p.parse_args(argv)``, the store's budgets not given as flags taken from the
+    arguments here (``$TIERRUN_MAX_STORE_*``), else the defaults; exits with a usage
+    error (status 2) naming the flag to change if the limits are inconsistent."""
+    args = p.parse_args(argv)
+    d = Limits()
+    if args.max_store_bytes is None:
+        args.max_store_bytes = max_store_bytes or d.max_store_bytes
+    if args.max_store_keys is None:
+        args.max_store_keys = max_store_keys or d.max_store_keys
+    problem = frontend_config(args).limits.problem()
+    if problem:
+        p.error(problem)
+    return args
 
 
 def frontend_arguments(config: FrontEndConfig, log_level: str) -> list[str]:
@@ -49,6 +88,10 @@ def frontend_arguments(config: FrontEndConfig, log_level: str) -> list[str]:
         "--max-value-bytes", str(limits.max_value_bytes),
         "--max-keys-per-request", str(limits.max_keys_per_request),
         "--max-request-bytes", str(limits.max_request_bytes),
+        "--max-store-bytes", str(limits.max_store_bytes),
+        "--max-store-keys", str(limits.max_store_keys),
+        "--max-reply-bytes", str(limits.max_reply_bytes),
+        "--max-unread-bytes", str(limits.max_unread_bytes),
         "--max-connections", str(config.max_connections),
         "--log-level", log_level,
     ]

@@ -40,7 +40,7 @@ async def serve_root(
     accepted only when ``token`` is given; ``node_frontend`` (where this host's agent and
     workers connect) needs one. Raises ``OSError`` if a bind fails.
     """
-    core = StoreCore()
+    core = StoreCore(config.frontend.limits)
     links = LinkServer(core_upstreams(core), token, link_config, drop_watches=core.drop_watches_of,
                        limits=config.frontend.limits)
     core.on_watches_broken = break_watches
@@ -50,7 +50,10 @@ async def serve_root(
 
     def stats() -> dict:
         st = links.stats
+        budget = core.budget
         return {"keys": core.num_keys, "operations": core.operations, "waiters": core.num_waiters,
+                "store_bytes": budget.bytes, "store_entries": budget.entries, "budget_refused": budget.refused,
+                "scans": core.pacer.scans, "scans_refused": core.pacer.refused,
                 "links": st.links,
                 "links_accepted": st.links_accepted, "link_resumes": st.link_resumes,
                 "sessions_expired": st.sessions_expired, "link_batches": st.batches,

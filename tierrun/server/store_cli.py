@@ -17,7 +17,7 @@ from ..settings import FRONTEND_TOKEN, TOKEN_FILE, Settings, SettingsError, take
 from .control import Event, format_event
 from .eventloop import run
 from .frontend_process import serve_frontend_process
-from .options import frontend_config, store_parser
+from .options import frontend_config, parse_store_args, store_parser
 from .proxy import serve_proxy
 from .root import serve_root
 from .service import ServiceConfig
@@ -93,12 +93,14 @@ def store_main(argv: list[str]) -> int:
     p.add_argument("--node-frontend-unix", default=None, metavar="PATH",
                    help="the node front-end's Unix socket (@name: abstract)")
     _add_token_fd(p)
-    args = p.parse_args(argv)
-    if args.workers < 1:
-        p.error(f"--workers {args.workers}: write 1 or more")
+    if "-h" in argv or "--help" in argv:
+        p.parse_args(argv)  # (help, whatever the environment holds)
     settings = _settings("tierrun store")
     if settings is None:
         return 2
+    args = parse_store_args(p, argv, settings.max_store_bytes, settings.max_store_keys)
+    if args.workers < 1:
+        p.error(f"--workers {args.workers}: write 1 or more")
     token, ok = _job_token("tierrun store", args, settings)
     if not ok:
         return 2
@@ -127,7 +129,7 @@ def proxy_main(argv: list[str]) -> int:
                    help="also take other front-ends' links here (a deeper tree: they link to this "
                    "proxy instead of the store host); HOST is an address of this node")
     _add_token_fd(p)
-    args = p.parse_args(argv)
+    args = parse_store_args(p, argv)
     logging.basicConfig(level=args.log_level.upper(), format="[tierrun proxy] %(levelname)s %(message)s")
     settings = _settings("tierrun proxy")
     if settings is None:
@@ -158,7 +160,7 @@ def store_frontend_main(argv: list[str]) -> int:
                      "--workers N`", None, 0)
     p.add_argument("--channel-fd", type=int, required=True)
     p.add_argument("--link-fd", type=int, required=True)
-    args = p.parse_args(argv)
+    args = parse_store_args(p, argv)
     logging.basicConfig(level=args.log_level.upper(),
                         format=f"[tierrun store front-end {os.getpid()}] %(levelname)s %(message)s")
     signal.signal(signal.SIGINT, signal.SIG_IGN)

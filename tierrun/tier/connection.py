@@ -236,7 +236,7 @@ class LinkConnection(asyncio.Protocol):
                         link.established(self, self._handshake.resumed)
                         self.established.set_result(None)
                 elif ftype == REPLIES:
-                    ack_due = ledger.got()
+                    ack_due = ledger.got(len(payload))
                     link.on_replies(payload)
                     if ack_due:
                         self.ack()

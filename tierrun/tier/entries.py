@@ -38,11 +38,13 @@ class Encoded:
     peeks: int = 0  # keys read ahead
     #: The request id of the batch's last answer the upstream gives at once (0: none).
     answered_at_once: int = 0
+    #: Writes with no answer: (request id, opcode, the clients whose writes it carries).
+    writes: list[tuple[int, int, list]] = field(default_factory=list)
 
 
 def encode_plan(plan: Plan, extra: list[bytes], ids: Ids, inflight: dict[int, UpOp], max_frame: int) -> Encoded:
     """Give ``plan``'s ops their ids (registered in ``inflight`` when an answer is
-    expected) and entries, after the ``extra`` ones (CANCELs), in BATCH frames of at
+    expected; a write with no answer has one too, in ``writes``) and entries, after the ``extra`` ones (CANCELs), in BATCH frames of at
     most ``max_frame`` bytes: several, in order, when a batch holds more (each is
     executed in turn; a fold never spans two). O(bytes of the entries)."""
     out = Encoded()
@@ -87,6 +89,9 @@ def encode_plan(plan: Plan, extra: list[bytes], ids: Ids, inflight: dict[int, Up
                 inflight[u.rid] = u
                 if req[0] not in WAITING_OPS:
                     out.answered_at_once = u.rid
+            elif u.writers:  # (answered only if refused: see .writes)
+                u.rid = ids.new()
+                out.writes.append((u.rid, req[0], u.writers))
             new.append(entry_request(cid, u.rid, encode_request(req)))
             out.ops += 1
         added = sum(map(len, new))

@@ -11,7 +11,8 @@ from typing import Any
 from ..core.watch_state import decode_watch_answer
 from ..link.frames import LinkError
 from ..protocol import Op
-from .plan import UpOp, wrap_i64
+from ..core.values import wrap_i64
+from .plan import UpOp
 
 _i64 = struct.Struct("<q")
 _u64 = struct.Struct("<Q")

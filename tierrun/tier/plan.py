@@ -42,6 +42,8 @@ from ..link.frames import DEFAULT_MAX_FRAME, FETCHES, PEEKS, WATCHES
 from ..protocol import Op, Request
 from ..protocol.limits import Limits
 from ..protocol.opcodes import NO_REPLY_OPS, WATCHABLE_OPS
+from ..core.values import wrap_i64
+from .stats import MergeCounts
 
 #: Marks of a pending read that also watches its key: ``(mark, request, watcher)``.
 WATCH_MARK = -1  # sent as a WATCH entry
@@ -53,16 +55,9 @@ ENTRY_KIND = {WATCH_MARK: 0, FETCH_MARK: WATCHES, FETCH_AFTER_WRITES_MARK: FETCH
 _DEDUP_OPS = frozenset({Op.WAIT, Op.CHECK, Op.GET, Op.MULTI_GET, Op.GETNUMKEYS, Op.QUEUE_LEN})
 #: Pseudo-key touched by every write: GETNUMKEYS and LIST_KEYS depend on all keys.
 ALL_KEYS = b"\x00*"
-_I64 = 1 << 64
-_I64_MIN = -(1 << 63)
 #: Encoded bytes a request spends besides its keys and values (opcode, counts, lengths).
 _REQUEST_HEAD = 9
 _ITEM_HEAD = 8
-
-
-def wrap_i64(n: int) -> int:
-    """Two's-complement wrap: what an int64 addition gives on torch's server."""
-    return (n - _I64_MIN) % _I64 + _I64_MIN
 
 
 @dataclass(frozen=True)
@@ -80,6 +75,8 @@ class PlanLimits:
     #: Most bytes of a link frame; a MULTI_GET fold's answer (up to ``max_value_bytes``
     #: a key) must fit one.
     max_frame_bytes: int = DEFAULT_MAX_FRAME
+    #: Largest answer the store host gives one request: a MULTI_GET fold's must not pass it.
+    max_reply_bytes: int = Limits.max_reply_bytes
     max_get_fold: int = field(init=False, repr=False, compare=False)
     max_entry_keys: int = field(init=False, repr=False, compare=False)
 
@@ -87,13 +84,15 @@ class PlanLimits:
     def of(cls, limits: Limits, max_frame_bytes: int = DEFAULT_MAX_FRAME, max_fold: int = 1024) -> PlanLimits:
         return cls(max_fold=max_fold, max_keys=limits.max_keys_per_request, max_key_bytes=limits.max_key_bytes,
                    max_value_bytes=limits.max_value_bytes, max_request_bytes=limits.max_request_bytes,
-                   max_frame_bytes=max_frame_bytes)
+                   max_frame_bytes=max_frame_bytes, max_reply_bytes=limits.max_reply_bytes)
 
     def __post_init__(self) -> None:
         # (per request of a batch: computed once)
-        #: GETs in one MULTI_GET: its answer, whatever the values, fits in a frame.
+        #: GETs in one MULTI_GET: its answer, whatever the values, fits in a frame and
+        #: within the store host's limit of one answer.
+        room = min(self.max_frame_bytes // 2, self.max_reply_bytes)
         object.__setattr__(self, "max_get_fold", max(1, min(
-            self.max_fold, self.max_keys, (self.max_frame_bytes // 2) // (self.max_value_bytes + _ITEM_HEAD + 32))))
+            self.max_fold, self.max_keys, room // (self.max_value_bytes + _ITEM_HEAD + 32))))
         #: One-key WAITs (and watching reads) in one WAITS entry.
         object.__setattr__(self, "max_entry_keys", max(1, min(self.max_fold, self.max_keys)))
 
@@ -143,7 +142,7 @@ class UpOp:
     """One operation sent upstream, and who gets its answer."""
 
     __slots__ = ("req", "ns", "cid", "rid", "waiters", "deltas", "group", "pos", "fold", "members", "wkey",
-                 "watchers", "fetch")
+                 "watchers", "fetch", "writers")
 
     def __init__(self, req: Request, ns: bytes, waiter: Any, pos: int) -> None:
         self.req = req
@@ -161,6 +160,9 @@ class UpOp:
         #: local client, answered with the request's own answer, not the watch state).
         self.watchers: list[Any] | None = None
         self.fetch = 0  # a WAIT that fetches: its entry kind (WATCHES, FETCHES, PEEKS)
+        #: A write with no answer (SET, APPEND, ... and their folds): the clients whose
+        #: writes it carries, to close if the store host refuses it.
+        self.writers: list[Any] | None = None
 
     def request(self) -> Request:
         """The request that goes upstream (a fold's, or an ADD of the run's sum)."""
@@ -181,17 +183,6 @@ def keys_of(req: Request) -> tuple[bytes, ...]:
     if op in (Op.GETNUMKEYS, Op.LIST_KEYS, Op.CANCEL_WAIT):
         return ()
     return (req[1],)
-
-
-@dataclass
-class MergeCounts:
-    merged_reads: int = 0
-    merged_waits: int = 0
-    merged_adds: int = 0
-    merged_appends: int = 0
-    folded_sets: int = 0  # SETs sent inside another's MULTI_SET
-    folded_gets: int = 0  # GETs answered from another's MULTI_GET
-    folded_waits: int = 0  # one-key WAITs sent in another's WAITS entry
 
 
 @dataclass
@@ -272,13 +263,15 @@ class _Planner:
             elif op == Op.ADD or op == Op.APPEND:
                 self.add_or_append(i, since, pending, waiter, ns, req)
             elif op == Op.SET or op == Op.MULTI_SET and req[1]:
-                self.set(i, since, ns, req)
+                self.set(i, since, ns, req, waiter)
             else:
                 keys = keys_of(req)
                 self.touched(ns, keys, write=True)
                 for k in keys or (ALL_KEYS,):
                     self.last_touch[(ns, k)] = self.last_write[(ns, k)] = i
                 u = UpOp(req, ns, None if op in NO_REPLY_OPS else waiter, i)
+                if op in NO_REPLY_OPS:
+                    u.writers = [waiter]
                 u.group = op == Op.BARRIER
                 plan.ops.append(u)
         plan.read_keys = set(self.reads_on)
@@ -417,16 +410,19 @@ class _Planner:
                 fold.values.append(req[2])
                 fold.size += n
                 fold.value_bytes += n
+                run.writers.append(waiter)  # type: ignore[union-attr]
                 plan.counts.merged_appends += 1
                 self.runs[rk] = run
                 return
         u = UpOp(req, ns, waiter if op == Op.ADD else None, i)
         if op == Op.ADD:
             u.deltas = [req[2]]
+        else:
+            u.writers = [waiter]
         self.runs[rk] = u
         plan.ops.append(u)
 
-    def set(self, i: int, since: int, ns: bytes, req: Request) -> None:
+    def set(self, i: int, since: int, ns: bytes, req: Request, waiter: Any) -> None:
         """A SET, or a MULTI_SET (a lower front-end's fold joins ours)."""
         keys = keys_of(req)
         f = self.folds.get((Op.SET, ns))
@@ -452,9 +448,11 @@ class _Planner:
                 fold.keys += req[1]
                 fold.values += req[2]
             fold.size += size
+            f.writers.append(waiter)  # type: ignore[union-attr]
             self.plan.counts.folded_sets += len(keys)
             return
         u = UpOp(req, ns, None, i)
+        u.writers = [waiter]
         self.folds[(Op.SET, ns)] = u
         self.plan.ops.append(u)
 

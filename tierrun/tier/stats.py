@@ -1,6 +1,9 @@
-"""What a front-end merged before its requests left the node (its ``stats`` answer)."""
+"""What a front-end merged before its requests left the node (its ``stats`` answer), and
+what one batch merged (:class:`MergeCounts`, the planner's)."""
 
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 
 class CoalescingStats:
@@ -27,3 +30,14 @@ class CoalescingStats:
 
     def as_dict(self) -> dict[str, int]:
         return dict(vars(self))
+
+
+@dataclass
+class MergeCounts:
+    merged_reads: int = 0
+    merged_waits: int = 0
+    merged_adds: int = 0
+    merged_appends: int = 0
+    folded_sets: int = 0  # SETs sent inside another's MULTI_SET
+    folded_gets: int = 0  # GETs answered from another's MULTI_GET
+    folded_waits: int = 0  # one-key WAITs sent in another's WAITS entry

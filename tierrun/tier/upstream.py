@@ -3,19 +3,16 @@ planner (:mod:`.plan`), the answer fan-out (:mod:`.fanout`), the watch cache
 (:mod:`.watches`), the read-ahead (:mod:`.readahead`) and hold (:mod:`.hold`)
 policies with a link session (:mod:`.connection`).
 
-Requests that arrive during one event-loop iteration form one *batch*, sent in one
-frame (several, past a frame's size) and executed atomically, in order, by the core;
-a batch opening with a contended write is held (:mod:`.hold`). Every request of a
+A loop iteration's requests form one *batch* (held, if it opens with a contended write:
+:mod:`.hold`), sent in one frame (several past a frame's size), executed in order. Every request of a
 namespace travels under one link client id (opened once per session), whoever sent it;
 the core matches answers by request id. Each WAIT or BARRIER waits at the core on its
 own, so a client's CANCEL_WAIT (answered here at once, with torch's answer) cancels
 only what that client waits for: a CANCEL entry once nobody waits under the upstream
 request any more.
 
-Fail-stop: an answer that cannot be the one of the request sent, or any unexpected
-error while handling what the store host sent, ends the session (every client of the
-node is dropped with the reason, and ``on_lost`` tells the node's agent), never a
-resume past answers half handed out.
+Fail-stop: an answer that cannot be the one asked for, or any unexpected error handling
+what the store host sent, ends the session (its clients dropped, ``on_lost`` told).
 """
 
 from __future__ import annotations
@@ -46,6 +43,7 @@ from .connection import SessionEnd, open_connection
 from .readahead import ReadAhead
 from .stats import CoalescingStats
 from .watches import MISSING, WatchCache, answer_from
+from .writes import WritesInFlight, refused_write
 
 log = logging.getLogger("tierrun.frontend")
 
@@ -65,6 +63,7 @@ class LinkUpstream(SessionEnd):
         self._pending: list[tuple[Waiter, bytes, Request]] = []
         self._extra: list[bytes] = []  # CANCEL entries for the next batch
         self._inflight: dict[int, UpOp] = {}
+        self._writes = WritesInFlight()  # writes with no answer, answered if refused
         self._wait_of: dict[Waiter, UpOp] = {}  # a client's WAIT or BARRIER upstream
         self._ids = Ids()  # request ids, and a link client id per namespace
         #: Per batch in flight, the request id of its last answer that the upstream
@@ -301,7 +300,8 @@ class LinkUpstream(SessionEnd):
                 self._queue_extra(entry_cancel(group.cid, group.rid))
                 group.cid = 0
         elif any(w is waiter for w, _, _ in self._pending):
-            kept = [p for p in self._pending if p[0] is not waiter or _op_of(p[2]) not in WAITING_OPS]
+            kept = [p for p in self._pending  # (a watching read's opcode is its request's)
+                    if p[0] is not waiter or (p[2][1][0] if p[2][0] < 0 else p[2][0]) not in WAITING_OPS]
             if len(kept) < len(self._pending):
                 self._answered(waiter)
             self._pending = kept
@@ -361,6 +361,8 @@ class LinkUpstream(SessionEnd):
         out = encode_plan(plan, extra, self._ids, self._inflight, self.limits.max_frame_bytes)
         if out.answered_at_once:
             self._batches_awaiting.add(out.answered_at_once)
+        if out.writes:
+            self._writes.sent(out.writes)
         if out.frames and self.dead is None:
             stats = self.stats
             stats.batches += 1
@@ -378,9 +380,13 @@ class LinkUpstream(SessionEnd):
         answer that cannot be the one of the request sent."""
         awaiting = self._batches_awaiting
         answered = self._answered
+        writes = self._writes
         for rid, status, data in decode_replies(payload):
             u = self._inflight.pop(rid, None)
+            refused = writes.answered(rid) if writes else None
             if u is None:
+                if refused is not None and status != OK:
+                    refused_write(*refused, data)
                 continue
             if rid in awaiting:
                 awaiting.discard(rid)
@@ -452,11 +458,6 @@ class LinkUpstream(SessionEnd):
         below = self.watches.drop_all()
         if below:
             break_watches(below)
-
-
-def _op_of(req: Request) -> int:
-    """The opcode of a pending request (of the request a watching read carries)."""
-    return req[1][0] if req[0] < 0 else req[0]
 
 
 class LinkView:

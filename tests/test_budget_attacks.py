@@ -1,0 +1,265 @@
+"""Greedy and hostile clients with legal requests against real ``tierrun store`` and
+``tierrun proxy`` processes (issue 33, items 1 and 6): each attack by an adversarial
+client while an unrelated torch client keeps being served; the store host's peak RSS
+stays within its budgets plus a fixed overhead, its links to the nodes stay up, and the
+adversary alone is closed (or held back, for one that does not read), with the reason
+logged, as torch's server closes a client whose request fails."""
+
+from __future__ import annotations
+
+import os
+import socket
+import threading
+import time
+from datetime import timedelta
+
+import pytest
+import torch.distributed as dist
+
+from tierrun.client import StoreClient
+from tierrun.protocol import Op
+from tierrun.protocol.requests import encode_handshake, encode_request
+from tierrun.server import StoreProcess
+
+ENV = dict(os.environ, TIERRUN_TOKEN="budget-attacks-test")
+MiB = 1 << 20
+
+
+def peak_rss_mb(pid: int) -> float:
+    """The process's peak resident set (VmHWM), in MiB."""
+    with open(f"/proc/{pid}/status") as f:
+        return int(f.read().split("VmHWM:")[1].split()[0]) / 1024
+
+
+def closed_by_server(sock: socket.socket, timeout: float = 10.0) -> bool:
+    """Read (and discard) until the server closes; False if it did not within ``timeout``."""
+    sock.settimeout(timeout)
+    try:
+        while sock.recv(1 << 16):
+            pass
+        return True
+    except ConnectionResetError:
+        return True
+    except socket.timeout:
+        return False
+
+
+def wait_for_log(proc: StoreProcess, text: str, timeout: float = 10.0) -> str:
+    deadline = time.monotonic() + timeout
+    while text not in proc.output and time.monotonic() < deadline:
+        time.sleep(0.05)
+    lines = [line for line in proc.output.splitlines() if text in line]
+    assert lines, f"no {text!r} in the output of tierrun {proc.command_name}:\n{proc.output[-3000:]}"
+    return lines[0]
+
+
+class Node:
+    """A store host, and (tiered) a node proxy linked to it: ``port`` is where clients go."""
+
+    def __init__(self, tiered: bool, store_args: tuple[str, ...] = ()) -> None:
+        self.root = StoreProcess(host="127.0.0.1", port=0, controlled=True, env=ENV, extra_args=list(store_args))
+        self.root.start()
+        self.proxy = None
+        if tiered:
+            self.proxy = StoreProcess(host="127.0.0.1", port=0, command="proxy", env=ENV, controlled=True,
+                                      extra_args=["--upstream", f"127.0.0.1:{self.root.port}"])
+            self.proxy.start()
+        self.front = self.proxy or self.root
+        self.port = self.front.port
+
+    def torch_client(self) -> dist.TCPStore:
+        """A well-behaved client; it counts in a key of its own, there from the start (a
+        store whose budget of keys an attack spent takes no new key, from anyone)."""
+        c = dist.TCPStore("127.0.0.1", self.port, is_master=False, timeout=timedelta(seconds=20))
+        c.add("bystander", 1)
+        return c
+
+    def still_served(self, bystander: dist.TCPStore) -> None:
+        """Everything but the adversary is up: the bystander, the node's link, both processes."""
+        before = bystander.add("bystander", 1)
+        assert bystander.add("bystander", 1) == before + 1
+        assert self.root.exited() is None and (self.proxy is None or self.proxy.exited() is None)
+        stats = self.root.stats()
+        if self.proxy is not None:
+            assert (stats["links"], stats["sessions_expired"], stats["link_resumes"]) == (1, 0, 0)
+
+    def close(self) -> None:
+        if self.proxy is not None:
+            self.proxy.stop()
+        self.root.stop()
+
+
+@pytest.fixture(params=[False, True], ids=["flat", "tiered"])
+def node(request):
+    n = Node(request.param)
+    yield n
+    n.close()
+
+
+def send_until_closed(sock: socket.socket, data: bytes) -> None:
+    """Send ``data``; the server may close the connection before it is all sent."""
+    try:
+        sock.sendall(data)
+    except (BrokenPipeError, ConnectionResetError):
+        pass
+
+
+def adversary(port: int, rcvbuf: int | None = None) -> socket.socket:
+    sock = socket.socket()
+    if rcvbuf:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, rcvbuf)
+    sock.connect(("127.0.0.1", port))
+    sock.sendall(encode_handshake(1))
+    return sock
+
+
+def test_a_22_kb_multi_get_of_2000_copies_of_a_1_mib_value(node):
+    """Issue 33's first symptom: the answer (2 GiB) is measured before it is built."""
+    bystander = node.torch_client()
+    bystander.set("v", b"x" * MiB)
+    assert bystander.check(["v"])  # (a SET has no answer: this one's is in)
+    hog = adversary(node.port)
+    request = encode_request((Op.MULTI_GET, (b"/v",) * 2000))
+    assert len(request) < 22_000
+    hog.sendall(request)
+    assert closed_by_server(hog), node.front.output
+    line = wait_for_log(node.front, "MULTI_GET failed")
+    assert "its answer would be 2,097,168,000 bytes, past the limit (--max-reply-bytes)" in line
+    assert bystander.get("v") == b"x" * MiB
+    node.still_served(bystander)
+    assert peak_rss_mb(node.root.pid) < 150
+
+
+def test_300_pipelined_gets_of_a_1_mib_value_through_a_proxy_by_a_client_that_never_reads():
+    """Issue 33's second symptom: the proxy sends a client's next request up only while
+    what it owes the client (each GET counted at a value's size) is small, so the store
+    host holds next to nothing for it, and the node's link never fills up."""
+    n = Node(tiered=True)
+    try:
+        bystander = n.torch_client()
+        bystander.set("big", b"x" * MiB)
+        assert bystander.check(["big"])
+        hog = adversary(n.port, rcvbuf=4096)
+        before = n.proxy.stats()["upstream_ops"]
+        hog.sendall(encode_request((Op.GET, b"/big")) * 300)
+        rtts = []
+        deadline = time.monotonic() + 3
+        while time.monotonic() < deadline:
+            t = time.monotonic()
+            bystander.add(f"rtt{len(rtts)}", 1)
+            rtts.append(time.monotonic() - t)
+            time.sleep(0.05)
+        assert max(rtts) < 1.0, rtts
+        gets_sent_up = n.proxy.stats()["upstream_ops"] - before - len(rtts)
+        assert gets_sent_up < 30  # (of 300: those whose answers the sockets' buffers took)
+        n.still_served(bystander)
+        assert peak_rss_mb(n.root.pid) < 150
+        assert peak_rss_mb(n.proxy.pid) < 200
+        hog.close()
+    finally:
+        n.close()
+
+
+@pytest.mark.parametrize("budget, key_size, value_size, flag", [
+    ("--max-store-bytes=32000000", 16, MiB, "--max-store-bytes"),
+    ("--max-store-keys=2000", 16, 8, "--max-store-keys"),
+])
+@pytest.mark.parametrize("tiered", [False, True], ids=["flat", "tiered"])
+def test_sets_past_the_store_budget_close_their_client_only(tiered, budget, key_size, value_size, flag):
+    """SETs have no answer: one past the budget is refused and its client closed (so
+    its next request fails, as with torch's server); other clients read and write on."""
+    n = Node(tiered, store_args=(budget,))
+    try:
+        bystander = n.torch_client()
+        bystander.set("counter", "1")
+        assert bystander.check(["counter"])
+        hog = adversary(n.port)
+        sets = b"".join(encode_request((Op.SET, b"%0*d" % (key_size, i), b"v" * value_size)) for i in range(4000)
+                        if i * (key_size + value_size) < 40_000_000)
+        send_until_closed(hog, sets + encode_request((Op.GET, b"0")))
+        assert closed_by_server(hog)
+        line = wait_for_log(n.front, "SET failed")
+        assert flag in line and "store holds" in line
+        assert bystander.add("counter", 1) == 2  # (a write that fits is taken)
+        assert bystander.get("counter") == b"2"
+        stats = n.root.stats()
+        assert stats["budget_refused"] >= 1
+        assert stats["store_bytes"] <= 32_000_000 and stats["store_entries"] <= 4000
+        n.still_served(bystander)
+        assert peak_rss_mb(n.root.pid) < 200
+    finally:
+        n.close()
+
+
+def test_appends_past_the_value_limit_close_their_client_only(node):
+    """APPEND copies the whole value each time: its result is held to the value limit
+    (8 MiB), where torch's server lets it grow without end."""
+    bystander = node.torch_client()
+    hog = adversary(node.port)
+    send_until_closed(hog, encode_request((Op.APPEND, b"/grow", b"a" * MiB)) * 40 + encode_request((Op.GET, b"/grow")))
+    assert closed_by_server(hog)
+    line = wait_for_log(node.front, "APPEND failed")
+    # (the 9th MiB, or through a proxy, a merge of several, past the value limit)
+    assert "the value of key b'/grow' would be" in line and "past the limit (--max-value-bytes) of 8,388,608" in line
+    value = bystander.get("grow")  # (through a proxy, merged APPENDs are refused whole: <= 8 MiB)
+    assert value == b"a" * len(value) and len(value) % MiB == 0
+    assert len(value) == 8 * MiB if node.proxy is None else len(value) <= 8 * MiB
+    node.still_served(bystander)
+    assert peak_rss_mb(node.root.pid) < 200
+
+
+def test_long_scans_never_stall_the_store_host_past_the_link_heartbeat_timeout():
+    """Clients listing 400,000 keys over and over: full scans get at most half the store
+    host's time (those past it are refused, their clients closed), so a node's link
+    never goes silent and the bystander is answered within a second or so."""
+    n = Node(tiered=True)
+    try:
+        with StoreClient(("127.0.0.1", n.root.port)) as c:
+            for part in range(4):
+                keys = tuple(b"/scan/%d/%06d" % (part, i) for i in range(100_000))
+                c.multi_set(list(keys), [b""] * len(keys))
+            assert c.num_keys() == 400_000
+        bystander = n.torch_client()
+        stop = threading.Event()
+        refused = []
+
+        answer = 8 + 400_000 * (8 + 14)  # (keys of 14 bytes)
+        buffer = bytearray(1 << 20)
+
+        def scan_forever() -> None:  # (reads each answer whole, and asks again)
+            while not stop.is_set():
+                sock = adversary(n.root.port)
+                sock.recv(4)  # (the PING's)
+                try:
+                    while not stop.is_set():
+                        sock.sendall(encode_request((Op.LIST_KEYS,)))
+                        left = answer
+                        while left:
+                            got = sock.recv_into(buffer, min(left, len(buffer)))
+                            if not got:
+                                raise ConnectionResetError
+                            left -= got
+                except (ConnectionResetError, BrokenPipeError):
+                    refused.append(1)  # (refused: closed; it comes back)
+                finally:
+                    sock.close()
+
+        scanners = [threading.Thread(target=scan_forever, daemon=True) for _ in range(3)]
+        for t in scanners:
+            t.start()
+        rtts = []
+        deadline = time.monotonic() + 5
+        while time.monotonic() < deadline:
+            t0 = time.monotonic()
+            bystander.add("ticks", 1)
+            rtts.append(time.monotonic() - t0)
+            time.sleep(0.02)
+        stop.set()
+        for t in scanners:
+            t.join(30)
+        assert refused, "no scan was refused"
+        wait_for_log(n.root, "have taken their share of its time")
+        assert max(rtts) < 4.0, f"the store host stalled {max(rtts):.1f} s (the link's heartbeat timeout: 5 s)"
+        n.still_served(bystander)
+    finally:
+        n.close()

@@ -1,0 +1,172 @@
+"""A client connection's budget of unread answers, without sockets (issue 33, item 1):
+what it owes a client that does not read (answers not read, held by an invalidation
+round, still to come from upstream at their largest) stops its requests at
+``REPLY_BUFFER``, and closes it past ``max_unread_bytes``."""
+
+from __future__ import annotations
+
+from tierrun.core import StoreCore
+from tierrun.frontend.connection import REPLY_BUFFER, ClientConnection
+from tierrun.protocol import Limits, Op
+from tierrun.protocol.requests import encode_handshake, encode_request
+
+MiB = 1 << 20
+
+
+class Transport:
+    """Keeps what is written (the client reads nothing until ``drain``)."""
+
+    def __init__(self):
+        self.buffered = 0
+        self.written: list[bytes] = []
+        self.reading = True
+        self.closed = False
+
+    def get_extra_info(self, name, default=None):
+        return default
+
+    def get_write_buffer_size(self):
+        return self.buffered
+
+    def write(self, data):
+        self.written.append(bytes(data))
+        self.buffered += len(data)
+
+    def pause_reading(self):
+        self.reading = False
+
+    def resume_reading(self):
+        self.reading = True
+
+    def close(self):
+        self.closed = True
+
+    abort = close
+
+
+class Deferring:
+    """A proxy's upstream: every request is answered later (``answer``)."""
+
+    def __init__(self):
+        self.sent = []
+
+    def execute(self, req, waiter):
+        if req[0] == Op.CANCEL_WAIT:
+            return b"\x01"
+        self.sent.append(req)
+        return None
+
+    def forget(self, waiter):
+        pass
+
+
+class Gate:
+    def __init__(self):
+        self.closed = False
+        self.held = []
+
+    def emit(self, send, data):
+        self.held.append((send, data)) if self.closed else send(data)
+
+    def open(self):
+        self.closed = False
+        held, self.held = self.held, []
+        for send, data in held:
+            send(data)
+
+
+class Owner:
+    link_acceptor = None
+
+    def __init__(self, upstream, limits=None, gate=None):
+        self.upstream = upstream
+        self.limits = limits or Limits()
+        self.gate = gate
+
+    def admit(self, conn):
+        return True
+
+    def release(self, conn):
+        pass
+
+    def became_link(self, conn):
+        pass
+
+
+def connect(upstream, limits=None, gate=None):
+    conn = ClientConnection(Owner(upstream, limits, gate))
+    transport = Transport()
+    conn.connection_made(transport)
+    return conn, transport
+
+
+def read(conn, transport, n=None):
+    """The client reads what was written (the kernel takes it all)."""
+    transport.buffered = 0
+    conn.resume_writing()
+
+
+def test_pipelined_gets_through_a_proxy_go_up_one_at_a_time_while_the_client_does_not_read():
+    upstream = Deferring()
+    conn, transport = connect(upstream)
+    conn.data_received(encode_handshake(1) + encode_request((Op.GET, b"big")) * 300)
+    assert len(upstream.sent) == 1 and not transport.reading  # (a GET counts at 8 MiB: past REPLY_BUFFER)
+    answer = (MiB).to_bytes(8, "little") + b"x" * MiB
+    conn.wake(answer)
+    assert len(upstream.sent) == 1  # (its answer is not read: still owed)
+    for i in range(2, 5):
+        read(conn, transport)
+        assert len(upstream.sent) == i
+        conn.wake(answer)
+    assert transport.buffered == MiB + 8 and not transport.closed and not transport.reading
+
+
+def test_a_torch_client_one_request_at_a_time_never_waits():
+    upstream = Deferring()
+    conn, transport = connect(upstream)
+    conn.data_received(encode_handshake(1))
+    for i in range(1, 50):
+        conn.data_received(encode_request((Op.GET, b"big")))
+        assert len(upstream.sent) == i and transport.reading
+        conn.wake(b"\x05" + b"\x00" * 7 + b"hello")
+        read(conn, transport)
+
+
+def test_answers_held_by_an_invalidation_round_count():
+    core, gate = StoreCore(), Gate()
+    core.execute((Op.SET, b"v", b"x" * (100 * 1024)), object())
+    conn, transport = connect(core, gate=gate)
+    gate.closed = True  # (a round is open: every answer is held)
+    conn.data_received(encode_handshake(1) + encode_request((Op.GET, b"v")) * 100)
+    # (11 x 100 KiB > REPLY_BUFFER: the rest wait)
+    assert sum(len(data) for _, data in gate.held) == 4 + 11 * (8 + 100 * 1024) and not transport.reading
+    assert transport.buffered == 0
+    gate.open()  # (the round is over: the held answers go, and the next requests run)
+    assert transport.buffered > REPLY_BUFFER and not transport.reading
+    for _ in range(10):  # (each read lets ~REPLY_BUFFER more through)
+        read(conn, transport)
+    assert sum(map(len, transport.written)) == 4 + 100 * (8 + 100 * 1024) and transport.reading
+
+
+def test_a_client_owed_more_than_its_budget_is_closed():
+    """Flow control keeps a client's answers within REPLY_BUFFER plus one answer; an
+    answer past what was reserved for it (a stacked upstream's), past the budget: closed."""
+    upstream = Deferring()
+    limits = Limits(max_value_bytes=1024, max_reply_bytes=4096, max_unread_bytes=MiB + 4096)
+    conn, transport = connect(upstream, limits)
+    conn.data_received(encode_handshake(1) + encode_request((Op.GET, b"k")))
+    conn.wake(b"\x00" * (MiB + 8192))
+    assert transport.closed and conn.closed
+
+
+def test_a_wake_while_requests_run_comes_after_their_answers():
+    """A client pipelines GET, WAIT and the SET that wakes its own WAIT: the answers in
+    torch's server's order (the GET's, then the WAIT's)."""
+    core = StoreCore()
+    core.execute((Op.SET, b"a", b"A"), object())
+    conn, transport = connect(core)
+    conn.data_received(encode_handshake(1) + encode_request((Op.GET, b"a")) + encode_request((Op.WAIT, (b"k",)))
+                       + encode_request((Op.SET, b"k", b"v")) + encode_request((Op.CANCEL_WAIT,)))
+    ping, get = (1).to_bytes(4, "little"), (1).to_bytes(8, "little") + b"A"
+    assert b"".join(transport.written) == ping + get + b"\x00" + b"\x01"
+    assert conn.owed() == transport.buffered  # (nothing reserved any more)

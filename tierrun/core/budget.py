@@ -1,0 +1,158 @@
+"""The store's budgets: what it holds (bytes, keys) and answers (one answer's size), and
+how much of its time full scans may take. Torch's server has none of them: there a
+22 KB MULTI_GET can make the server build a 2 GB answer, and SETs grow it without end.
+
+Every check is O(1): the store keeps running totals, so no request scans anything to be
+checked. A request past a budget raises :class:`BudgetExceeded` (a ``StoreError``) before
+it changes anything: as with any failed request, its client is closed, as torch's server
+closes it; the store and every other client go on.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+
+from ..protocol.limits import Limits
+from .values import StoreError
+
+#: Scans of fewer keys than this are not paced: they take a few milliseconds.
+PACED_SCAN_KEYS = 16 * 1024
+#: Full scans may take at most this share of the store's time...
+SCAN_SHARE = 0.5
+#: ... in bursts of at most this many seconds (then as much as the share allows).
+SCAN_BURST = 1.0
+
+
+class BudgetExceeded(StoreError):
+    """A write past the store's budget, or an answer past its size limit."""
+
+
+def _key(key: bytes) -> str:
+    return repr(key[:64]) + ("..." if len(key) > 64 else "")
+
+
+class StoreBudget:
+    """Running totals of what the store holds, against its limits.
+
+    ``bytes``: keys and values, queued values and queue names; ``entries``: keys,
+    queues and queued values. The store calls :meth:`grow` before every write that
+    adds (a negative size when a write shrinks a value) and lowers the totals itself when
+    something goes. O(1) per call.
+    """
+
+    __slots__ = ("bytes", "entries", "max_bytes", "max_entries", "max_reply", "max_value", "refused")
+
+    def __init__(self, limits: Limits) -> None:
+        self.bytes = 0
+        self.entries = 0
+        self.max_bytes = limits.max_store_bytes
+        self.max_entries = limits.max_store_keys
+        self.max_reply = limits.max_reply_bytes
+        self.max_value = limits.max_value_bytes
+        self.refused = 0  # requests refused, ever
+
+    def grow(self, key: bytes, more_bytes: int, more_entries: int) -> None:
+        """Count a write that adds ``more_bytes`` and ``more_entries``. Raises
+        BudgetExceeded (nothing counted) if it would pass a budget; a write that adds
+        nothing to a total is never refused for that total (a full store still takes
+        writes that shrink it or keep its size)."""
+        b = self.bytes + more_bytes
+        e = self.entries + more_entries
+        if (b > self.max_bytes and more_bytes > 0) or (e > self.max_entries and more_entries > 0):
+            self.refused += 1
+            if e > self.max_entries and more_entries > 0:
+                raise BudgetExceeded(
+                    f"the store holds {self.entries:,} keys and queued values, its budget (--max-store-keys), "
+                    f"and this write (key {_key(key)}) adds {more_entries:,}; delete keys, or start the store "
+                    "with a larger budget")
+            raise BudgetExceeded(
+                f"the store holds {self.bytes:,} bytes of keys and values and this write (key {_key(key)}) "
+                f"adds {more_bytes:,}, past its budget (--max-store-bytes) of {self.max_bytes:,}; delete keys, "
+                "or start the store with a larger budget")
+        self.bytes = b
+        self.entries = e
+
+    def value(self, key: bytes, size: int) -> None:
+        """A value a write would leave (an APPEND's result): raises BudgetExceeded past
+        the value limit."""
+        if size > self.max_value:
+            self.refused += 1
+            raise BudgetExceeded(
+                f"the value of key {_key(key)} would be {size:,} bytes, past the limit (--max-value-bytes) "
+                f"of {self.max_value:,}")
+
+    def reply(self, size: int) -> None:
+        """An answer's size, known before it is built: raises BudgetExceeded past the
+        limit of one answer."""
+        if size > self.max_reply:
+            self.refused += 1
+            raise BudgetExceeded(
+                f"its answer would be {size:,} bytes, past the limit (--max-reply-bytes) of {self.max_reply:,} "
+                "for one answer; ask for fewer keys at a time")
+
+
+def multi_set_growth(data: dict[bytes, bytes], keys: tuple[bytes, ...],
+                     values: tuple[bytes, ...]) -> tuple[int, int, int]:
+    """What a MULTI_SET of ``keys`` and ``values`` adds to ``data``: (bytes, keys, bytes of
+    new keys), exactly (a key set twice counts once, with its last value). O(keys)."""
+    more = entries = key_bytes = 0
+    get = data.get
+    for key, value in dict(zip(keys, values)).items():
+        old = get(key)
+        if old is None:
+            more += len(key) + len(value)
+            entries += 1
+            key_bytes += len(key)
+        else:
+            more += len(value) - len(old)
+    return more, entries, key_bytes
+
+
+class ScanPacer:
+    """Keeps full scans of a large store (LIST_KEYS, a namespace's GETNUMKEYS: ~1 us a
+    key, during which the store serves no one) to ``share`` of the store's time, in
+    bursts of at most ``burst`` seconds: a token bucket of scan time. A scan while the
+    bucket is empty is refused (BudgetExceeded: its client is closed). So however many
+    clients scan, the store is never busy scanning for much longer than ``burst`` plus
+    one scan (~1 s at the default --max-store-keys), well within a link's heartbeat
+    timeout. Takes the time from ``clock`` (seconds). O(1)."""
+
+    __slots__ = ("share", "burst", "credit", "_clock", "_last", "scans", "refused")
+
+    def __init__(self, share: float = SCAN_SHARE, burst: float = SCAN_BURST,
+                 clock: Callable[[], float] = time.perf_counter) -> None:
+        self.share = share
+        self.burst = burst
+        self.credit = burst
+        self._clock = clock
+        self._last = clock()
+        self.scans = 0  # paced scans done
+        self.refused = 0
+
+    def start(self, keys: int) -> float:
+        """A scan of ``keys`` keys is about to run: when it started (for :meth:`done`), or
+        -1.0 for a scan too small to pace. Raises BudgetExceeded while scans have had
+        their share."""
+        if keys < PACED_SCAN_KEYS:
+            return -1.0
+        now = self._clock()
+        self._refill(now)
+        if self.credit <= 0:
+            self.refused += 1
+            raise BudgetExceeded(
+                f"scans of the store's {keys:,} keys have taken their share of its time ({self.share:.0%}) "
+                "lately, and the store keeps them to it so that its other clients are served; scan less often")
+        self.scans += 1
+        return now
+
+    def done(self, started: float) -> None:
+        """The scan begun at ``started`` is over: charge its time."""
+        if started >= 0:
+            now = self._clock()
+            self.credit -= now - started
+            self._refill(now)
+
+    def _refill(self, now: float) -> None:
+        self.credit = min(self.burst, self.credit + (now - self._last) * self.share)
+        self._last = now

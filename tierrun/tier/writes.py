@@ -1,0 +1,65 @@
+"""Writes in flight with no answer (SET, APPEND, MULTI_SET, QUEUE_PUSH, and their folds):
+whom to close if the store host refuses one (past its budget, or its limits).
+
+Torch's protocol has no answer for these writes, and torch's server closes the client
+whose write fails. So a front-end sends each with a request id; the store host answers
+it only if it refuses it (FAILED), and the front-end closes the clients whose writes it
+carried (a fold's: all of them, since none of its writes was applied). A write is
+forgotten once an answer to a later request arrives: the store host executes a link's
+requests in the order of their ids and answers in that order, so a refusal of it would
+have come first. At most ``MAX_WRITES`` are remembered (a client that only writes gets
+no answers to forget them by): the oldest beyond it are forgotten, and a refusal of one
+of those is only logged by the store host. O(1) per write and per answer, amortised.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from typing import Any
+
+from ..protocol import Op
+
+MAX_WRITES = 64 * 1024
+
+
+class WritesInFlight:
+    __slots__ = ("_order", "_writers", "max_writes")
+
+    def __init__(self, max_writes: int = MAX_WRITES) -> None:
+        self._order: deque[int] = deque()  # request ids, ascending
+        self._writers: dict[int, tuple[int, list[Any]]] = {}  # request id -> (opcode, clients)
+        self.max_writes = max_writes
+
+    def __len__(self) -> int:
+        return len(self._writers)
+
+    def sent(self, writes: list[tuple[int, int, list[Any]]]) -> None:
+        """Writes that left in a batch: (request id, opcode, their clients), ids ascending."""
+        for rid, op, writers in writes:
+            self._order.append(rid)
+            self._writers[rid] = (op, writers)
+        while len(self._order) > self.max_writes:
+            self._writers.pop(self._order.popleft(), None)
+
+    def answered(self, rid: int) -> tuple[int, list[Any]] | None:
+        """An answer for request ``rid`` came: (opcode, clients) of that write if it is
+        one (it was refused), else None; writes sent before it are forgotten."""
+        writers = self._writers.pop(rid, None)
+        order = self._order
+        while order and order[0] < rid:
+            self._writers.pop(order.popleft(), None)
+        return writers
+
+    def clear(self) -> None:
+        self._order.clear()
+        self._writers.clear()
+
+
+def refused_write(op: int, writers: list[Any], reason: bytes) -> None:
+    """The store host refused a write with no answer (past its budget): close the
+    clients whose writes it carried, as torch's server closes a client whose write
+    fails. A front-end below (a relay) is not closed: the store host logged it."""
+    why = f"{Op(op).name} failed: {reason.decode(errors='replace')}"
+    for w in writers:
+        if not getattr(w, "relay", False):
+            w.drop(why)
