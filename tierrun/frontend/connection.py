@@ -10,6 +10,7 @@ import asyncio
 import logging
 import socket
 import struct
+from collections.abc import Callable
 from typing import Protocol
 
 from ..core import StoreError
@@ -39,8 +40,9 @@ class ConnectionOwner(Protocol):
     def release(self, conn: ClientConnection) -> None:
         """``conn`` closed."""
 
-    def became_link(self, conn: ClientConnection) -> None:
-        """``conn`` turned out to be a front-end's link: it is not a client after all."""
+    def became_link(self, conn: ClientConnection) -> Callable[[], None]:
+        """``conn`` turned out to be a front-end's link: it is not a client after all,
+        but counts as a connection until the returned callable is called."""
 
 
 class ClientConnection(asyncio.Protocol):
@@ -133,9 +135,9 @@ class ClientConnection(asyncio.Protocol):
     def _become_link(self, rest: bytes) -> None:
         acceptor = self._frontend.link_acceptor
         assert acceptor is not None and self._transport is not None
-        self._frontend.became_link(self)
+        release = self._frontend.became_link(self)
         self.closed = True
-        acceptor(self._transport, self.peer, rest)
+        acceptor(self._transport, self.peer, rest, release)
 
     def _write(self, out: list[bytes]) -> None:
         if out and not self.closed:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import socket
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from ..protocol import Limits
@@ -44,15 +45,19 @@ class FrontEnd:
         self.connections: set[ClientConnection] = set()
         self.accepted = 0
         self.refused = 0
+        #: Connections that turned out to be links, still open (counted as connections).
+        self.links_open = 0
         self._servers: list[asyncio.AbstractServer] = []
 
     def admit(self, conn: ClientConnection) -> bool:
-        if len(self.connections) >= self.config.max_connections:
+        """Count ``conn``; False past ``max_connections`` (clients and links alike). O(1)."""
+        open_now = len(self.connections) + self.links_open
+        if open_now >= self.config.max_connections:
             self.refused += 1
             log.warning(
                 "refusing connection from %s: %d connections open (the limit)",
                 conn.peer,
-                len(self.connections),
+                open_now,
             )
             return False
         self.accepted += 1
@@ -62,10 +67,21 @@ class FrontEnd:
     def release(self, conn: ClientConnection) -> None:
         self.connections.discard(conn)
 
-    def became_link(self, conn: ClientConnection) -> None:
-        """``conn`` turned out to be a front-end's link: it is not a client after all."""
+    def became_link(self, conn: ClientConnection) -> Callable[[], None]:
+        """``conn`` turned out to be a front-end's link: it is not a client after all,
+        but counts against ``max_connections`` until the returned callable is called
+        (once, when the link's connection is gone)."""
         self.connections.discard(conn)
         self.accepted -= 1
+        self.links_open += 1
+        released = []
+
+        def release() -> None:
+            if not released:
+                released.append(True)
+                self.links_open -= 1
+
+        return release
 
     async def listen(self, sock: socket.socket, backlog: int = DEFAULT_BACKLOG) -> None:
         """Serve clients on an already bound and listening socket. asyncio listens again

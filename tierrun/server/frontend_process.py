@@ -27,6 +27,7 @@ import json
 import logging
 import os
 import socket
+from collections.abc import Callable
 
 from ..frontend import FrontEnd, FrontEndConfig
 from ..tier import LinkUpstream, PlanLimits
@@ -56,13 +57,14 @@ async def serve_frontend_process(channel: socket.socket, link_sock: socket.socke
     await asyncio.wait_for(link.ready, link_config.heartbeat_timeout)
     frontends: list[FrontEnd] = []
 
-    def hand_off(transport: asyncio.Transport, peer: str, rest: bytes) -> None:
+    def hand_off(transport: asyncio.Transport, peer: str, rest: bytes, release: Callable[[], None]) -> None:
         sock = transport.get_extra_info("socket")
         try:  # the kernel passes the connection itself; closing ours leaves it open
             socket.send_fds(channel, [HAND_OFF + rest], [sock.fileno()])
         except OSError as e:
             log.warning("could not hand the link from %s to the core process: %s", peer, e)
         transport.abort()
+        release()  # (the core process counts it from now on)
 
     def on_channel() -> None:
         try:

@@ -42,7 +42,7 @@ async def serve_root(
     """
     core = StoreCore()
     links = LinkServer(core_upstreams(core), token, link_config, drop_watches=core.drop_watches_of,
-                       limits=config.frontend.limits)
+                       limits=config.frontend.limits, max_connections=config.frontend.max_connections)
     core.on_watches_broken = break_watches
 
     def make_upstream(namespace: str) -> Upstream:
