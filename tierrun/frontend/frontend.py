@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
 import socket
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -19,8 +20,12 @@ log = logging.getLogger("tierrun.store")
 @dataclass
 class FrontEndConfig:
     limits: Limits = field(default_factory=Limits)
-    #: Connections beyond this are closed as soon as they are accepted.
+    #: Connections beyond this are closed as soon as they are accepted (clients and
+    #: links alike).
     max_connections: int = 65536
+    #: Who may connect on a Unix socket (SO_PEERCRED's uid): by default this process's
+    #: user (the agent's, for the stores it starts) and root. Others are refused.
+    unix_uids: frozenset[int] = field(default_factory=lambda: frozenset({os.getuid(), 0}))
 
 
 class FrontEnd:
@@ -32,16 +37,20 @@ class FrontEnd:
         config: FrontEndConfig | None = None,
         link_acceptor: LinkAcceptor | None = None,
         gate: Gate | None = None,
+        links_only: bool = False,
     ) -> None:
-        """``link_acceptor(transport, peer, rest)``, if given, takes over a connection
-        that turned out to be a front-end's link (on the store host's public port);
-        ``rest`` is what was read after the link's first byte. ``gate``: holds answers
-        while the store's invalidation rounds run (the core's process only)."""
+        """``link_acceptor(transport, peer, rest, on_closed)``, if given, takes over a
+        connection that turned out to be a front-end's link (on the store host's public
+        port); ``rest`` is what was read after the link's first byte. ``gate``: holds
+        answers while the store's invalidation rounds run (the core's process only).
+        ``links_only`` (with ``link_acceptor``): torch-protocol clients are refused."""
         self.upstream = upstream
         self.gate = gate
         self.link_acceptor = link_acceptor
+        self.links_only = links_only and link_acceptor is not None
         self.config = config or FrontEndConfig()
         self.limits = self.config.limits
+        self.unix_uids = self.config.unix_uids
         self.connections: set[ClientConnection] = set()
         self.accepted = 0
         self.refused = 0
@@ -94,6 +103,12 @@ class FrontEnd:
         else:
             server = await loop.create_server(factory, sock=sock, backlog=backlog)
         self._servers.append(server)
+
+    def stop_listening(self) -> None:
+        """Accept no more connections (the listening sockets close); those accepted
+        stay until they close."""
+        for server in self._servers:
+            server.close()
 
     async def close(self) -> None:
         for server in self._servers:

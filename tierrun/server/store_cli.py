@@ -28,6 +28,7 @@ def _config(args: argparse.Namespace) -> ServiceConfig:
         host=args.host, port=args.port, unix=args.unix, frontend=frontend_config(args),
         control_stdin=args.control_stdin, workers=getattr(args, "workers", 1),
         workers_for_namespaces_only=getattr(args, "workers_for", "all") == "namespaces",
+        links_only=getattr(args, "links_only", False),
     )
 
 
@@ -69,6 +70,10 @@ def store_main(argv: list[str]) -> int:
                    "port) and on --node-frontend-unix")
     p.add_argument("--node-frontend-unix", default=None, metavar="PATH",
                    help="the node front-end's Unix socket (@name: abstract)")
+    p.add_argument("--links-only", action="store_true",
+                   help="the public port takes only node links (needs a job token): torch-protocol "
+                   "clients there are refused (what the launcher does for tiered jobs, whose "
+                   "store host's own clients use its --node-frontend)")
     args = p.parse_args(argv)
     if args.workers < 1:
         p.error(f"--workers {args.workers}: write 1 or more")
@@ -76,6 +81,10 @@ def store_main(argv: list[str]) -> int:
     if settings is None:
         return 2
     token = settings.job_token()
+    if args.links_only and token is None:
+        print("tierrun store: --links-only takes links only, and links need a job token: set "
+              "TIERRUN_TOKEN or TIERRUN_TOKEN_FILE", file=sys.stderr)
+        return 2
     node = None
     if args.node_frontend:
         node = ServiceConfig(host=NODE_FRONTEND_HOST, port=0, unix=args.node_frontend_unix,
@@ -85,8 +94,12 @@ def store_main(argv: list[str]) -> int:
         run(serve_root(_config(args), on_listening=_announcer("store"), token=token,
                        link_config=settings.link, node_frontend=node))
     except OSError as e:
-        print(f"tierrun store: cannot listen on {args.host or '*'}:{args.port}: {e.strerror or e}. "
-              "Pick another --port, or stop whatever uses it.", file=sys.stderr)
+        if e.filename:  # (a Unix socket's path)
+            print(f"tierrun store: cannot listen on the Unix socket {e.filename}: {e.strerror or e}",
+                  file=sys.stderr)
+        else:
+            print(f"tierrun store: cannot listen on {args.host or '*'}:{args.port}: {e.strerror or e}. "
+                  "Pick another --port, or stop whatever uses it.", file=sys.stderr)
         return 1
     return 0
 
@@ -119,6 +132,12 @@ def proxy_main(argv: list[str]) -> int:
         return run(serve_proxy(_config(args), host.strip("[]"), int(port), token,
                                on_listening=_announcer("proxy"), connect_timeout=args.connect_timeout,
                                link_config=settings.link, link_listen=link_listen))
+    except OSError as e:
+        if e.filename:  # (a Unix socket's path)
+            print(f"tierrun proxy: cannot listen on the Unix socket {e.filename}: {e.strerror or e}", file=sys.stderr)
+        else:
+            print(f"tierrun proxy: cannot link to the store host {args.upstream}: {e}", file=sys.stderr)
+        return 1
     except Exception as e:  # one line for any start failure (refused, token, timeout)
         print(f"tierrun proxy: cannot link to the store host {args.upstream}: {e}", file=sys.stderr)
         return 1
@@ -129,6 +148,7 @@ def store_frontend_main(argv: list[str]) -> int:
                      "--workers N`", None, 0)
     p.add_argument("--channel-fd", type=int, required=True)
     p.add_argument("--link-fd", type=int, required=True)
+    p.add_argument("--links-only", action="store_true")
     args = p.parse_args(argv)
     logging.basicConfig(level=args.log_level.upper(),
                         format=f"[tierrun store front-end {os.getpid()}] %(levelname)s %(message)s")
@@ -143,4 +163,5 @@ def store_frontend_main(argv: list[str]) -> int:
         return 2
     channel = socket.socket(fileno=args.channel_fd)
     link_sock = socket.socket(fileno=args.link_fd)
-    return run(serve_frontend_process(channel, link_sock, token, frontend_config(args), settings.link))
+    return run(serve_frontend_process(channel, link_sock, token, frontend_config(args), settings.link,
+                                      links_only=args.links_only))

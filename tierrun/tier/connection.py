@@ -29,6 +29,7 @@ from ..link.frames import (
     decode_count, decode_pong,
 )
 from ..link.session import ClientHandshake, Heartbeat, Ledger
+from ..protocol.limits import Limits
 
 log = logging.getLogger("tierrun.frontend")
 
@@ -61,9 +62,9 @@ class SessionEnd:
         #: renew the grace period).
         self.down_since: float | None = None
         self._resync_upto = 0  # the frames to be acknowledged before that
-        #: The store's limits on one request (key, value, keys, request bytes), as the
-        #: store host said when the session opened.
-        self.upstream_limits: tuple[int, int, int, int] | None = None
+        #: The store's limits on one request, as the store host said when the session
+        #: opened (None before).
+        self.upstream_limits: Limits | None = None
 
     # -- for the subclass -----------------------------------------------------------------
 
@@ -85,7 +86,7 @@ class SessionEnd:
     def lease_granted(self, until: float) -> None:
         """The store host heard from us: watches may be answered until ``until``."""
 
-    def on_upstream_limits(self, limits: tuple[int, int, int, int]) -> None:
+    def on_upstream_limits(self, limits: Limits) -> None:
         """The store host's limits on one request, when the session opens."""
 
     # -- the session --------------------------------------------------------------------
@@ -110,8 +111,8 @@ class SessionEnd:
         self._opened = True
         self._resync_upto = self.ledger.outbox.sent
         if limits is not None and self.upstream_limits is None:
-            self.upstream_limits = limits
-            self.on_upstream_limits(limits)
+            self.upstream_limits = Limits(*limits)
+            self.on_upstream_limits(self.upstream_limits)
         if missed:
             conn.write(b"".join(missed))
         if not self.ready.done():

@@ -83,6 +83,12 @@ class PlanLimits:
         return cls(max_fold, limits.max_keys_per_request, limits.max_value_bytes, limits.max_request_bytes,
                    max_frame_bytes)
 
+    def within(self, limits: Limits) -> PlanLimits:
+        """These limits, none past ``limits`` (the store host's, learnt on the link)."""
+        return PlanLimits(self.max_fold, min(self.max_keys, limits.max_keys_per_request),
+                          min(self.max_value_bytes, limits.max_value_bytes),
+                          min(self.max_request_bytes, limits.max_request_bytes), self.max_frame_bytes)
+
     @property
     def max_get_fold(self) -> int:
         """GETs in one MULTI_GET: its answer, whatever the values, fits in a frame."""

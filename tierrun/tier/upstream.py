@@ -35,6 +35,7 @@ from ..link.frames import (
 )
 from ..hub.reply_gate import break_watches
 from ..protocol import Op, Request
+from ..protocol.limits import Limits
 from ..protocol.opcodes import NO_REPLY_OPS, WAIT_CANCELED, WAITING_OPS, WATCHABLE_OPS
 from . import fanout
 from .entries import Ids, encode_plan
@@ -106,6 +107,10 @@ class LinkUpstream(SessionEnd):
 
     def lease_granted(self, until: float) -> None:
         self.watches.lease_until = max(self.watches.lease_until, until)
+
+    def on_upstream_limits(self, limits: Limits) -> None:
+        """Merges never exceed what the store host takes in one request."""
+        self.limits = self.limits.within(limits)
 
     def lease_left(self) -> float:
         """How much longer (seconds) this front-end may answer from its watches: what
