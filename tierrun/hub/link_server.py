@@ -288,10 +288,19 @@ class LinkServerConnection(asyncio.Protocol):
 
     def write(self, data: bytes) -> None:
         """Send whole frames: sealed once WELCOME is out (the sealer numbers them in the
-        order they are written, which is the order they leave)."""
-        if self._sealer is not None:
-            data = self._sealer.seal(data)
-        self._write_wire(data)
+        order they are written, which is the order they leave). (``_write_wire``
+        inlined: this runs for every frame the store host sends.)"""
+        sealer = self._sealer
+        if sealer is not None:
+            data = sealer.seal(data)
+        corked = self._corked
+        if corked is not None:
+            corked.append(data)
+            return
+        transport = self._transport
+        assert transport is not None
+        if not transport.is_closing():
+            transport.write(data)
 
     def _write_wire(self, data: bytes) -> None:
         if self._corked is not None:

@@ -31,6 +31,9 @@ from .frames import TAG
 _len = struct.Struct("<I")
 _ctr = struct.Struct("<Q")
 _blake2b = hashlib.blake2b
+#: Frames shorter than this are sliced (a copy costs less than a memoryview), longer
+#: ones viewed in place.
+_COPY_BELOW = 2048
 _compare = hmac.compare_digest
 
 
@@ -83,8 +86,8 @@ class Opener:
     def valid(self, data: bytes, start: int, stop: int) -> bool:
         """Whether ``data[start:stop]`` (a frame) is followed by its tag. Counts it only
         if it is (a frame that fails changes nothing). O(stop - start)."""
-        tag = _blake2b(memoryview(data)[start:stop], key=self._key, salt=_ctr.pack(self.received),
-                       digest_size=TAG).digest()
+        frame = data[start:stop] if stop - start < _COPY_BELOW else memoryview(data)[start:stop]
+        tag = _blake2b(frame, key=self._key, salt=_ctr.pack(self.received), digest_size=TAG).digest()
         if not _compare(tag, data[stop : stop + TAG]):
             return False
         self.received += 1
