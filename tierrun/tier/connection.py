@@ -365,9 +365,14 @@ async def _reconnect(link: SessionEnd, reason: str) -> None:
     host, port = link.address  # type: ignore[misc]
     reason = reason.replace("the store host", f"the store host {host}:{port}", 1)
     reason = reason.replace(" lost (", f" lost at {time.strftime('%H:%M:%S')} (", 1)
-    log.warning("%s; reconnecting (for up to %g s)", reason, grace)
+    left = grace - (loop.time() - since)
     delay = 0.1
+    last: BaseException | None = None
     try:
+        if left <= 0:  # (its connections keep failing before they are healthy: resends refused)
+            link.die(f"{reason}; no healthy connection within the {grace:g} s grace period")
+            return
+        log.warning("%s; reconnecting (for up to %.3g s)", reason, left)
         while link.dead is None:  # (it may give up meanwhile, e.g. its buffer overflowed)
             try:
                 await open_connection(link, link.config.heartbeat_timeout)
