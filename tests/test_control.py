@@ -4,7 +4,7 @@ each line parses to its event or command, and formatting that gives the line bac
 import pytest
 
 from tierrun.server.control import (
-    Listening, NamespaceListening, OpenNamespace, SendStats, Stats, TakingLinks,
+    CloseNamespace, Listening, NamespaceListening, OpenNamespace, SendStats, Stats, TakingLinks,
     format_command, format_event, parse_command, parse_event,
 )
 
@@ -80,6 +80,8 @@ def test_events_that_cannot_be_said(process, event):
 COMMANDS = [
     ("namespace job/workers/0", OpenNamespace("job/workers/0")),
     ("node-namespace job/workers/0", OpenNamespace("job/workers/0", node=True)),
+    ("close-namespace job/workers/0", CloseNamespace("job/workers/0")),
+    ("close-node-namespace job/workers/0", CloseNamespace("job/workers/0", node=True)),
     ("stats", SendStats()),
 ]
 
@@ -96,7 +98,8 @@ def test_blank_lines_are_no_command(line):
     assert parse_command(line) is None
 
 
-@pytest.mark.parametrize("line", ["namespace", "namespace a b", "stats now", "open x", "node-namespace"])
+@pytest.mark.parametrize("line", ["namespace", "namespace a b", "stats now", "open x", "node-namespace",
+                                  "close-namespace", "close-namespace a b"])
 def test_unknown_commands_raise(line):
     with pytest.raises(ValueError, match="unknown control command"):
         parse_command(line)

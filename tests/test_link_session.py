@@ -7,7 +7,8 @@ import pytest
 
 from tierrun.link import auth
 from tierrun.link.frames import (
-    ACK, AUTH, HELLO, RESUMED, SESSION, WELCOME, FrameDecoder, LinkError, encode_count, frame,
+    ACK, AUTH, ERROR, HELLO, RESUMED, SESSION, WELCOME, FrameDecoder, LinkError, Unauthenticated, encode_count,
+    encode_resumed, frame,
 )
 from tierrun.link.session import ClientHandshake, Heartbeat, Ledger, ServerHandshake
 
@@ -18,11 +19,37 @@ def frames(data: bytes) -> list[tuple[int, bytes]]:
     return list(FrameDecoder().feed(data))
 
 
+def first(data: bytes) -> tuple[int, bytes]:
+    """The first frame of ``data`` (AUTH, before the sealed SESSION)."""
+    return frames(data[: 4 + int.from_bytes(data[:4], "little")])[0]
+
+
 def handshake(client_token: bytes = b"tok", server_token: bytes | None = b"tok"):
     ledger = Ledger(1 << 20, 64)
     client = ClientHandshake(client_token, SID, True, ledger)
     server = ServerHandshake(server_token)
     return client, server, ledger
+
+
+def deliver(decoder: FrameDecoder, data: bytes, end) -> bytes:
+    """Feed ``data`` to ``end`` (a handshake) frame by frame as an adapter does: the
+    decoder checks MACs from the frame after the one that set them up."""
+    out = b""
+    for ftype, payload in decoder.frames(data):
+        out += end.feed(ftype, payload)
+        decoder.opener = end.opener
+    return out
+
+
+def open_link(client, server):
+    """Run the handshake; returns the decoders of both ends (client's, server's)."""
+    at_client, at_server = FrameDecoder(), FrameDecoder()
+    flight = deliver(at_client, server.start(), client)
+    replies = deliver(at_server, flight, server)
+    server_sealer = server.sealer
+    resumed = server_sealer.seal(encode_resumed(7, (1, 2, 3, 4)))
+    deliver(at_client, replies + resumed, client)
+    return at_client, at_server
 
 
 def test_one_flight_each_way_opens_the_session():
@@ -31,21 +58,78 @@ def test_one_flight_each_way_opens_the_session():
     ((ftype, payload),) = frames(server.start())
     assert ftype == HELLO
     flight = client.feed(ftype, payload)
-    assert [t for t, _ in frames(flight)] == [AUTH, SESSION]  # (the adapter adds the ACK)
+    assert first(flight)[0] == AUTH  # (then SESSION, sealed; the adapter adds the ACK)
+    decoder = FrameDecoder()
     replies = b""
-    for ftype, payload in frames(flight):
+    for ftype, payload in decoder.frames(flight):
         replies += server.feed(ftype, payload)
+        decoder.opener = server.opener
     assert server.authenticated and server.session == (SID, True, 0)
     ((ftype, payload),) = frames(replies)
     assert ftype == WELCOME and client.feed(ftype, payload) == b""
-    client.feed(RESUMED, encode_count(RESUMED, 7)[5:])
-    assert client.resumed == 7 and client.max_frame > 4096
+    assert client.opener is not None
+    decoder = FrameDecoder()
+    decoder.opener = client.opener
+    ((ftype, payload),) = decoder.feed(server.sealer.seal(encode_resumed(7, (1, 2, 3, 4))))
+    client.feed(ftype, payload)
+    assert client.resumed == 7 and client.limits == (1, 2, 3, 4) and client.max_frame > 4096
+
+
+def test_every_frame_after_the_handshake_is_sealed_and_checked():
+    """A frame altered, replayed, reordered or sealed on another connection fails its
+    MAC, and counts for nothing: the next genuine frame still passes."""
+    client, server, _ = handshake()
+    at_client, at_server = open_link(client, server)
+    assert client.resumed == 7
+    sealed = [client.sealer.seal(encode_count(ACK, i)) for i in range(3)]
+    assert at_server.feed(sealed[0]) == [(ACK, (0).to_bytes(8, "little"))]
+    tampered = bytearray(sealed[1])
+    tampered[6] ^= 1
+    for bad in (bytes(tampered), sealed[0], sealed[2]):  # altered, replayed, reordered
+        with pytest.raises(Unauthenticated, match="fails its MAC"):
+            FrameDecoder.feed(_copy(at_server), bad)
+    assert at_server.feed(sealed[1] + sealed[2]) == [(ACK, (1).to_bytes(8, "little")), (ACK, (2).to_bytes(8, "little"))]
+    other_client, other_server, _ = handshake()  # the same token, another connection
+    open_link(other_client, other_server)
+    with pytest.raises(Unauthenticated):
+        at_server.feed(other_client.sealer.seal(encode_count(ACK, 3)))
+    with pytest.raises(Unauthenticated):
+        at_server.feed(encode_count(ACK, 3) + b"x" * 16)  # (a frame with no valid MAC)
+
+
+def _copy(decoder: FrameDecoder) -> FrameDecoder:
+    """A decoder in the same state (the MAC counter included), to try bytes on."""
+    import copy
+
+    twin = FrameDecoder()
+    twin.opener = copy.copy(decoder.opener)
+    return twin
+
+
+def test_a_refusal_counts_only_once_the_host_proved_the_token():
+    """Before WELCOME anyone can send ERROR (an impostor, garbage on the path): that is
+    Unauthenticated, and a reconnecting node tries again. After WELCOME the host's
+    frames are sealed, so an ERROR there is the host's own: a plain LinkError."""
+    client, server, _ = handshake()
+    deliver(FrameDecoder(), server.start(), client)
+    with pytest.raises(Unauthenticated, match="refused the link: go away"):
+        client.feed(ERROR, b"go away")
+    client, server, _ = handshake()
+    at_client, at_server = FrameDecoder(), FrameDecoder()
+    replies = deliver(at_server, deliver(at_client, server.start(), client), server)
+    deliver(at_client, replies, client)  # WELCOME
+    with pytest.raises(Unauthenticated):  # an unsealed ERROR now fails its MAC
+        at_client.feed(frame(ERROR, b"forged") + bytes(16))
+    ((ftype, payload),) = at_client.feed(server.sealer.seal(frame(ERROR, b"no such session")))
+    with pytest.raises(LinkError, match="no such session") as e:
+        client.feed(ftype, payload)
+    assert not isinstance(e.value, Unauthenticated)
 
 
 def test_a_wrong_token_is_refused_by_the_store_host():
     client, server, _ = handshake(client_token=b"wrong")
     ((ftype, payload),) = frames(server.start())
-    (auth_frame, _) = frames(client.feed(ftype, payload))
+    auth_frame = first(client.feed(ftype, payload))
     with pytest.raises(LinkError, match="wrong job token"):
         server.feed(*auth_frame)
 
@@ -71,7 +155,7 @@ def test_frames_out_of_order_are_refused(ftype):
 def test_a_store_without_a_token_takes_no_links():
     client, server, _ = handshake(server_token=None)
     ((ftype, payload),) = frames(server.start())
-    (auth_frame, _) = frames(client.feed(ftype, payload))
+    auth_frame = first(client.feed(ftype, payload))
     with pytest.raises(LinkError, match="accepts no links"):
         server.feed(*auth_frame)
 

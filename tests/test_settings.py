@@ -28,6 +28,8 @@ from tierrun.settings import (
      Settings(link=LinkConfig(batch_window=0.01, batches_in_flight=0))),
     ({"TIERRUN_LINK_WRITE_HOLD": "0", "TIERRUN_LINK_HOLD_GRID": "0.05"},
      Settings(link=LinkConfig(contended_write_hold=0.0, hold_grid=0.05))),
+    ({"TIERRUN_LINK_HANDSHAKE_TIMEOUT": "2", "TIERRUN_LINK_HANDSHAKES_PER_ADDRESS": "8"},
+     Settings(link=LinkConfig(handshake_timeout=2.0, max_handshakes_per_address=8))),
     ({"PATH": "/bin", "TIERRUN_UNKNOWN": "x"}, Settings()),
 ])
 def test_from_env(environ, expected):

@@ -35,6 +35,10 @@ The variables:
     The store's budgets (``tierrun store``'s ``--max-store-bytes`` and
     ``--max-store-keys``, which win over them): how a job started by the launcher
     raises them (the launcher's store processes inherit its environment).
+``TIERRUN_LINK_HANDSHAKE_TIMEOUT``, ``TIERRUN_LINK_HANDSHAKES_PER_ADDRESS``
+    How long (seconds) a link connection may take to authenticate, and how many may be
+    authenticating from one address at once (``LinkConfig``'s ``handshake_timeout`` and
+    ``max_handshakes_per_address``).
 ``TIERRUN_LOG_LEVEL``
     The launcher's log level (DEBUG, INFO, WARNING, ERROR; default WARNING).
 ``TIERRUN_ETCD_PASSWORD``
@@ -71,6 +75,8 @@ LINK_VARIABLES = {
     "batches_in_flight": "TIERRUN_LINK_BATCHES_IN_FLIGHT",
     "contended_write_hold": "TIERRUN_LINK_WRITE_HOLD",
     "hold_grid": "TIERRUN_LINK_HOLD_GRID",
+    "handshake_timeout": "TIERRUN_LINK_HANDSHAKE_TIMEOUT",
+    "max_handshakes_per_address": "TIERRUN_LINK_HANDSHAKES_PER_ADDRESS",
 }
 
 class SettingsError(ValueError):

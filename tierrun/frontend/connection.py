@@ -10,6 +10,7 @@ import asyncio
 import logging
 import socket
 import struct
+from collections.abc import Callable
 from typing import Protocol
 
 from ..core import StoreError
@@ -37,6 +38,10 @@ class ConnectionOwner(Protocol):
     limits: Limits
     link_acceptor: LinkAcceptor | None
     gate: Gate | None
+    #: Refuse torch-protocol clients: only links (a tiered job's store host's public port).
+    links_only: bool
+    #: Who may connect on a Unix socket (SO_PEERCRED's uid).
+    unix_uids: frozenset[int]
 
     def admit(self, conn: ClientConnection) -> bool:
         """Count ``conn`` as a client; False: refused (it is closed at once)."""
@@ -44,8 +49,9 @@ class ConnectionOwner(Protocol):
     def release(self, conn: ClientConnection) -> None:
         """``conn`` closed."""
 
-    def became_link(self, conn: ClientConnection) -> None:
-        """``conn`` turned out to be a front-end's link: it is not a client after all."""
+    def became_link(self, conn: ClientConnection) -> Callable[[], None]:
+        """``conn`` turned out to be a front-end's link: it is not a client after all,
+        but counts as a connection until the returned callable is called."""
 
 
 class ClientConnection(asyncio.Protocol):
@@ -91,8 +97,15 @@ class ClientConnection(asyncio.Protocol):
             sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
             self.peer = f"{peer[0]}:{peer[1]}"
         elif sock is not None and sock.family == socket.AF_UNIX:
-            pid = struct.unpack("3i", sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, 12))[0]
+            pid, uid, _ = struct.unpack("3i", sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, 12))
             self.peer = f"unix pid {pid}"
+            allowed = self._frontend.unix_uids
+            if uid not in allowed:
+                log.warning("refusing connection from unix pid %d: it runs as uid %d; only uid(s) %s may use "
+                            "this store's Unix socket", pid, uid, ", ".join(map(str, sorted(allowed))))
+                self.closed = True
+                transport.abort()
+                return
         if not self._frontend.admit(self):
             self.closed = True
             transport.abort()
@@ -102,6 +115,12 @@ class ClientConnection(asyncio.Protocol):
             self._sniff = False
             if data[0] == LINK_MAGIC:
                 self._become_link(data[1:])
+                return
+            if self._frontend.links_only:
+                self.drop("a torch-protocol client, refused: this tiered job's store host takes only node "
+                          "links on this port (its agents and workers use their node's store front-end); "
+                          "allow such clients with --rdzv_conf store_public_clients=true (`tierrun store`: "
+                          "without --links-only)")
                 return
         try:
             requests = self._parser.feed(data)
@@ -164,9 +183,9 @@ class ClientConnection(asyncio.Protocol):
     def _become_link(self, rest: bytes) -> None:
         acceptor = self._frontend.link_acceptor
         assert acceptor is not None and self._transport is not None
-        self._frontend.became_link(self)
+        release = self._frontend.became_link(self)
         self.closed = True
-        acceptor(self._transport, self.peer, rest)
+        acceptor(self._transport, self.peer, rest, release)
 
     def _write(self, out: list[bytes]) -> None:
         if out and not self.closed:

@@ -32,10 +32,11 @@ class Upstream(Protocol):
         ``StoreCore.execute_watching``."""
 
 
-#: ``(transport, peer, rest)``: takes over a connection that turned out to be a
-#: front-end's link (on the store host's public port); ``rest`` is what was read after
-#: the link's first byte.
-LinkAcceptor = Callable[[asyncio.Transport, str, bytes], None]
+#: ``(transport, peer, rest, on_closed)``: takes over a connection that turned out to be
+#: a front-end's link (on the store host's public port); ``rest`` is what was read after
+#: the link's first byte; ``on_closed()`` once the connection is gone (the front-end
+#: that accepted it counts it against its ``max_connections`` until then).
+LinkAcceptor = Callable[[asyncio.Transport, str, bytes, Callable[[], None]], None]
 
 
 class Gate(Protocol):

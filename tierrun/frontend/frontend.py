@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
 import socket
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from ..protocol import Limits
@@ -18,8 +20,12 @@ log = logging.getLogger("tierrun.store")
 @dataclass
 class FrontEndConfig:
     limits: Limits = field(default_factory=Limits)
-    #: Connections beyond this are closed as soon as they are accepted.
+    #: Connections beyond this are closed as soon as they are accepted (clients and
+    #: links alike).
     max_connections: int = 65536
+    #: Who may connect on a Unix socket (SO_PEERCRED's uid): by default this process's
+    #: user (the agent's, for the stores it starts) and root. Others are refused.
+    unix_uids: frozenset[int] = field(default_factory=lambda: frozenset({os.getuid(), 0}))
 
 
 class FrontEnd:
@@ -31,28 +37,36 @@ class FrontEnd:
         config: FrontEndConfig | None = None,
         link_acceptor: LinkAcceptor | None = None,
         gate: Gate | None = None,
+        links_only: bool = False,
     ) -> None:
-        """``link_acceptor(transport, peer, rest)``, if given, takes over a connection
-        that turned out to be a front-end's link (on the store host's public port);
-        ``rest`` is what was read after the link's first byte. ``gate``: holds answers
-        while the store's invalidation rounds run (the core's process only)."""
+        """``link_acceptor(transport, peer, rest, on_closed)``, if given, takes over a
+        connection that turned out to be a front-end's link (on the store host's public
+        port); ``rest`` is what was read after the link's first byte. ``gate``: holds
+        answers while the store's invalidation rounds run (the core's process only).
+        ``links_only`` (with ``link_acceptor``): torch-protocol clients are refused."""
         self.upstream = upstream
         self.gate = gate
         self.link_acceptor = link_acceptor
+        self.links_only = links_only and link_acceptor is not None
         self.config = config or FrontEndConfig()
         self.limits = self.config.limits
+        self.unix_uids = self.config.unix_uids
         self.connections: set[ClientConnection] = set()
         self.accepted = 0
         self.refused = 0
+        #: Connections that turned out to be links, still open (counted as connections).
+        self.links_open = 0
         self._servers: list[asyncio.AbstractServer] = []
 
     def admit(self, conn: ClientConnection) -> bool:
-        if len(self.connections) >= self.config.max_connections:
+        """Count ``conn``; False past ``max_connections`` (clients and links alike). O(1)."""
+        open_now = len(self.connections) + self.links_open
+        if open_now >= self.config.max_connections:
             self.refused += 1
             log.warning(
                 "refusing connection from %s: %d connections open (the limit)",
                 conn.peer,
-                len(self.connections),
+                open_now,
             )
             return False
         self.accepted += 1
@@ -62,10 +76,21 @@ class FrontEnd:
     def release(self, conn: ClientConnection) -> None:
         self.connections.discard(conn)
 
-    def became_link(self, conn: ClientConnection) -> None:
-        """``conn`` turned out to be a front-end's link: it is not a client after all."""
+    def became_link(self, conn: ClientConnection) -> Callable[[], None]:
+        """``conn`` turned out to be a front-end's link: it is not a client after all,
+        but counts against ``max_connections`` until the returned callable is called
+        (once, when the link's connection is gone)."""
         self.connections.discard(conn)
         self.accepted -= 1
+        self.links_open += 1
+        released = []
+
+        def release() -> None:
+            if not released:
+                released.append(True)
+                self.links_open -= 1
+
+        return release
 
     async def listen(self, sock: socket.socket, backlog: int = DEFAULT_BACKLOG) -> None:
         """Serve clients on an already bound and listening socket. asyncio listens again
@@ -78,6 +103,12 @@ class FrontEnd:
         else:
             server = await loop.create_server(factory, sock=sock, backlog=backlog)
         self._servers.append(server)
+
+    def stop_listening(self) -> None:
+        """Accept no more connections (the listening sockets close); those accepted
+        stay until they close."""
+        for server in self._servers:
+            server.close()
 
     async def close(self) -> None:
         for server in self._servers:

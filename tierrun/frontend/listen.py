@@ -1,15 +1,25 @@
 """Listening sockets: dual-stack TCP and Unix (path or Linux abstract name).
 
 Only forward resolution of a host name given by the user; never a reverse lookup.
+TCP connections accepted here probe a silent peer (keepalive, inherited from the
+listening socket on Linux): a client whose host vanished without closing (half-open)
+is closed after ``KEEPALIVE_IDLE + KEEPALIVE_COUNT * KEEPALIVE_INTERVAL`` seconds of
+silence instead of holding its connection forever.
 """
 
 from __future__ import annotations
 
+import errno
 import os
 import socket
+import stat
+from typing import NamedTuple
 
 #: Accept queue length; the kernel caps it at net.core.somaxconn.
 DEFAULT_BACKLOG = 16384
+#: Keepalive probes of accepted TCP connections: first after this many idle seconds,
+#: then every KEEPALIVE_INTERVAL; after KEEPALIVE_COUNT unanswered the kernel closes it.
+KEEPALIVE_IDLE, KEEPALIVE_INTERVAL, KEEPALIVE_COUNT = 30, 10, 3
 
 _ANY_HOSTS = (None, "", "*", "::")
 
@@ -40,6 +50,7 @@ def tcp_listen_socket(
                 sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
             if family == socket.AF_INET6:
                 sock.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY, 0)
+            _keepalive(sock)
             sock.bind(addr)
             sock.listen(backlog)
             sock.setblocking(False)
@@ -53,34 +64,90 @@ def tcp_listen_socket(
     raise last_error
 
 
+def _keepalive(sock: socket.socket) -> None:
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_KEEPALIVE, 1)
+    for option, value in (("TCP_KEEPIDLE", KEEPALIVE_IDLE), ("TCP_KEEPINTVL", KEEPALIVE_INTERVAL),
+                          ("TCP_KEEPCNT", KEEPALIVE_COUNT)):
+        if hasattr(socket, option):  # (Linux; elsewhere the system's defaults)
+            sock.setsockopt(socket.IPPROTO_TCP, getattr(socket, option), value)
+
+
 def unix_address(path: str) -> str:
     """``@name`` names a Linux abstract socket; anything else is a filesystem path."""
     return "\0" + path[1:] if path.startswith("@") else path
 
 
-def unix_listen_socket(path: str, backlog: int = DEFAULT_BACKLOG) -> socket.socket:
-    """Listen on a Unix socket; a filesystem socket is made mode 0600 (owner only)."""
+class UnixFile(NamedTuple):
+    """The file of a Unix socket a process bound (empty ``path`` for an abstract one)."""
+
+    path: str
+    inode: int
+
+
+def unix_listen_socket(path: str, backlog: int = DEFAULT_BACKLOG) -> tuple[socket.socket, UnixFile]:
+    """Listen on a Unix socket; a filesystem socket is made mode 0600 (owner only).
+    Returns it and its file, for :func:`remove_unix_file` when done.
+
+    A file already at ``path`` is replaced only if it is a socket nobody listens on (one
+    left by a process that died); anything else raises ``OSError`` saying what is
+    there: a regular file (or any other kind) is never deleted, another process's live
+    socket never taken over."""
     address = unix_address(path)
     sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     try:
         if not address.startswith("\0"):
-            try:
-                os.unlink(address)
-            except FileNotFoundError:
-                pass
+            _remove_stale(address)
             old_umask = os.umask(0o177)
             try:
                 sock.bind(address)
             finally:
                 os.umask(old_umask)
+            owned = UnixFile(address, os.stat(address).st_ino)
         else:
             sock.bind(address)
+            owned = UnixFile("", 0)
         sock.listen(backlog)
         sock.setblocking(False)
     except OSError:
         sock.close()
         raise
-    return sock
+    return sock, owned
+
+
+def _remove_stale(path: str) -> None:
+    """Remove ``path`` if it is a socket nobody listens on. Raises ``OSError`` if it
+    is anything else. Blocks for one local connect() at most."""
+    try:
+        st = os.lstat(path)
+    except FileNotFoundError:
+        return
+    if not stat.S_ISSOCK(st.st_mode):
+        raise OSError(errno.EEXIST, "it exists and is not a socket (left as it is): name a path "
+                      "where nothing is, or remove it yourself", path)
+    probe = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    probe.setblocking(False)
+    try:
+        probe.connect(path)
+    except (ConnectionRefusedError, FileNotFoundError):
+        os.unlink(path)  # (nobody listens: left by a process that died)
+        return
+    except BlockingIOError:  # (its accept queue is full: it is alive)
+        pass
+    finally:
+        probe.close()
+    raise OSError(errno.EADDRINUSE, "another process listens on it: stop it, or name another path", path)
+
+
+def remove_unix_file(owned: UnixFile) -> None:
+    """Remove the socket file a process bound, if it is still there (not replaced
+    since by another process's). Never raises."""
+    if not owned.path:
+        return
+    try:
+        if os.lstat(owned.path).st_ino == owned.inode:
+            os.unlink(owned.path)
+    except OSError:
+        pass
 
 
 def describe(sock: socket.socket) -> str:

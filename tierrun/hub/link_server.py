@@ -14,6 +14,21 @@ counted, nothing it resends is executed twice. A connection silent for
 ``heartbeat_timeout`` is closed, which starts the same grace period. An unexpected
 error while handling a session's frames ends it (fail-stop): its batch may be half
 applied, so it must never be resumed.
+
+Every frame after the handshake is sealed (``link.seal``); one that fails its MAC, or
+bytes that cannot be a frame, close that connection only: its session waits for the
+front-end to resume it, as after any dropped connection.
+
+What a connection can hold, and for how long:
+
+- before its session is open (a peer that may not know the token): at most
+  ``LinkConfig.handshake_timeout`` seconds, ``HANDSHAKE_MAX_FRAME`` bytes of a frame,
+  and no more than ``max_handshakes_per_address`` such connections per source
+  address; every link counts against ``max_connections`` (the front-end that
+  accepted it counts it against its own too);
+- once open: it is closed when nothing is heard for ``heartbeat_timeout``; its session
+  keeps its clients' waits for ``grace`` more seconds; its unacknowledged frames are
+  bounded by ``max_unacked_bytes`` (past it the session ends).
 """
 
 from __future__ import annotations
@@ -27,9 +42,11 @@ from ..frontend import Upstream
 from ..link import auth
 from ..link.config import LinkConfig
 from ..link.frames import (
-    ACK, BATCH, DEFAULT_MAX_FRAME, ERROR, FAILED, INVALIDATED, LINK_MAGIC, REQUEST, RESUMED, WATCH_LEASE,
-    FrameDecoder, LinkError, decode_count, encode_count, encode_pong, encode_reply, lone_request,
+    ACK, BATCH, DEFAULT_MAX_FRAME, ERROR, FAILED, INVALIDATED, LINK_MAGIC, REQUEST, TAG, WATCH_LEASE,
+    FrameDecoder, LinkError, Unauthenticated, decode_count, encode_pong, encode_reply, encode_resumed,
+    lone_request,
 )
+from ..link.seal import Sealer
 from ..link.session import Heartbeat, ServerHandshake
 from ..core import StoreError
 from ..protocol import ProtocolError
@@ -52,14 +69,17 @@ class LinkServer:
                  config: LinkConfig | None = None, lease: Callable[[], float] = lambda: WATCH_LEASE,
                  gate: ReplyGate | None = None,
                  drop_watches: Callable[[Session], None] = lambda session: None,
-                 limits: Limits | None = None) -> None:
+                 limits: Limits | None = None, max_connections: int = 65536) -> None:
         """``upstream_for(namespace)``: where a link client's requests go; ``lease()``:
         how long (seconds, at most WATCH_LEASE) a front-end may answer from its
         watches past the ACK being answered (a stacked front-end grants no longer
         than its own lease upstream still runs); ``gate``: the invalidation rounds of
         the store (shared by every LinkServer of one core); ``drop_watches(session)``:
         called when a session ends, to free what its watches hold upstream;
-        ``limits``: what one request may hold (the store's, as its clients get)."""
+        ``limits``: what one request may hold (the store's, as its clients get; told to
+        every front-end when its session opens, so that it refuses what the store
+        would); ``max_connections``: link connections beyond this are closed as soon
+        as they are accepted."""
         self.upstream_for = upstream_for
         self.token = token
         self.config = config or LinkConfig()
@@ -67,9 +87,12 @@ class LinkServer:
         self.gate = gate or ReplyGate()
         self.drop_watches = drop_watches
         self.limits = limits or Limits()
+        self.max_connections = max_connections
         self.stats = LinkStats()
         self.sessions: dict[bytes, Session] = {}
         self.connections: set[LinkServerConnection] = set()
+        #: Source address -> its connections whose session is not open yet.
+        self.handshaking: dict[str, int] = {}
         #: Largest frame sent (the front-ends' decoders accept no larger).
         self.max_frame = DEFAULT_MAX_FRAME
         self._watchdog: asyncio.TimerHandle | None = None
@@ -86,11 +109,35 @@ class LinkServer:
             self._schedule_watchdog(self.config.heartbeat_timeout)
         return LinkServerConnection(self, peer, initial, token or self.token, resumable, sniffed)
 
-    def take(self, transport: asyncio.Transport, peer: str, initial: bytes) -> None:
-        """Adopt a connection a front-end accepted and recognised as a link."""
+    def take(self, transport: asyncio.Transport, peer: str, initial: bytes,
+             on_closed: Callable[[], None] | None = None) -> None:
+        """Adopt a connection a front-end accepted and recognised as a link;
+        ``on_closed()`` once it is gone (the front-end counts it until then)."""
         conn = self.accept(peer, initial)
+        conn.on_lost = on_closed
         transport.set_protocol(conn)
         conn.connection_made(transport)
+
+    def admit(self, conn: LinkServerConnection, address: str) -> str | None:
+        """Count a new connection from ``address`` (a host); why it is refused, or None.
+        O(1)."""
+        if len(self.connections) >= self.max_connections:
+            return f"{len(self.connections)} link connections open (the limit)"
+        n = self.handshaking.get(address, 0)
+        if n >= self.config.max_handshakes_per_address:
+            return (f"{n} link connections from {address} are still in their handshake "
+                    f"(the limit: TIERRUN_LINK_HANDSHAKES_PER_ADDRESS)")
+        self.handshaking[address] = n + 1
+        self.connections.add(conn)
+        return None
+
+    def handshake_over(self, address: str) -> None:
+        """A connection from ``address`` opened its session, or closed before."""
+        n = self.handshaking.get(address, 0) - 1
+        if n > 0:
+            self.handshaking[address] = n
+        else:
+            self.handshaking.pop(address, None)
 
     def _schedule_watchdog(self, delay: float) -> None:
         self._watchdog = asyncio.get_running_loop().call_later(delay, self._check_heartbeats)
@@ -140,7 +187,10 @@ class LinkServer:
         session.conn = conn
         session.peer = conn.peer
         self.stats.links += conn.resumable  # (node links, not the host's own front-ends)
-        conn.write(encode_count(RESUMED, session.ledger.received) + b"".join(missed))
+        limits = self.limits
+        conn.write(encode_resumed(session.ledger.received, (
+            limits.max_key_bytes, limits.max_value_bytes, limits.max_keys_per_request, limits.max_request_bytes,
+        )) + b"".join(missed))
         return session
 
     def detach(self, session: Session) -> None:
@@ -208,19 +258,51 @@ class LinkServerConnection(asyncio.Protocol):
         #: While a read is handled, what it writes, sent in one write at its end.
         self._corked: list[bytes] | None = None
         self.heartbeat = Heartbeat(server.config.heartbeat_timeout, monotonic())
+        #: The source host, counted in ``LinkServer.handshaking`` until the session opens.
+        self._address: str | None = None
+        self._deadline: asyncio.TimerHandle | None = None
+        self._sealer: Sealer | None = None  # once WELCOME is out, what seals our frames
 
     def connection_made(self, transport) -> None:  # type: ignore[override]
         self._transport = transport
+        address = transport.get_extra_info("peername")
         if not self.peer:
-            address = transport.get_extra_info("peername")
             self.peer = f"{address[0]}:{address[1]}" if isinstance(address, tuple) else "?"
-        self._server.connections.add(self)
+        if self.resumable:  # (not the store's own front-end processes: trusted, and counted by no one)
+            host = address[0] if isinstance(address, tuple) else "?"
+            refused = self._server.admit(self, host)
+            if refused is not None:
+                self.abort(f"refused: {refused}")
+                return
+            self._address = host
+            timeout = self._server.config.handshake_timeout
+            self._deadline = asyncio.get_running_loop().call_later(
+                timeout, self.abort, f"no link session within {timeout:g} s of connecting "
+                "(TIERRUN_LINK_HANDSHAKE_TIMEOUT)")
+        else:
+            self._server.connections.add(self)
         transport.write(self._handshake.start())
         if self._initial:
             initial, self._initial = self._initial, b""
             self.data_received(initial)
 
     def write(self, data: bytes) -> None:
+        """Send whole frames: sealed once WELCOME is out (the sealer numbers them in the
+        order they are written, which is the order they leave). (``_write_wire``
+        inlined: this runs for every frame the store host sends.)"""
+        sealer = self._sealer
+        if sealer is not None:
+            data = sealer.seal(data)
+        corked = self._corked
+        if corked is not None:
+            corked.append(data)
+            return
+        transport = self._transport
+        assert transport is not None
+        if not transport.is_closing():
+            transport.write(data)
+
+    def _write_wire(self, data: bytes) -> None:
         if self._corked is not None:
             self._corked.append(data)
             return
@@ -233,7 +315,7 @@ class LinkServerConnection(asyncio.Protocol):
         one write, not one per frame."""
         out, self._corked = self._corked, None
         if out:
-            self.write(out[0] if len(out) == 1 else b"".join(out))
+            self._write_wire(out[0] if len(out) == 1 else b"".join(out))
 
     def data_received(self, data: bytes) -> None:
         self.heartbeat.heard(monotonic())  # (not the loop's clock: no getpid() per read)
@@ -252,8 +334,9 @@ class LinkServerConnection(asyncio.Protocol):
                 return
             data = data[1:]
         self._corked = []
+        decoder = self._decoder
         try:
-            for ftype, payload in self._decoder.feed(data):
+            for ftype, payload in decoder.frames(data):
                 session = self._session
                 if session is not None and ftype == BATCH:
                     ack_due = session.ledger.got(len(payload))
@@ -278,16 +361,22 @@ class LinkServerConnection(asyncio.Protocol):
                 elif session is None:
                     handshake = self._handshake
                     out = handshake.feed(ftype, payload)
-                    if out:
-                        self.write(out)
-                    self._decoder.max_frame = handshake.max_frame
+                    if out:  # (WELCOME: the last frame not sealed)
+                        self._write_wire(out)
+                    self._sealer = handshake.sealer
+                    decoder.max_frame = handshake.max_frame
+                    decoder.opener = handshake.opener
                     if handshake.session is not None:
                         self._session = self._server.attach(self, *handshake.session)
+                        self._opened()
                 else:
                     raise LinkError(f"unexpected frame type {ftype}")
             session = self._session
             if session is not None and session._wakes:  # every answer of this read: one frame
                 session.flush_answers()
+        except Unauthenticated as e:  # not the front-end's: drop this connection, not the session
+            self._uncork()
+            self.abort(str(e))
         except (LinkError, ProtocolError) as e:
             log.warning("closing link from %s: %s", self.peer, e)
             assert self._transport is not None
@@ -306,6 +395,15 @@ class LinkServerConnection(asyncio.Protocol):
         finally:
             self._uncork()
 
+    def _opened(self) -> None:
+        """The session is open: the handshake's bounds no longer apply."""
+        if self._deadline is not None:
+            self._deadline.cancel()
+            self._deadline = None
+        if self._address is not None:
+            self._server.handshake_over(self._address)
+            self._address = None
+
     def _lone_request(self, session: Session, data: bytes) -> bool:
         """Handle ``data`` if it is exactly one BATCH of one request that is answered at
         once (a node's counter ADD, its SET of a record: most of a start-up's frames at
@@ -316,17 +414,19 @@ class LinkServerConnection(asyncio.Protocol):
         live, below the wire-up benchmark's noise). False (nothing done) for anything
         else, which the general path handles, errors included."""
         length, ftype, n, kind, cid, rid, size = lone_request.unpack_from(data)
-        if ftype != BATCH or n != 1 or kind != REQUEST or length + 4 != len(data) or size + _LONE_SIZE != len(data):
+        end = len(data) - TAG  # (the frame's MAC follows it)
+        if ftype != BATCH or n != 1 or kind != REQUEST or length + 4 != end or size + _LONE_SIZE != end:
             return False
         client = session.clients.get(cid)
         if client is None:
             return False
         try:
-            req = decode_request(data[_LONE_SIZE:], self._server.limits)
+            req = decode_request(data[_LONE_SIZE:end], self._server.limits)
         except ProtocolError:
             return False
-        if req[0] in WAITING_OPS:
-            return False
+        opener = self._decoder.opener
+        if req[0] in WAITING_OPS or opener is None or not opener.valid(data, 0, end):
+            return False  # (one that fails its MAC: the general path says so)
         stats = self._server.stats
         stats.batches += 1
         stats.operations += 1
@@ -367,6 +467,7 @@ class LinkServerConnection(asyncio.Protocol):
         self._session = None
 
     def connection_lost(self, exc: Exception | None) -> None:
+        self._opened()  # (whatever it was waiting for, it is not in a handshake any more)
         self._server.connections.discard(self)
         session, self._session = self._session, None
         if session is not None and session.conn is self:

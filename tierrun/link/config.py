@@ -17,6 +17,12 @@ class LinkConfig:
     #: reconnects and resumes (its clients see only latency); past it the core drops the
     #: session's clients and the front-end gives up and closes its own.
     grace: float = 15.0
+    #: A link connection that has not opened or resumed its session this long (seconds)
+    #: after it was accepted is closed (a peer without the token cannot hold one longer).
+    handshake_timeout: float = 5.0
+    #: Most link connections from one address still in their handshake at once; more
+    #: are closed as soon as they are accepted. Job members need one at a time each.
+    max_handshakes_per_address: int = 64
     #: Most bytes of unacknowledged frames one end keeps for one session.
     max_unacked_bytes: int = 256 * 1024 * 1024
     #: Acknowledge after this many frames even before the next heartbeat.

@@ -35,8 +35,11 @@
     SESSION := 16-byte session id | u8 fresh | u64 REPLIES frames received   front-end -> core,
                right after AUTH (in the same write, with its first ACK: the handshake
                is one flight each way): open a session (fresh) or resume one
-    RESUMED := u64 BATCH frames received                 core -> front-end, then both
-               sides resend the frames the other has not received
+    RESUMED := u64 BATCH frames received | 4 x u64 limits   core -> front-end, then both
+               sides resend the frames the other has not received; the limits are
+               the store's on one request (``protocol.limits.Limits``: key bytes, value
+               bytes, keys per request, request bytes), which a front-end applies to
+               its own clients too
     ACK     := u64 frames received from the peer         both ways: frees the peer's resend
                buffer; sent at least every heartbeat interval, so it is the heartbeat too
     PONG    := u64 BATCH frames received | u32 lease ms   core -> front-end: the answer to
@@ -60,6 +63,10 @@ fetched key: Gloo's ranks read every rank's address in turn): a key with a value
 answers its state (VALUE) and is watched, as after a WATCH of a GET; any other key
 answers UNWATCHABLE and nothing is registered. The answers carry no request's answer.
 
+Sealing (``seal.py``): after the handshake every frame either end sends on a connection
+(SESSION onwards one way, RESUMED onwards the other) is followed by a 16-byte MAC under
+that connection's keys; a frame that fails it is :class:`Unauthenticated`.
+
 BATCH, REPLIES and INVALIDATE frames are numbered 1, 2, ... per session and direction
 (implicitly, in order), so a link that drops and reconnects resumes with nothing lost
 or executed twice.
@@ -70,10 +77,12 @@ Every length is checked against a limit before anything is allocated for it.
 from __future__ import annotations
 
 import struct
+from collections.abc import Iterator
+from typing import Protocol
 
 LINK_MAGIC = 0xA7  # first byte a front-end sends: not an opcode of any torch version
-VERSION = 7  # 2: sessions, resumption, heartbeats; 3: a client per namespace, CANCEL; 4: watches;
-# 5: WATCHES; 6: FETCHES; 7: PEEKS
+VERSION = 8  # 2: sessions, resumption, heartbeats; 3: a client per namespace, CANCEL; 4: watches;
+# 5: WATCHES; 6: FETCHES; 7: PEEKS; 8: sealed frames (a MAC each), the store's limits in RESUMED
 
 HELLO, AUTH, WELCOME, ERROR, BATCH, REPLIES, SESSION, RESUMED, ACK, PONG, INVALIDATE, INVALIDATED = range(1, 13)
 OPEN, REQUEST, CANCEL, WAITS, WATCH, WATCHES, FETCHES, PEEKS = range(8)
@@ -104,10 +113,25 @@ DEFAULT_MAX_FRAME = 512 * 1024 * 1024
 #: Largest frame accepted before the peer has authenticated (HELLO/AUTH/WELCOME/SESSION/
 #: ERROR): an unauthenticated peer cannot make us buffer more than this.
 HANDSHAKE_MAX_FRAME = 4096
+#: Bytes of the MAC after each sealed frame (``seal.TAG``).
+TAG = 16
 
 
 class LinkError(Exception):
     """The peer broke the link protocol; close the link."""
+
+
+class Unauthenticated(LinkError):
+    """Bytes the peer has not proved it sent: a frame that fails its MAC, framing that
+    cannot be a frame, a refusal before the handshake proved the token. Drop the
+    connection; the session is not at fault (nothing of it was acted upon), so it may
+    resume on another."""
+
+
+class Opener(Protocol):
+    """Checks the MAC after each frame (``seal.Opener``)."""
+
+    def valid(self, data: bytes, start: int, stop: int) -> bool: ...
 
 
 def frame(ftype: int, payload: bytes) -> bytes:
@@ -115,40 +139,62 @@ def frame(ftype: int, payload: bytes) -> bytes:
 
 
 class FrameDecoder:
-    """Bytes in, ``(type, payload)`` frames out. O(bytes read)."""
+    """Bytes in, ``(type, payload)`` frames out. O(bytes read). Once ``opener`` is set,
+    each frame must be followed by its MAC (``seal.TAG`` bytes): set it between two
+    frames of :meth:`frames` and it applies from the next one on."""
 
     def __init__(self, max_frame: int = DEFAULT_MAX_FRAME) -> None:
         self.partial = bytearray()  # the start of a frame not yet whole
         self.max_frame = max_frame
+        self.opener: Opener | None = None
 
     def feed(self, data: bytes) -> list[tuple[int, bytes]]:
-        """Frames read from ``data`` (and what was buffered). One copy per frame: while
-        nothing is buffered, whole frames are cut from ``data`` itself; a partial frame
-        is buffered until it is whole (O(bytes read), not a copy per read)."""
+        """Every frame read from ``data`` (and what was buffered). Raises
+        :class:`Unauthenticated`."""
+        return list(self.frames(data))
+
+    def frames(self, data: bytes) -> Iterator[tuple[int, bytes]]:
+        """The frames read from ``data`` (and what was buffered), one at a time, so that
+        handling one may change ``max_frame`` or ``opener`` for the next. One copy per
+        frame: while nothing is buffered, whole frames are cut from ``data`` itself; a
+        partial frame is buffered until it is whole (O(bytes read), not a copy per
+        read), and the MAC is checked in place. Raises :class:`Unauthenticated` for a
+        length past ``max_frame`` or a frame that fails its MAC; stop iterating only to
+        drop the connection (what is left of ``data`` is then lost)."""
         buf = self.partial
         if buf:
             buf += data
             if len(buf) < 5:
-                return []
+                return
             length = _hdr.unpack_from(buf, 0)[0]
-            if len(buf) - 4 < length and 0 < length <= self.max_frame:
-                return []
+            if len(buf) - 4 - (TAG if self.opener is not None else 0) < length and 0 < length <= self.max_frame:
+                return
             data = bytes(buf)
             buf.clear()
-        out = []
         pos = 0
         end = len(data)
         while end - pos >= 5:
             length, ftype = _hdr.unpack_from(data, pos)
             if length == 0 or length > self.max_frame:
-                raise LinkError(f"frame of {length} bytes (limit {self.max_frame})")
-            if end - pos - 4 < length:
-                break
-            out.append((ftype, data[pos + 5 : pos + 4 + length]))
-            pos += 4 + length
+                raise Unauthenticated(f"frame of {length} bytes (limit {self.max_frame})")
+            stop = pos + 4 + length
+            opener = self.opener
+            if opener is None:
+                if stop > end:
+                    break
+                payload = data[pos + 5 : stop]
+                pos = stop
+            else:
+                if stop + TAG > end:
+                    break
+                if not opener.valid(data, pos, stop):
+                    raise Unauthenticated(f"frame {opener.received + 1} of this connection (type {ftype}, "
+                                          f"{length + 4} bytes) fails its MAC")
+                payload = data[pos + 5 : stop]
+                pos = stop + TAG
+            yield ftype, payload
         if pos < end:
             buf += data[pos:]
-        return out
 
 
 #: A decoded batch entry: ``(kind, client, rid, data)``; ``data`` is the namespace of an
@@ -314,14 +360,30 @@ def decode_session(payload: bytes) -> tuple[bytes, bool, int]:
     return sid, bool(fresh), received
 
 
+_resumed = struct.Struct("<QQQQQ")
+
+
+def encode_resumed(received: int, limits: tuple[int, int, int, int]) -> bytes:
+    """A RESUMED frame: BATCH frames received, and the store's limits on one request
+    (key bytes, value bytes, keys per request, request bytes)."""
+    return frame(RESUMED, _resumed.pack(received, *limits))
+
+
+def decode_resumed(payload: bytes) -> tuple[int, tuple[int, int, int, int]]:
+    if len(payload) != _resumed.size:
+        raise LinkError("malformed RESUMED")
+    received, *limits = _resumed.unpack(payload)
+    return received, tuple(limits)  # type: ignore[return-value]
+
+
 def encode_count(ftype: int, n: int) -> bytes:
-    """A RESUMED, ACK, PONG or INVALIDATED frame."""
+    """An ACK or INVALIDATED frame."""
     return frame(ftype, _u64.pack(n))
 
 
 def decode_count(payload: bytes) -> int:
     if len(payload) != 8:
-        raise LinkError("malformed RESUMED/ACK/PONG/INVALIDATED")
+        raise LinkError("malformed ACK/INVALIDATED")
     return _u64.unpack(payload)[0]
 
 

@@ -9,13 +9,17 @@ Handshake (see frames.py for the frames)::
     front-end                                   store host
     MAGIC                       ------------>
                                 <------------   HELLO(version, server nonce)
-    AUTH + SESSION + ACK        ------------>   (one write, read in one wake-up)
-                                <------------   WELCOME(HMAC) + RESUMED(n) + missed frames
-                                                + PONG
+    AUTH + SESSION* + ACK*      ------------>   (one write, read in one wake-up)
+                                <------------   WELCOME(HMAC) + RESUMED*(n, limits)
+                                                + missed frames* + PONG*
 
-The front-end sends its session id before the host proved it knows the token: a fake
-host gains nothing from it, since resuming needs the token; RESUMED counts only after a
-valid WELCOME. Anything else, or out of order, raises LinkError.
+Frames marked * and every later one are sealed (``seal``: a MAC each, under keys of
+this connection derived from both nonces and the token). The front-end sends its
+session id before the host proved it knows the token: a fake host gains nothing from
+it, since resuming needs the token, and it cannot seal. RESUMED counts only after a
+valid WELCOME. Anything else, or out of order, raises LinkError; what the peer has not
+proved it sent (before WELCOME, or failing its MAC) raises ``Unauthenticated``, which
+ends the connection but not the session.
 """
 
 from __future__ import annotations
@@ -25,9 +29,10 @@ import secrets
 from . import auth
 from .frames import (
     ACK, AUTH, DEFAULT_MAX_FRAME, ERROR, HANDSHAKE_MAX_FRAME, HELLO, LINK_MAGIC, RESUMED, SESSION, WELCOME,
-    LinkError, decode_count, decode_session, encode_count, encode_session,
+    LinkError, Unauthenticated, decode_resumed, decode_session, encode_count, encode_session,
 )
 from .outbox import Outbox
+from .seal import Opener, Sealer, session_keys
 
 
 class Ledger:
@@ -78,7 +83,9 @@ class Ledger:
 
 class ClientHandshake:
     """The front-end's side of the handshake on one connection. ``feed`` each frame
-    until ``resumed`` is set; ``start()`` is what the connection sends first."""
+    until ``resumed`` is set; ``start()`` is what the connection sends first. Once it
+    answered HELLO, ``sealer`` seals what the connection sends; ``opener`` (once the
+    host proved the token) checks what it receives."""
 
     def __init__(self, token: bytes, session_id: bytes, fresh: bool, ledger: Ledger) -> None:
         self._token = token
@@ -87,8 +94,12 @@ class ClientHandshake:
         self._ledger = ledger
         self._client_nonce = b""
         self._server_nonce = b""
+        self._opener: Opener | None = None
+        self.sealer: Sealer | None = None
         self.welcomed = False  # the host proved it knows the token
         self.resumed: int | None = None  # the host's count of our frames, once resumed
+        #: The store's limits on one request (key, value, keys, request bytes), from RESUMED.
+        self.limits: tuple[int, int, int, int] | None = None
 
     @staticmethod
     def start() -> bytes:
@@ -99,37 +110,57 @@ class ClientHandshake:
         """The largest frame to accept now: small until the host proved the token."""
         return DEFAULT_MAX_FRAME if self.welcomed else HANDSHAKE_MAX_FRAME
 
+    @property
+    def opener(self) -> Opener | None:
+        """What checks the host's frames: set from the frame after WELCOME on."""
+        return self._opener if self.welcomed else None
+
     def feed(self, ftype: int, payload: bytes) -> bytes:
-        """One frame of the handshake; returns what to send, followed by an ACK (AUTH,
-        SESSION and the first ACK, whose PONG starts the watch lease, in one write), or
-        b"" for nothing. Raises LinkError."""
+        """One frame of the handshake; returns what to send as it goes on the wire (AUTH,
+        then SESSION sealed: the adapter adds the first ACK, sealed, in the same write,
+        whose PONG starts the watch lease), or b"" for nothing. Raises LinkError, or
+        ``Unauthenticated`` for what comes before the host proved the token (a refusal
+        included: an impostor may send one)."""
         if ftype == HELLO and not self._client_nonce:
+            try:
+                frame, self._client_nonce = auth.answer_hello(self._token, payload)
+            except LinkError as e:
+                raise Unauthenticated(str(e)) from None
             self._server_nonce = payload[2:]
-            frame, self._client_nonce = auth.answer_hello(self._token, payload)
-            return frame + encode_session(self._session_id, self._fresh, self._ledger.received)
+            up, down = session_keys(self._token, self._server_nonce, self._client_nonce)
+            self.sealer, self._opener = Sealer(up), Opener(down)
+            return frame + self.sealer.seal(encode_session(self._session_id, self._fresh, self._ledger.received))
         if ftype == WELCOME and self._client_nonce and not self.welcomed:
-            auth.check_welcome(self._token, self._server_nonce, self._client_nonce, payload)
+            try:
+                auth.check_welcome(self._token, self._server_nonce, self._client_nonce, payload)
+            except LinkError as e:
+                raise Unauthenticated(str(e)) from None
             self.welcomed = True
             return b""
         if ftype == RESUMED and self.welcomed and self.resumed is None:
-            self.resumed = decode_count(payload)
+            self.resumed, self.limits = decode_resumed(payload)
             return b""
+        error = LinkError if self.welcomed else Unauthenticated  # (after WELCOME: sealed)
         if ftype == ERROR:
-            raise LinkError("the store host refused the link: " + payload.decode(errors="replace"))
-        raise LinkError(f"unexpected frame type {ftype} during the handshake")
+            raise error("the store host refused the link: " + payload.decode(errors="replace"))
+        raise error(f"unexpected frame type {ftype} during the handshake")
 
 
 class ServerHandshake:
     """The store host's side of the handshake on one connection: HELLO first, then
     AUTH, then SESSION. ``feed`` returns what to send; once SESSION arrives, ``session``
     holds (session id, fresh, the front-end's count of our frames) for the adapter to
-    attach. ``token`` None: this end takes no links."""
+    attach. ``token`` None: this end takes no links. Once AUTH is verified, ``sealer``
+    seals what the connection sends after WELCOME and ``opener`` checks what it
+    receives after AUTH."""
 
     def __init__(self, token: bytes | None) -> None:
         self._token = token
         self._nonce = secrets.token_bytes(auth.NONCE)
         self.authenticated = False
         self.session: tuple[bytes, bool, int] | None = None
+        self.sealer: Sealer | None = None
+        self.opener: Opener | None = None
 
     def start(self) -> bytes:
         return auth.hello(self._nonce)
@@ -139,13 +170,16 @@ class ServerHandshake:
         return DEFAULT_MAX_FRAME if self.authenticated else HANDSHAKE_MAX_FRAME
 
     def feed(self, ftype: int, payload: bytes) -> bytes:
-        """One frame of the handshake; returns what to send. Raises LinkError."""
+        """One frame of the handshake; returns what to send (WELCOME: never sealed).
+        Raises LinkError."""
         if not self.authenticated:
             if ftype != AUTH:
                 raise LinkError("expected AUTH")
             if self._token is None:
                 raise LinkError("this store accepts no links (it was started without a job token)")
             welcome = auth.check_auth(self._token, self._nonce, payload)
+            up, down = session_keys(self._token, self._nonce, payload[2 : 2 + auth.NONCE])
+            self.sealer, self.opener = Sealer(down), Opener(up)
             self.authenticated = True
             return welcome
         if ftype == SESSION and self.session is None:

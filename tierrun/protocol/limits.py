@@ -1,7 +1,9 @@
 """Size limits: what one client may send (torch's libuv server uses the same defaults),
 and the budgets of what the store holds and answers (torch's server has none)."""
 
-from dataclasses import dataclass
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
 
 MiB = 1 << 20
 
@@ -36,6 +38,15 @@ class Limits:
     #: its largest). Past ~1 MiB of them its next requests wait until it reads (flow
     #: control); past this budget it is closed. At least ``max_reply_bytes`` + 1 MiB.
     max_unread_bytes: int = 144 * MiB
+
+    def within(self, other: Limits) -> Limits:
+        """Each size limit the smaller of this one's and ``other``'s: what a front-end
+        whose requests go on to a store with limits ``other`` may accept."""
+        return replace(self, max_key_bytes=min(self.max_key_bytes, other.max_key_bytes),
+                       max_value_bytes=min(self.max_value_bytes, other.max_value_bytes),
+                       max_keys_per_request=min(self.max_keys_per_request, other.max_keys_per_request),
+                       max_request_bytes=min(self.max_request_bytes, other.max_request_bytes),
+                       max_reply_bytes=min(self.max_reply_bytes, other.max_reply_bytes))
 
     def problem(self) -> str | None:
         """What is inconsistent in these limits, for a person to fix; None if nothing."""

@@ -62,7 +62,7 @@ from ..report.progress import Arrivals
 from ..settings import Settings
 from .handler_base import StoreRendezvousHandler
 from . import liveness
-from .job_store import JobStore, store_workers_from, token_from
+from .job_store import JobStore, public_clients_from, store_workers_from, token_from
 
 log = logging.getLogger("tierrun.rendezvous")
 
@@ -372,6 +372,7 @@ def create_handler(params: RendezvousParameters, settings: Settings) -> Rendezvo
     job = JobStore(host, port, hosting=_hosts_store(host, params.local_addr) if is_host is None else is_host,
                    timeout=timeout, token=token_from(params.config, settings),
                    store_workers=store_workers_from(params.config), link_config=settings.link,
+                   public_clients=public_clients_from(params.config),
                    host_fallback="any" if is_host is None else "never", node=params.local_addr)
     return ElasticRendezvousHandler(job, params.run_id, params.min_nodes, params.max_nodes,
                                     join_timeout, last_call, params.local_addr, params.config)

@@ -58,7 +58,7 @@ from .elastic import DEFAULT_JOIN_TIMEOUT, DEFAULT_LAST_CALL_TIMEOUT, join_timeo
 from .etcd_client import Etcd, EtcdAuthError, EtcdOptions, EtcdUnavailable, KeyValue, absent, count, put
 from .etcd_watch import keep_alive, when_gone, when_set
 from .handler_base import StoreRendezvousHandler
-from .job_store import JobStore, store_workers_from, token_from
+from .job_store import JobStore, public_clients_from, store_workers_from, token_from
 
 log = logging.getLogger("tierrun.rendezvous")
 
@@ -96,6 +96,7 @@ class EtcdRendezvousHandler(StoreRendezvousHandler):
         self._link_config = settings.link
         self._store_port = int(config.get("store_port", 0))
         self._store_workers = store_workers_from(config)
+        self._public_clients = public_clients_from(config)
         self._store_timeout = timedelta(seconds=max(join_timeout, 60))
         self._base = f"/tierrun/{run_id}"
         self._id = uuid.uuid4().hex
@@ -316,7 +317,8 @@ class EtcdRendezvousHandler(StoreRendezvousHandler):
                     self._use_store(JobStore(self.node_addr, self._store_port, hosting=True,
                                              timeout=self._store_timeout, token=self._token,
                                              store_workers=self._store_workers, host_fallback="never",
-                                             link_config=self._link_config, node=self.node_addr))
+                                             link_config=self._link_config, node=self.node_addr,
+                                             public_clients=self._public_clients))
                 except RendezvousConnectionError as e:
                     # the others re-form (without this node if it must host: it fails)
                     self._etcd.create(self._k(r, "sig/changed"), f"store host {self.node_addr} failed".encode())

@@ -26,10 +26,11 @@ from datetime import timedelta
 from torch.distributed import TCPStore
 from torch.distributed.elastic.rendezvous import RendezvousConnectionError
 
-from ..client import StoreClient, StoreClientError
 from ..link.config import LinkConfig
+from ..link.frames import LinkError
 from ..server import LINK_LOST, HostedFrontEnd, StoreProcess, StoreStartError
 from ..settings import Settings, store_process_env
+from ..tier.lookup import read_over_link
 
 log = logging.getLogger("tierrun.rendezvous")
 
@@ -47,7 +48,8 @@ class JobStore:
     def __init__(self, host: str, port: int, hosting: bool, timeout: timedelta,
                  token: bytes | str | None = None, store_workers: int = 1,
                  tree: TreePlace | None = None, link_config: LinkConfig = LinkConfig(),
-                 host_fallback: str = "port_in_use", node: str | None = None) -> None:
+                 host_fallback: str = "port_in_use", node: str | None = None, public_clients: bool = False,
+                 host_hint: str | None = None) -> None:
         """``token``: the job token (tiered when given), which the store processes this
         agent starts get through a pipe, not their environment (none of them inherits a
         secret variable); ``link_config``: the link timings of the store processes it
@@ -56,13 +58,18 @@ class JobStore:
         (``start``): ``"any"`` (its hosting was inferred, torch's c10d rule): become a
         client of ``host:port`` whatever the reason; ``"port_in_use"``: only when the port
         is taken (then by another agent of the job on this machine); ``"never"``: raise;
-        ``node``: this node's address, as messages name it (default: its host name)."""
+        ``node``: this node's address, as messages name it (default: its host name);
+        ``public_clients``: a tiered store host's public port serves torch-protocol
+        clients too (by default it takes node links only: ``tierrun store --links-only``);
+        ``host_hint``: what ends the message of a host that cannot start its store."""
         if host_fallback not in ("any", "port_in_use", "never"):
             raise ValueError(f"host_fallback={host_fallback!r}")
         self.host = host
         self.port = port
         self.hosting = hosting
         self.host_fallback = host_fallback
+        self.public_clients = public_clients
+        self.host_hint = host_hint
         self.timeout = timeout
         self.token = token.encode() if isinstance(token, str) else token
         self.store_workers = store_workers
@@ -75,6 +82,7 @@ class JobStore:
         self.proxy: StoreProcess | HostedFrontEnd | None = None
         self._client: TCPStore | None = None
         self._watch: socket.socket | None = None
+        self._round_listener: tuple[StoreProcess | HostedFrontEnd, str] | None = None  # (see worker_endpoint)
 
     @property
     def tiered(self) -> bool:
@@ -127,26 +135,26 @@ class JobStore:
         return self._client is not None and (not self.tiered or self.proxy is not None)
 
     def _parent_address(self, tree: TreePlace) -> str:
-        """Where the parent node's proxy takes links, as it published it: one plain
-        connection to the store host (WAIT + GET), closed at once. Blocks up to the
-        store timeout; raises RendezvousConnectionError naming the parent."""
+        """Where the parent node's proxy takes links, as it published it: read over a
+        link of its own to the store host (WAIT + GET; the store host's public port
+        takes links only), closed at once. Blocks up to the store timeout; raises
+        RendezvousConnectionError naming the parent."""
+        assert self.token is not None
         key = ("/" + tree.key(tree.parent)).encode()  # (torch's client adds the "/")
         deadline = time.monotonic() + self.timeout.total_seconds()
         delay = 0.1
         try:
             while True:  # the store host may not be up yet
                 try:
-                    store = StoreClient((self.host, self.port), timeout=self.timeout.total_seconds())
-                    break
-                except OSError:
+                    value = read_over_link((self.host, self.port), self.token.encode(), key,
+                                           max(deadline - time.monotonic(), 1.0))
+                    return value.decode()
+                except (ConnectionRefusedError, ConnectionResetError):
                     if time.monotonic() + delay > deadline:
                         raise
                     time.sleep(delay)
                     delay = min(2 * delay, 2.0)
-            with store:
-                store.wait([key], timeout=max(deadline - time.monotonic(), 1.0))
-                return store.get(key).decode()
-        except (OSError, TimeoutError, StoreClientError) as e:
+        except (OSError, LinkError, LookupError) as e:
             raise RendezvousConnectionError(
                 f"node rank {tree.rank} did not learn where its parent in the store tree, node "
                 f"rank {tree.parent}, takes links within {self.timeout.total_seconds():.0f} s "
@@ -205,7 +213,9 @@ class JobStore:
     def _store_args(self) -> list[str]:
         """Front-end processes for the workers' connections: flat only (tiered, workers
         talk to their node's proxy and the store host sees only links)."""
-        if self.store_workers == 1 or self.tiered:
+        if self.tiered:  # (its own node's agent and workers use its node front-end)
+            return [] if self.public_clients else ["--links-only"]
+        if self.store_workers == 1:
             return []
         return ["--workers", str(self.store_workers), "--workers-for", "namespaces"]
 
@@ -227,11 +237,12 @@ class JobStore:
                         "%s:%d", why, self.host, self.port)
                 self.hosting = False
                 return
+            hint = self.host_hint
+            if hint is None:
+                hint = ", or let another node host it (--rdzv_conf is_host=false here)." if self.host_fallback == "never" else "."
             raise RendezvousConnectionError(
                 f"could not start the job's store on port {self.port} of this node ({why}). "
-                "Pick a free port with --master_port or --rdzv_endpoint HOST:PORT"
-                + (", or let another node host it (--rdzv_conf is_host=false here)."
-                   if self.host_fallback == "never" else ".")
+                "Pick a free port with --master_port or --rdzv_endpoint HOST:PORT" + hint
             ) from e
         self.root = proc
         log.info("this node hosts the job's store (pid %d): the other nodes reach it at %s:%d",
@@ -271,12 +282,17 @@ class JobStore:
 
     def worker_endpoint(self, namespace: str) -> tuple[str, int] | None:
         """Where this node's workers of a round connect: a listener whose clients see only
-        keys under ``namespace/``. None when another agent (the host) publishes it."""
-        if self.proxy is not None:
-            return PROXY_HOST, self.proxy.open_namespace(namespace)
-        if self.root is not None:
-            return self.host, self.root.open_namespace(namespace)
-        return None
+        keys under ``namespace/``. None when another agent (the host) publishes it. The
+        previous round's listener (another namespace) is closed: its workers are gone or
+        going, and keep their connections until they close."""
+        served: StoreProcess | HostedFrontEnd | None = self.proxy if self.proxy is not None else self.root
+        if served is None:
+            return None
+        endpoint = (PROXY_HOST if self.proxy is not None else self.host), served.open_namespace(namespace)
+        previous, self._round_listener = self._round_listener, (served, namespace)
+        if previous is not None and previous[1] != namespace:
+            previous[0].close_namespace(previous[1])
+        return endpoint
 
     def _drain(self, proc: StoreProcess) -> None:
         """Keep a store process that other nodes link to (the store host, a relay of the
@@ -370,6 +386,12 @@ def store_fanout_from(config: dict) -> int:
     if f < 0 or f == 1:
         raise ValueError(f"store_fanout={f}: write 0 (no tree) or 2 or more")
     return f
+
+
+def public_clients_from(config: dict) -> bool:
+    """``--rdzv_conf store_public_clients=true``: a tiered job's store host serves
+    torch-protocol clients on its public port too (default: node links only)."""
+    return str(config.get("store_public_clients", "0")).lower() in ("1", "true", "yes")
 
 
 def store_workers_from(config: dict) -> int:

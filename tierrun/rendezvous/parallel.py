@@ -37,7 +37,9 @@ from ..report.progress import Arrivals
 from ..settings import Settings
 from . import liveness
 from .handler_base import JobStoppedError, StoreRendezvousHandler
-from .job_store import JobStore, TreePlace, store_fanout_from, store_workers_from, token_from
+from .job_store import (
+    JobStore, TreePlace, public_clients_from, store_fanout_from, store_workers_from, token_from,
+)
 
 log = logging.getLogger("tierrun.rendezvous")
 
@@ -244,8 +246,13 @@ def create_handler(params: RendezvousParameters, settings: Settings) -> Rendezvo
     if fanout:
         tree = TreePlace(rank, params.max_nodes, fanout, params.local_addr or socket.gethostname(),
                          params.run_id)
+    # (node rank 0 is told to host: if the port is taken, it fails rather than joining
+    # whatever listens there, another job's store maybe)
     store = JobStore(host, port, hosting=rank == 0, timeout=timeout, token=token_from(params.config, settings),
                      store_workers=store_workers_from(params.config), tree=tree, link_config=settings.link,
-                     node=params.local_addr)
+                     node=params.local_addr,
+                     host_fallback="never", public_clients=public_clients_from(params.config),
+                     host_hint=" (node rank 0 hosts a parallel job's store, and never joins a store it did "
+                     "not start: another job's, maybe).")
     return ParallelRendezvousHandler(store, rank, params.max_nodes, params.run_id, timeout,
                                      params.local_addr, params.config)

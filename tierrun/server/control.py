@@ -17,9 +17,12 @@ its output is a log line.
 With ``--control-stdin`` its parent (the launcher's agent, through ``StoreProcess``)
 writes commands on its stdin, one a line, and the process stops when stdin closes:
 
-    namespace NAME       open a listener whose clients see only keys under NAME/
-    node-namespace NAME  the same, on the node front-end
-    stats                say your counters
+    namespace NAME             open a listener whose clients see only keys under NAME/
+    node-namespace NAME        the same, on the node front-end
+    close-namespace NAME       stop listening for NAME's clients (its round is over;
+                               the clients it has keep their connections until they close)
+    close-node-namespace NAME  the same, on the node front-end
+    stats                      say your counters
 """
 
 from __future__ import annotations
@@ -140,11 +143,19 @@ class OpenNamespace:
 
 
 @dataclass(frozen=True)
+class CloseNamespace:
+    """Close the listener of namespace ``name`` (on the node front-end: ``node``)."""
+
+    name: str
+    node: bool = False
+
+
+@dataclass(frozen=True)
 class SendStats:
     """Say the process's counters."""
 
 
-Command = Union[OpenNamespace, SendStats]
+Command = Union[OpenNamespace, CloseNamespace, SendStats]
 
 
 def format_command(command: Command) -> str:
@@ -153,6 +164,9 @@ def format_command(command: Command) -> str:
     if isinstance(command, OpenNamespace):
         _check_name(command.name)
         return f"{'node-namespace' if command.node else 'namespace'} {command.name}"
+    if isinstance(command, CloseNamespace):
+        _check_name(command.name)
+        return f"{'close-node-namespace' if command.node else 'close-namespace'} {command.name}"
     return "stats"
 
 
@@ -164,6 +178,8 @@ def parse_command(line: str) -> Command | None:
         return None
     if len(words) == 2 and words[0] in ("namespace", "node-namespace"):
         return OpenNamespace(words[1], node=words[0] == "node-namespace")
+    if len(words) == 2 and words[0] in ("close-namespace", "close-node-namespace"):
+        return CloseNamespace(words[1], node=words[0] == "close-node-namespace")
     if words == ["stats"]:
         return SendStats()
     raise ValueError(f"unknown control command {line.strip()!r}")

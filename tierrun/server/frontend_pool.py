@@ -28,7 +28,7 @@ from dataclasses import dataclass
 from ..frontend import FrontEndConfig
 from ..hub.link_server import LinkServer
 from ..settings import frontend_process_env
-from .frontend_process import HAND_OFF, LISTEN, MAX_MESSAGE, STATS
+from .frontend_process import HAND_OFF, LISTEN, MAX_MESSAGE, STATS, UNLISTEN
 from .options import frontend_arguments
 
 log = logging.getLogger("tierrun.store")
@@ -62,9 +62,12 @@ class FrontEndPool:
     """``start`` returns once every process has its sockets (connections queue in the
     kernel until it accepts them); ``close`` stops them all."""
 
-    def __init__(self, count: int, links: LinkServer, config: FrontEndConfig) -> None:
+    def __init__(self, count: int, links: LinkServer, config: FrontEndConfig, links_only: bool = False) -> None:
+        """``links_only``: the processes refuse torch-protocol clients on the public port."""
         self.links = links
         self.args = frontend_arguments(config, logging.getLevelName(logging.getLogger().getEffectiveLevel()))
+        if links_only:
+            self.args.append("--links-only")
         self.listeners: list[Listener] = []
         self.restarts = 0
         self._processes = [_Process(i) for i in range(count)]
@@ -84,6 +87,17 @@ class FrontEndPool:
         for p in self._processes:
             if p.channel is not None:
                 self._send_listener(p, listener)
+
+    def unlisten(self, namespace: str) -> None:
+        """Every process stops listening for ``namespace`` (its round is over), and
+        processes started later do not serve it."""
+        self.listeners = [listener for listener in self.listeners if listener.namespace != namespace]
+        for p in self._processes:
+            if p.channel is not None:
+                try:
+                    p.channel.send(UNLISTEN + namespace.encode())
+                except OSError:
+                    pass  # (it is gone; its replacement will not serve it)
 
     async def _supervise(self, p: _Process, started: asyncio.Future[None]) -> None:
         loop = asyncio.get_running_loop()

@@ -12,6 +12,7 @@ It talks to the core process over two socket pairs it inherits:
   which it finds in its environment (``settings.frontend_process_env``);
 - the *channel* (SOCK_SEQPACKET, one message per datagram, file descriptors attached):
     core -> here   ``L`` + namespace, with a listening socket: serve it
+                   ``U`` + namespace: stop listening for it (its round is over)
                    ``S``: send your counters
     here -> core   ``H`` + bytes read after the link's first byte, with the connection
                    ``S`` + JSON counters
@@ -27,6 +28,7 @@ import json
 import logging
 import os
 import socket
+from collections.abc import Callable
 
 from ..frontend import FrontEnd, FrontEndConfig
 from ..tier import LinkUpstream, PlanLimits
@@ -35,14 +37,15 @@ from ..link.config import LinkConfig
 
 log = logging.getLogger("tierrun.store")
 
-LISTEN, STATS, HAND_OFF = b"L", b"S", b"H"
+LISTEN, UNLISTEN, STATS, HAND_OFF = b"L", b"U", b"S", b"H"
 #: Largest channel message (the bytes a link sent before its handshake are tiny).
 MAX_MESSAGE = 1 << 16
 
 
 async def serve_frontend_process(channel: socket.socket, link_sock: socket.socket, token: bytes,
-                                 config: FrontEndConfig, link_config: LinkConfig) -> int:
-    """Serve until the core process closes the channel (0) or the link is lost (3)."""
+                                 config: FrontEndConfig, link_config: LinkConfig, links_only: bool = False) -> int:
+    """Serve until the core process closes the channel (0) or the link is lost (3).
+    ``links_only``: the public port's torch-protocol clients are refused."""
     loop = asyncio.get_running_loop()
     stop = asyncio.Event()
     lost: list[str] = []
@@ -55,14 +58,16 @@ async def serve_frontend_process(channel: socket.socket, link_sock: socket.socke
     await loop.create_connection(link.connection, sock=link_sock)
     await asyncio.wait_for(link.ready, link_config.heartbeat_timeout)
     frontends: list[FrontEnd] = []
+    by_namespace: dict[str, FrontEnd] = {}
 
-    def hand_off(transport: asyncio.Transport, peer: str, rest: bytes) -> None:
+    def hand_off(transport: asyncio.Transport, peer: str, rest: bytes, release: Callable[[], None]) -> None:
         sock = transport.get_extra_info("socket")
         try:  # the kernel passes the connection itself; closing ours leaves it open
             socket.send_fds(channel, [HAND_OFF + rest], [sock.fileno()])
         except OSError as e:
             log.warning("could not hand the link from %s to the core process: %s", peer, e)
         transport.abort()
+        release()  # (the core process counts it from now on)
 
     def on_channel() -> None:
         try:
@@ -76,9 +81,16 @@ async def serve_frontend_process(channel: socket.socket, link_sock: socket.socke
             return
         kind, body = msg[:1], msg[1:]
         if kind == LISTEN and fds:
-            frontend = FrontEnd(link.view(body.decode()), config, None if body else hand_off)
+            frontend = FrontEnd(link.view(body.decode()), config, None if body else hand_off,
+                                links_only=links_only and not body)
             frontends.append(frontend)
+            if body:
+                by_namespace[body.decode()] = frontend
             asyncio.ensure_future(frontend.listen(socket.socket(fileno=fds[0]), DEFAULT_BACKLOG))
+        elif kind == UNLISTEN:
+            closing = by_namespace.pop(body.decode(), None)
+            if closing is not None:
+                closing.stop_listening()
         elif kind == STATS:
             counters = {
                 "clients_accepted": sum(f.accepted for f in frontends),

@@ -12,7 +12,9 @@ import sys
 import threading
 from collections.abc import Sequence
 
-from .control import Command, Listening, NamespaceListening, OpenNamespace, SendStats, Stats, TakingLinks
+from .control import (
+    CloseNamespace, Command, Listening, NamespaceListening, OpenNamespace, SendStats, Stats, TakingLinks,
+)
 from .control import format_command, parse_event
 
 
@@ -180,6 +182,19 @@ class StoreProcess:
                 raise StoreStartError(f"the store did not open namespace {name}:\n{self.output}")
             return names[name]
 
+    def close_namespace(self, name: str, node: bool = False) -> None:
+        """Stop listening for namespace ``name`` (its round is over; its clients keep
+        their connections until they close). Needs ``controlled=True``; returns at once
+        (the process closes it when it reads the command); unknown names: nothing."""
+        assert self.controlled and self.proc is not None and self.proc.stdin is not None
+        names = self._node_namespaces if node else self._namespaces
+        with self._changed:
+            if names.pop(name, None) is not None and self.proc.poll() is None:
+                try:
+                    self._command(CloseNamespace(name, node))
+                except OSError:
+                    pass  # (the process is gone: so is its listener)
+
     def stats(self, timeout: float = 10.0) -> dict:
         """The process's counters (needs ``controlled=True``)."""
         assert self.controlled and self.proc is not None and self.proc.stdin is not None
@@ -258,6 +273,9 @@ class HostedFrontEnd:
 
     def open_namespace(self, name: str, timeout: float = 30.0) -> int:
         return self.store.open_namespace(name, timeout, node=True)
+
+    def close_namespace(self, name: str) -> None:
+        self.store.close_namespace(name, node=True)
 
     @property
     def last_stats(self) -> dict | None:

@@ -10,6 +10,7 @@ clients' connections, and its agent reports it.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 from collections.abc import Callable
 
@@ -51,12 +52,19 @@ async def serve_proxy(
             log.error("%s", reason)
         stop.set()
 
-    limits = config.frontend.limits  # (merges hold no more than one request may)
+    own = config.frontend.limits  # (merges hold no more than one request may)
     link = await connect_link(upstream_host, upstream_port, token, on_lost, connect_timeout, link_config,
-                              PlanLimits.of(limits))
+                              PlanLimits.of(own))
+    # refuse here what the store host would refuse (a request past its limits fails
+    # its client alone either way, but here it costs the link nothing)
+    limits = own if link.upstream_limits is None else own.within(link.upstream_limits)
+    if limits != own:
+        log.info("the store host's limits on one request are tighter than this proxy's; using %s", limits)
+        config = dataclasses.replace(config, frontend=dataclasses.replace(config.frontend, limits=limits))
     links: LinkServer | None = None
     if link_listen is not None:
-        links = LinkServer(lambda ns: link.view(ns.decode()), token, link_config, lease=link.lease_left, limits=limits)
+        links = LinkServer(lambda ns: link.view(ns.decode()), token, link_config, lease=link.lease_left, limits=limits,
+                           max_connections=config.frontend.max_connections)
         sock = tcp_listen_socket(*link_listen, config.backlog)
         await asyncio.get_running_loop().create_server(
             lambda: links.accept(sniffed=False), sock=sock, backlog=config.backlog)

@@ -42,7 +42,7 @@ async def serve_root(
     """
     core = StoreCore(config.frontend.limits)
     links = LinkServer(core_upstreams(core), token, link_config, drop_watches=core.drop_watches_of,
-                       limits=config.frontend.limits)
+                       limits=config.frontend.limits, max_connections=config.frontend.max_connections)
     core.on_watches_broken = break_watches
 
     def make_upstream(namespace: str) -> Upstream:
@@ -69,7 +69,7 @@ async def serve_root(
         # and merging the requests of one node's workers saves the core little)
         node = Service(node_frontend, make_upstream, dict,
                        lambda event: announce(dataclasses.replace(event, node=True)), gate=links.gate)
-    pool = FrontEndPool(config.workers, links, config.frontend) if config.workers > 1 else None
+    pool = FrontEndPool(config.workers, links, config.frontend, config.links_only) if config.workers > 1 else None
     service = Service(
         config, make_upstream, stats, announce,
         link_acceptor=links.take, pool=pool, gate=links.gate, node=node,

@@ -20,9 +20,13 @@ from dataclasses import dataclass, field
 
 from ..frontend import FrontEnd, FrontEndConfig, Upstream
 from ..frontend.contracts import LinkAcceptor
-from ..frontend.listen import DEFAULT_BACKLOG, describe, tcp_listen_socket, unix_listen_socket
+from ..frontend.listen import (
+    DEFAULT_BACKLOG, UnixFile, describe, remove_unix_file, tcp_listen_socket, unix_listen_socket,
+)
 from ..hub.reply_gate import ReplyGate
-from .control import Event, Listening, NamespaceListening, OpenNamespace, SendStats, Stats, parse_command
+from .control import (
+    CloseNamespace, Event, Listening, NamespaceListening, OpenNamespace, SendStats, Stats, parse_command,
+)
 from .frontend_pool import FrontEndPool, Listener
 
 log = logging.getLogger("tierrun.store")
@@ -46,6 +50,9 @@ class ServiceConfig:
     #: worker processes serve only namespace listeners (the launcher's choice: its agents
     #: and node links stay on the core process, its training workers are spread).
     workers_for_namespaces_only: bool = False
+    #: The public port takes links only: torch-protocol clients there are refused (a
+    #: tiered job's store host: its own node's clients use its node front-end).
+    links_only: bool = False
 
 
 class Service:
@@ -69,9 +76,11 @@ class Service:
         self.stats = stats
         self.announce = announce
         self.gate = gate
-        self.main = FrontEnd(make_upstream(""), config.frontend, link_acceptor, gate)
+        self.main = FrontEnd(make_upstream(""), config.frontend, link_acceptor, gate, links_only=config.links_only)
         self.frontends = [self.main]
         self.namespaces: dict[str, int] = {}
+        self._namespace_frontends: dict[str, FrontEnd] = {}
+        self._unix_files: list[UnixFile] = []  # removed when the service stops
         self.pool = pool
         self.node = node
 
@@ -104,7 +113,9 @@ class Service:
         pooled = pool is not None and not config.workers_for_namespaces_only
         sockets = [tcp_listen_socket(config.host, config.port, config.backlog, reuse_port=pooled)]
         if config.unix:
-            sockets.append(unix_listen_socket(config.unix, config.backlog))
+            unix, owned = unix_listen_socket(config.unix, config.backlog)
+            sockets.append(unix)
+            self._unix_files.append(owned)
         described = [describe(sock) for sock in sockets]
         if pooled:
             await pool.start([self._pool_listener("", s) for s in sockets])
@@ -121,6 +132,9 @@ class Service:
             await frontend.close()
         if self.pool is not None:
             await self.pool.close()
+        for owned in self._unix_files:
+            remove_unix_file(owned)
+        self._unix_files.clear()
 
     async def open_namespace(self, name: str) -> int:
         if name not in self.namespaces:
@@ -133,7 +147,19 @@ class Service:
                 frontend = FrontEnd(self.make_upstream(name), config.frontend, gate=self.gate)
                 await frontend.listen(sock, config.backlog)
                 self.frontends.append(frontend)
+                self._namespace_frontends[name] = frontend
         return self.namespaces[name]
+
+    def close_namespace(self, name: str) -> None:
+        """Stop listening for namespace ``name`` (its round is over): its port is
+        free again; the clients it has keep their connections until they close (the
+        round's workers, stopped by their agents). Unknown names: nothing."""
+        if self.namespaces.pop(name, None) is None:
+            return
+        if self.pool is not None:
+            self.pool.unlisten(name)
+        else:
+            self._namespace_frontends.pop(name).stop_listening()
 
     def _pool_listener(self, namespace: str, first: socket.socket) -> Listener:
         """``first`` goes to the first process; later ones get new sockets on its port."""
@@ -174,6 +200,10 @@ class Service:
             elif isinstance(command, OpenNamespace) and self.node is not None:
                 port = await self.node.open_namespace(command.name)
                 self.node.announce(NamespaceListening(command.name, port))
+            elif isinstance(command, CloseNamespace) and not command.node:
+                self.close_namespace(command.name)
+            elif isinstance(command, CloseNamespace) and self.node is not None:
+                self.node.close_namespace(command.name)
             elif command is not None:
                 log.warning("no node front-end here: ignored control command %r", line.decode().strip())
         stop.set()  # the supervising agent is gone

@@ -28,6 +28,7 @@ def _config(args: argparse.Namespace) -> ServiceConfig:
         host=args.host, port=args.port, unix=args.unix, frontend=frontend_config(args),
         control_stdin=args.control_stdin, workers=getattr(args, "workers", 1),
         workers_for_namespaces_only=getattr(args, "workers_for", "all") == "namespaces",
+        links_only=getattr(args, "links_only", False),
     )
 
 
@@ -93,6 +94,10 @@ def store_main(argv: list[str]) -> int:
     p.add_argument("--node-frontend-unix", default=None, metavar="PATH",
                    help="the node front-end's Unix socket (@name: abstract)")
     _add_token_fd(p)
+    p.add_argument("--links-only", action="store_true",
+                   help="the public port takes only node links (needs a job token): torch-protocol "
+                   "clients there are refused (what the launcher does for tiered jobs, whose "
+                   "store host's own clients use its --node-frontend)")
     if "-h" in argv or "--help" in argv:
         p.parse_args(argv)  # (help, whatever the environment holds)
     settings = _settings("tierrun store")
@@ -104,6 +109,10 @@ def store_main(argv: list[str]) -> int:
     token, ok = _job_token("tierrun store", args, settings)
     if not ok:
         return 2
+    if args.links_only and not token:
+        print("tierrun store: --links-only takes links only, and links need a job token: set "
+              "TIERRUN_TOKEN or TIERRUN_TOKEN_FILE", file=sys.stderr)
+        return 2
     node = None
     if args.node_frontend:
         node = ServiceConfig(host=NODE_FRONTEND_HOST, port=0, unix=args.node_frontend_unix,
@@ -113,8 +122,12 @@ def store_main(argv: list[str]) -> int:
         run(serve_root(_config(args), on_listening=_announcer("store"), token=token or None,
                        link_config=settings.link, node_frontend=node))
     except OSError as e:
-        print(f"tierrun store: cannot listen on {args.host or '*'}:{args.port}: {e.strerror or e}. "
-              "Pick another --port, or stop whatever uses it.", file=sys.stderr)
+        if e.filename:  # (a Unix socket's path)
+            print(f"tierrun store: cannot listen on the Unix socket {e.filename}: {e.strerror or e}",
+                  file=sys.stderr)
+        else:
+            print(f"tierrun store: cannot listen on {args.host or '*'}:{args.port}: {e.strerror or e}. "
+                  "Pick another --port, or stop whatever uses it.", file=sys.stderr)
         return 1
     return 0
 
@@ -150,6 +163,12 @@ def proxy_main(argv: list[str]) -> int:
         return run(serve_proxy(_config(args), host.strip("[]"), int(port), token,
                                on_listening=_announcer("proxy"), connect_timeout=args.connect_timeout,
                                link_config=settings.link, link_listen=link_listen))
+    except OSError as e:
+        if e.filename:  # (a Unix socket's path)
+            print(f"tierrun proxy: cannot listen on the Unix socket {e.filename}: {e.strerror or e}", file=sys.stderr)
+        else:
+            print(f"tierrun proxy: cannot link to the store host {args.upstream}: {e}", file=sys.stderr)
+        return 1
     except Exception as e:  # one line for any start failure (refused, token, timeout)
         print(f"tierrun proxy: cannot link to the store host {args.upstream}: {e}", file=sys.stderr)
         return 1
@@ -160,6 +179,7 @@ def store_frontend_main(argv: list[str]) -> int:
                      "--workers N`", None, 0)
     p.add_argument("--channel-fd", type=int, required=True)
     p.add_argument("--link-fd", type=int, required=True)
+    p.add_argument("--links-only", action="store_true")
     args = parse_store_args(p, argv)
     logging.basicConfig(level=args.log_level.upper(),
                         format=f"[tierrun store front-end {os.getpid()}] %(levelname)s %(message)s")
@@ -174,4 +194,5 @@ def store_frontend_main(argv: list[str]) -> int:
         return 2
     channel = socket.socket(fileno=args.channel_fd)
     link_sock = socket.socket(fileno=args.link_fd)
-    return run(serve_frontend_process(channel, link_sock, token, frontend_config(args), settings.link))
+    return run(serve_frontend_process(channel, link_sock, token, frontend_config(args), settings.link,
+                                      links_only=args.links_only))

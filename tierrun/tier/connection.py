@@ -5,7 +5,10 @@ heartbeat, reconnecting with backoff and resuming. The asyncio adapter of
 
 Fail-stop: an unexpected error while handling what the store host sent ends the
 session (every client is dropped with the reason and ``on_lost`` tells the node's
-agent), never a resume past answers half handed out.
+agent), never a resume past answers half handed out. What the store host has not
+proved it sent (``Unauthenticated``: a frame failing its MAC, garbage, a refusal before
+WELCOME) ends only the connection: nothing of it was acted upon, so the session
+reconnects and resumes, until the grace period is over.
 """
 
 from __future__ import annotations
@@ -22,10 +25,11 @@ from time import monotonic
 from ..link import auth
 from ..link.config import LinkConfig
 from ..link.frames import (
-    ACK, ERROR, INVALIDATE, PONG, REPLIES, SESSION_ID_BYTES, FrameDecoder, LinkError, decode_count,
-    decode_pong,
+    ACK, ERROR, INVALIDATE, PONG, REPLIES, SESSION_ID_BYTES, FrameDecoder, LinkError, Unauthenticated,
+    decode_count, decode_pong,
 )
 from ..link.session import ClientHandshake, Heartbeat, Ledger
+from ..protocol.limits import Limits
 
 log = logging.getLogger("tierrun.frontend")
 
@@ -52,6 +56,15 @@ class SessionEnd:
         self._sent_since_beat = False  # a batch left since the last heartbeat interval began
         self._beat_with_next_batch = False  # the heartbeat rides with the next batch
         self._reconnecting: asyncio.Task[None] | None = None
+        #: Since when (loop time) the session has had no healthy connection: set when one
+        #: is lost, cleared once a new one has had every frame it resent acknowledged (a
+        #: connection that is dropped again before, e.g. by injected garbage, does not
+        #: renew the grace period).
+        self.down_since: float | None = None
+        self._resync_upto = 0  # the frames to be acknowledged before that
+        #: The store's limits on one request, as the store host said when the session
+        #: opened (None before).
+        self.upstream_limits: Limits | None = None
 
     # -- for the subclass -----------------------------------------------------------------
 
@@ -73,6 +86,9 @@ class SessionEnd:
     def lease_granted(self, until: float) -> None:
         """The store host heard from us: watches may be answered until ``until``."""
 
+    def on_upstream_limits(self, limits: Limits) -> None:
+        """The store host's limits on one request, when the session opens."""
+
     # -- the session --------------------------------------------------------------------
 
     def silence(self) -> float | None:
@@ -84,7 +100,8 @@ class SessionEnd:
         """A protocol for a new connection to the store host; it resumes this session."""
         return LinkConnection(self)
 
-    def established(self, conn: LinkConnection, batches_received: int) -> None:
+    def established(self, conn: LinkConnection, batches_received: int,
+                    limits: tuple[int, int, int, int] | None = None) -> None:
         """RESUMED arrived on ``conn``: resend what the store host has not executed."""
         if self.dead is not None:
             conn.abort(self.dead)
@@ -92,6 +109,10 @@ class SessionEnd:
         missed = self.ledger.resume(batches_received)
         self._conn = conn
         self._opened = True
+        self._resync_upto = self.ledger.outbox.sent
+        if limits is not None and self.upstream_limits is None:
+            self.upstream_limits = Limits(*limits)
+            self.on_upstream_limits(self.upstream_limits)
         if missed:
             conn.write(b"".join(missed))
         if not self.ready.done():
@@ -131,10 +152,19 @@ class SessionEnd:
         if self.dead is None:
             self._schedule_heartbeat()
 
+    def acked(self) -> None:
+        """The store host acknowledged frames: once it has everything resent on this
+        connection, the connection is healthy (the grace period starts afresh after
+        the next loss)."""
+        if self.down_since is not None and self.ledger.outbox.acked >= self._resync_upto:
+            self.down_since = None
+
     def connection_lost(self, conn: LinkConnection, reason: str) -> None:
         if conn is not self._conn:
             return
         self._conn = None
+        if self.down_since is None:
+            self.down_since = asyncio.get_running_loop().time()
         self.on_disconnected()
         if self.dead is None and self._reconnecting is None and self.address is not None:
             self._reconnecting = asyncio.ensure_future(_reconnect(self, reason))
@@ -212,28 +242,43 @@ class LinkConnection(asyncio.Protocol):
         transport.write(self._handshake.start())
 
     def write(self, data: bytes) -> None:
+        """Send whole frames (sealed here: only once the handshake is over is there
+        anything else to send)."""
         if self._transport is not None and not self._transport.is_closing():
-            self._transport.write(data)
+            sealer = self._handshake.sealer
+            assert sealer is not None
+            self._transport.write(sealer.seal(data))
 
     def ack(self, after: bytes = b"") -> None:
-        """Send an ACK (the heartbeat; its PONG renews the watch lease), after ``after``
-        in the same write."""
+        """Send an ACK (the heartbeat; its PONG renews the watch lease), after the
+        frames ``after`` in the same write."""
         self._pings.append(monotonic())
         self.write(after + self._link.ledger.ack())
+
+    def _answer_handshake(self, flight: bytes) -> None:
+        """Send ``flight`` (the handshake's, on the wire as it is) and the first ACK,
+        sealed, in one write."""
+        sealer = self._handshake.sealer
+        assert sealer is not None and self._transport is not None
+        self._pings.append(monotonic())
+        self._transport.write(flight + sealer.seal(self._link.ledger.ack()))
 
     def data_received(self, data: bytes) -> None:
         self.heartbeat.heard(monotonic())  # (not the loop's clock: no getpid() per read)
         link = self._link
         ledger = link.ledger
+        decoder = self._decoder
         try:
-            for ftype, payload in self._decoder.feed(data):
+            for ftype, payload in decoder.frames(data):
                 if not self.established.done():
-                    out = self._handshake.feed(ftype, payload)
+                    handshake = self._handshake
+                    out = handshake.feed(ftype, payload)
                     if out:
-                        self.ack(after=out)
-                    self._decoder.max_frame = self._handshake.max_frame
-                    if self._handshake.resumed is not None:
-                        link.established(self, self._handshake.resumed)
+                        self._answer_handshake(out)
+                    decoder.max_frame = handshake.max_frame
+                    decoder.opener = handshake.opener
+                    if handshake.resumed is not None:
+                        link.established(self, handshake.resumed, handshake.limits)
                         self.established.set_result(None)
                 elif ftype == REPLIES:
                     ack_due = ledger.got(len(payload))
@@ -248,12 +293,14 @@ class LinkConnection(asyncio.Protocol):
                 elif ftype == PONG:
                     received, lease = decode_pong(payload)
                     ledger.acked(received)
+                    link.acked()
                     if self._pings:  # the store host heard from us when this ACK arrived
                         until = self._pings.popleft() + lease
                         if link._conn is self:
                             link.lease_granted(until)
                 elif ftype == ACK:
                     ledger.acked(decode_count(payload))
+                    link.acked()
                 elif ftype == ERROR:
                     raise LinkError("the store host ended the link session: " + payload.decode(errors="replace"))
                 else:
@@ -262,6 +309,8 @@ class LinkConnection(asyncio.Protocol):
             if not self.established.done():
                 self.established.set_exception(e)
                 self.abort(str(e))
+            elif isinstance(e, Unauthenticated):  # not the store host's: this connection only
+                self.abort(f"{e}; reconnecting")
             else:  # the session is unusable: our state and the store host's disagree
                 link.die(str(e))
         except Exception as e:  # a bug, or no memory: fail-stop, never resume past it
@@ -305,22 +354,34 @@ async def open_connection(link: SessionEnd, timeout: float) -> None:
 
 
 async def _reconnect(link: SessionEnd, reason: str) -> None:
-    """Reconnect with backoff (0.1 s to 1 s) until the grace period ends."""
+    """Reconnect with backoff (0.1 s to 1 s) until the grace period ends (counted from
+    when the session last had a healthy connection). An attempt that meets something
+    the store host has not proved it sent (garbage, a frame failing its MAC, a refusal
+    before WELCOME: an impostor, or a store host restarted without the session) is just
+    a failed attempt; a refusal the store host proved (sealed) ends the session."""
     loop = asyncio.get_running_loop()
     grace = link.config.grace
-    since = loop.time()
+    since = loop.time() if link.down_since is None else link.down_since
     host, port = link.address  # type: ignore[misc]
     reason = reason.replace("the store host", f"the store host {host}:{port}", 1)
     reason = reason.replace(" lost (", f" lost at {time.strftime('%H:%M:%S')} (", 1)
-    log.warning("%s; reconnecting (for up to %g s)", reason, grace)
+    left = grace - (loop.time() - since)
     delay = 0.1
+    last: BaseException | None = None
     try:
+        if left <= 0:  # (its connections keep failing before they are healthy: resends refused)
+            link.die(f"{reason}; no healthy connection within the {grace:g} s grace period")
+            return
+        log.warning("%s; reconnecting (for up to %.3g s)", reason, left)
         while link.dead is None:  # (it may give up meanwhile, e.g. its buffer overflowed)
             try:
                 await open_connection(link, link.config.heartbeat_timeout)
                 log.warning("link to the store host resumed after %.1f s", loop.time() - since)
                 return
-            except LinkError as e:  # refused: the session is gone, or not our store
+            except Unauthenticated as e:  # not proved to be the store host's: try again
+                log.warning("link attempt to the store host %s:%d failed: %s", host, port, e)
+                last = e
+            except LinkError as e:  # refused by the store host: the session is gone
                 link.die(str(e))
                 return
             except (OSError, asyncio.TimeoutError) as e:

@@ -86,6 +86,15 @@ class PlanLimits:
                    max_value_bytes=limits.max_value_bytes, max_request_bytes=limits.max_request_bytes,
                    max_frame_bytes=max_frame_bytes, max_reply_bytes=limits.max_reply_bytes)
 
+    def within(self, limits: Limits) -> PlanLimits:
+        """These limits, none past ``limits`` (the store host's, learnt on the link)."""
+        return PlanLimits(max_fold=self.max_fold, max_keys=min(self.max_keys, limits.max_keys_per_request),
+                          max_key_bytes=min(self.max_key_bytes, limits.max_key_bytes),
+                          max_value_bytes=min(self.max_value_bytes, limits.max_value_bytes),
+                          max_request_bytes=min(self.max_request_bytes, limits.max_request_bytes),
+                          max_frame_bytes=self.max_frame_bytes,
+                          max_reply_bytes=min(self.max_reply_bytes, limits.max_reply_bytes))
+
     def __post_init__(self) -> None:
         # (per request of a batch: computed once)
         #: GETs in one MULTI_GET: its answer, whatever the values, fits in a frame and

@@ -32,6 +32,7 @@ from ..link.frames import (
 )
 from ..hub.reply_gate import break_watches
 from ..protocol import Op, Request
+from ..protocol.limits import Limits
 from ..protocol.opcodes import NO_REPLY_OPS, WAIT_CANCELED, WAITING_OPS, WATCHABLE_OPS
 from . import fanout
 from .entries import Ids, encode_plan
@@ -51,10 +52,8 @@ _MARK_OF = {WATCH_READ: WATCH_MARK, FETCH: FETCH_MARK, FETCH_AFTER_WRITES: FETCH
 
 
 class LinkUpstream(SessionEnd):
-    """The link to the store host (or to another front-end). Use :meth:`view` per
-    namespace. Its session (:class:`.connection.SessionEnd`) survives its connections;
-    past the grace period every client waiting on it is dropped with the reason and
-    ``on_lost`` is called."""
+    """The link to the store host (or to another front-end); :meth:`view` per namespace.
+    Its session (:class:`.connection.SessionEnd`) survives its connections."""
 
     def __init__(self, token: bytes, on_lost: Callable[[str], None], config: LinkConfig | None = None,
                  address: tuple[str, int] | None = None, limits: PlanLimits | None = None) -> None:
@@ -105,6 +104,10 @@ class LinkUpstream(SessionEnd):
 
     def lease_granted(self, until: float) -> None:
         self.watches.lease_until = max(self.watches.lease_until, until)
+
+    def on_upstream_limits(self, limits: Limits) -> None:
+        """Merges never exceed what the store host takes in one request."""
+        self.limits = self.limits.within(limits)
 
     def lease_left(self) -> float:
         """How much longer (seconds) this front-end may answer from its watches: what

@@ -1,0 +1,251 @@
+"""Attacks on node links, with real `tierrun store` and `tierrun proxy` processes and
+adversarial clients on raw sockets: a man in the middle (``relay.Relay``) that forges,
+replays and injects frames or answers as an impostor; link-looking connections that
+never finish their handshake. Each time an unrelated client must keep being served.
+
+Short link timings through the environment, as the launcher passes them."""
+
+from __future__ import annotations
+
+import os
+import socket
+import threading
+import time
+from datetime import timedelta
+
+import pytest
+import torch.distributed as dist
+
+from relay import GARBAGE, IMPOSTOR, FORWARD, Relay, forged
+from tierrun.client import StoreClient
+from tierrun.link.frames import BATCH, ERROR, LINK_MAGIC, encode_batch, entry_request
+from tierrun.protocol import Op
+from tierrun.protocol.requests import encode_request
+from tierrun.server import StoreProcess
+
+TIMING = {"TIERRUN_TOKEN": "link-attacks", "TIERRUN_LINK_HEARTBEAT": "0.2", "TIERRUN_LINK_TIMEOUT": "1",
+          "TIERRUN_LINK_GRACE": "8"}
+
+
+def store(*extra: str, **env: str) -> StoreProcess:
+    s = StoreProcess(host="127.0.0.1", port=0, controlled=True, env={**os.environ, **TIMING, **env},
+                     extra_args=list(extra))
+    s.start()
+    return s
+
+
+def proxy(port: int, **env: str) -> StoreProcess:
+    p = StoreProcess(command="proxy", host="127.0.0.1", port=0, controlled=True,
+                     env={**os.environ, **TIMING, **env},
+                     extra_args=["--upstream", f"127.0.0.1:{port}", "--connect-timeout", "10"])
+    p.start()
+    return p
+
+
+def client(port: int) -> dist.TCPStore:
+    return dist.TCPStore("127.0.0.1", port, is_master=False, timeout=timedelta(seconds=20))
+
+
+def wait_for(predicate, timeout: float) -> None:
+    end = time.monotonic() + timeout
+    while not predicate():
+        assert time.monotonic() < end, "timed out"
+        time.sleep(0.05)
+
+
+@pytest.fixture
+def relayed():
+    """The store host, a relay in front of it, a proxy linked through the relay, a client
+    of the proxy and an unrelated client of the store host."""
+    root = store()
+    relay = Relay(("127.0.0.1", root.port))
+    node = proxy(relay.port)
+    try:
+        yield root, relay, node, client(node.port), StoreClient(("127.0.0.1", root.port))
+    finally:
+        node.stop()
+        relay.close()
+        root.stop()
+
+
+def test_a_replayed_batch_is_not_applied_twice_and_the_node_resumes(relayed):
+    """The relay sends the store host a BATCH it saw (an ADD) a second time: it fails its
+    MAC (frames are numbered per connection), the store host drops that connection only
+    and keeps the session; the node resumes, and the ADD counted once."""
+    root, relay, node, c, other = relayed
+    assert c.add("n", 5) == 5
+    wait_for(lambda: relay.last_batch is not None, 5)
+    relay.inject(relay.last_batch, upward=True)
+    wait_for(lambda: "fails its MAC" in root.output, 5)
+    assert other.add(b"unrelated", 1) == 1  # (served meanwhile)
+    assert c.add("n", 1) == 6  # once resumed: 5 + 1, not 5 + 5 + 1
+    stats = root.stats()
+    assert stats["sessions_expired"] == 0 and stats["link_resumes"] == 1 and node.exited() is None
+
+
+def test_a_forged_batch_is_dropped_before_it_reaches_the_store(relayed):
+    """A well-formed BATCH with a wrong MAC (an attacker without the session's keys)
+    is never executed."""
+    root, relay, node, c, other = relayed
+    assert c.add("n", 1) == 1
+    request = encode_request((Op.SET, b"/forged", b"by the relay"))
+    relay.inject(forged(BATCH, encode_batch([entry_request(1, 9999, request)])[5:]), upward=True)
+    wait_for(lambda: "fails its MAC" in root.output, 5)
+    assert c.add("n", 1) == 2
+    assert not other.check([b"/forged"]) and root.stats()["sessions_expired"] == 0
+
+
+def test_a_forged_error_towards_the_node_costs_it_one_reconnect(relayed):
+    """An ERROR frame injected towards the node ("the store host ended the link
+    session": before, the node gave up for good) fails its MAC: the node drops that
+    connection, reconnects and resumes; its clients see only latency."""
+    root, relay, node, c, other = relayed
+    assert c.add("n", 1) == 1
+    relay.inject(forged(ERROR, b"the store host ended the link session"), upward=False)
+    wait_for(lambda: "fails its MAC" in node.output, 5)
+    assert c.add("n", 1) == 2 and other.add(b"n2", 1) == 1
+    assert node.exited() is None and root.stats()["link_resumes"] == 1
+
+
+def test_a_reconnecting_node_ignores_impostors_until_the_store_host_is_back(relayed):
+    """The link is cut; for ~2 s every new connection reaches an impostor (an unsealed
+    ERROR after HELLO: what a store host without the session says, but unproved) or
+    garbage. The node keeps trying, then resumes with the real store host: its pending
+    ADD is applied once."""
+    root, relay, node, c, other = relayed
+    assert c.add("n", 1) == 1
+    relay.mode = IMPOSTOR
+    relay.cut()
+    results = []
+    adder = threading.Thread(target=lambda: results.append(c.add("n", 1)))
+    adder.start()  # (waits for the link)
+    wait_for(lambda: relay.impostors >= 2, 5)
+    relay.mode = GARBAGE
+    wait_for(lambda: relay.impostors >= 4, 5)
+    assert other.add(b"unrelated", 1) == 1
+    relay.mode = FORWARD
+    adder.join(15)
+    assert results == [2] and node.exited() is None
+    assert "refused the link: this store host does not know" in node.output  # (logged, not believed)
+    assert "frame of 4294967295 bytes" in node.output
+    stats = root.stats()
+    assert stats["sessions_expired"] == 0 and stats["link_resumes"] == 1
+
+
+def test_a_node_facing_only_impostors_gives_up_after_its_grace_period():
+    """Trying again has an end: past the grace period (2 s here) the node gives up and
+    says what its last attempt met."""
+    root = store(TIERRUN_LINK_GRACE="2")
+    relay = Relay(("127.0.0.1", root.port))
+    node = proxy(relay.port, TIERRUN_LINK_GRACE="2")
+    try:
+        relay.mode = IMPOSTOR
+        t0 = time.monotonic()
+        relay.cut()
+        wait_for(lambda: node.exited() is not None, 10)
+        assert 1.5 < time.monotonic() - t0 < 6
+        assert node.exited() == 3
+        assert "not back within the 2 s grace period (last attempt: Unauthenticated" in node.last_error()
+    finally:
+        node.stop()
+        relay.close()
+        root.stop()
+
+
+def _linkish(source: str, port: int) -> socket.socket:
+    """A connection from ``source`` that looks like a link (its first byte)."""
+    s = socket.create_connection(("127.0.0.1", port), source_address=(source, 0))
+    s.sendall(bytes([LINK_MAGIC]))
+    return s
+
+
+def _closed(s: socket.socket, timeout: float) -> bool:
+    """Whether the store host closed ``s`` within ``timeout`` (reading past its HELLO)."""
+    s.settimeout(timeout)
+    try:
+        while s.recv(4096):
+            pass
+        return True
+    except socket.timeout:
+        return False
+    except ConnectionResetError:
+        return True
+
+
+def test_link_handshakes_are_bounded_in_time_and_per_source_address():
+    """Connections that begin like a link and then trickle a byte every 0.2 s (a
+    slow-loris that never authenticates): at most 3 per source address at once (the
+    4th is closed at once; another address still gets in), and each is closed 1 s after
+    it connected, however it trickles. A linked node and a torch client keep going."""
+    root = store(TIERRUN_LINK_HANDSHAKE_TIMEOUT="1", TIERRUN_LINK_HANDSHAKES_PER_ADDRESS="3")
+    node = proxy(root.port)
+    try:
+        c, other = client(node.port), StoreClient(("127.0.0.1", root.port))
+        attackers = [_linkish("127.0.1.7", root.port) for _ in range(3)]
+        t0 = time.monotonic()
+        assert _closed(_linkish("127.0.1.7", root.port), 1.0)  # the 4th from that address
+        wait_for(lambda: "from 127.0.1.7 are still in their handshake" in root.output, 5)
+        elsewhere = _linkish("127.0.1.8", root.port)
+        stop = threading.Event()
+
+        def trickle():
+            while not stop.wait(0.2):
+                for s in attackers:
+                    try:
+                        s.send(b"\x00")
+                    except OSError:
+                        pass
+
+        threading.Thread(target=trickle, daemon=True).start()
+        try:
+            assert c.add("n", 1) == 1 and other.add(b"m", 1) == 1
+            assert all(_closed(s, 3.0) for s in attackers)
+            assert 0.8 < time.monotonic() - t0 < 2.5
+            assert _closed(elsewhere, 3.0)
+        finally:
+            stop.set()
+        wait_for(lambda: "no link session within 1 s of connecting" in root.output, 5)
+        assert c.add("n", 1) == 2 and other.add(b"m", 1) == 2
+        assert root.stats()["links"] == 1 and node.exited() is None
+    finally:
+        node.stop()
+        root.stop()
+
+
+def test_link_looking_connections_count_against_max_connections():
+    """With --max-connections 3 and one node linked, two connections that begin like a
+    link fill the store: a torch client is refused until their handshake deadline
+    closes them, then served."""
+    root = store("--max-connections", "3", TIERRUN_LINK_HANDSHAKE_TIMEOUT="1")
+    node = proxy(root.port)
+    try:
+        c = client(node.port)
+        holders = [_linkish("127.0.0.1", root.port) for _ in range(2)]
+        refused = socket.create_connection(("127.0.0.1", root.port))
+        assert _closed(refused, 1.0)
+        wait_for(lambda: "3 connections open (the limit)" in root.output, 5)
+        assert all(_closed(s, 3.0) for s in holders)
+        other = StoreClient(("127.0.0.1", root.port))  # room again
+        assert other.add(b"m", 1) == 1 and c.add("n", 1) == 1
+    finally:
+        node.stop()
+        root.stop()
+
+
+def test_a_proxy_refuses_what_the_store_host_would():
+    """The store host started with --max-value-bytes 1000, the proxy with the defaults:
+    the proxy learns the store's limits when it links, and refuses a 2000-byte SET
+    itself (that client only; before, it went up the link)."""
+    root = store("--max-value-bytes", "1000")
+    node = proxy(root.port)
+    try:
+        greedy, c = StoreClient(("127.0.0.1", node.port)), client(node.port)
+        greedy.set(b"big", b"x" * 2000)
+        with pytest.raises(Exception):
+            greedy.ping()  # closed
+        wait_for(lambda: "value of 2000 bytes exceeds the limit of 1000" in node.output, 5)
+        assert c.add("n", 1) == 1 and root.stats()["link_operations"] <= 2
+        assert "invalid request" not in root.output
+    finally:
+        node.stop()
+        root.stop()
