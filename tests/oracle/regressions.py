@@ -73,6 +73,14 @@ KNOWN_DEVIATIONS = {
                           "the connection (its VALIDATE is only valid first)",
     "multi-set-partial": "a MULTI_SET with a key or value past the limits is refused whole; torch's server "
                          "applies the pairs before the bad one, then closes the connection",
+    "wait-on-queue-key": "a WAIT on several keys, one of them a non-empty queue's: tierrun counts the queue as "
+                         "present (as CHECK does, and as torch does when every key is present) and waits for the "
+                         "others; torch registers every key missing from its key-value map, the queue's too, and "
+                         "also waits for a write to it",
+    "queue-push-wait-count": "a WAIT with a key repeated, then a QUEUE_PUSH and a write to that key: torch counts "
+                             "the key once per occurrence, and its QUEUE_PUSH takes one from every waiter it passes "
+                             "without dropping them, so the write wakes the WAIT with other keys still missing; "
+                             "tierrun keeps waiting",
 }
 
 #: Everything the CI test expects to fail (and the generator keeps away from).
@@ -142,6 +150,12 @@ CASES = [
            (0, tuple((Op.SET, b"/h%d" % i, Big(8 * MiB, b"h")) for i in range(40)) + ((Op.GETNUMKEYS,),)),
            (1, ((Op.GETNUMKEYS,),)), where=(1, 1)),
          PROXIES, "unacked-bytes-limit", "torch: 40 keys; the proxy exits, both clients closed", runs=4, heavy=True),
+    Case("wait-with-a-queue-key",
+         H((0, ((Op.QUEUE_PUSH, b"/a", b"1"), (Op.WAIT, (b"/a", b"/b")))), (1, ((Op.COMPARE_SET, b"/b", b"", b"/a"),))),
+         ALL, "wait-on-queue-key", "torch: client 0's WAIT is not answered; tierrun answers it"),
+    Case("queue-push-and-a-repeated-wait-key",
+         H((1, ((Op.WAIT, (b"/a", b"/a", b"/a/0", b"/c")),)), (0, ((Op.QUEUE_PUSH, b"/a", b"/a"), (Op.ADD, b"/a", 4)))),
+         ALL, "queue-push-wait-count", "torch answers client 1's WAIT though /a/0 and /c are missing"),
     Case("set-after-failed-add",
          H((1, ((Op.APPEND, b"/a", b"/a"), (Op.GETNUMKEYS,))), (0, ((Op.ADD, b"/a", 1), (Op.SET, b"/a", b"1"))),
            (1, ((Op.MULTI_GET, (b"/a",)),)), where=(3, 0)),
