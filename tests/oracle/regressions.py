@@ -1,10 +1,12 @@
 """Every difference the oracle found, minimized, as a table the CI test runs
-(tests/test_oracle.py), and KNOWN_BUGS: the ones that are tierrun's bugs, not yet fixed.
+(tests/test_oracle.py); KNOWN_BUGS: the ones that are tierrun's bugs, not yet fixed;
+KNOWN_DEVIATIONS: where tierrun differs from torch's server and torch's behaviour is the
+odd one (a decision to take, either way).
 
-A case whose ``bug`` is in KNOWN_BUGS is expected to fail on the targets in its
+A case whose ``bug`` is in KNOWN (either list) is expected to fail on the targets in its
 ``fails_on`` (pytest.mark.xfail(strict=True): it turns red the day it passes, so that
 the entry is removed from KNOWN_BUGS with the fix); on every other target it must pass.
-The generator also keeps away from the patterns of KNOWN_BUGS (history.Profile.avoid),
+The generators also keep away from the patterns of KNOWN (history.Profile.avoid),
 so that the seeded histories of the CI test stay green while a bug is known; remove a
 bug from KNOWN_BUGS and the random histories draw its pattern again.
 
@@ -44,9 +46,11 @@ KNOWN_BUGS = {
                    "requests still upstream: the answers come out of order",
     "empty-multi-set": "a MULTI_SET of no keys through a node proxy raises IndexError in the proxy "
                        "(_contended) and the client is disconnected; torch accepts it",
-    "add-overflow-merge": "a node proxy merges pipelined ADDs to one key whose sum leaves int64: struct.error "
-                          "in _flush, the batch is dropped, its ADDs never answered, and the proxy's next "
-                          "batch is refused by the store host (unknown client): the proxy exits (issue 32, 2)",
+    "add-overflow-merge": "a node proxy merges pipelined ADDs to one key whose sum, or one caller's answer "
+                          "rebuilt from it (final - sum + prefix), leaves int64: struct.error in _flush, the batch "
+                          "is dropped and its ADDs never answered; when that batch opened the link's client id, "
+                          "the store host refuses the next one (unknown client) and the proxy exits (issue 32, 2). "
+                          "torch's server wraps",
     "append-merge-past-limit": "a node proxy merges two pipelined 5 MiB APPENDs to one key into a 10 MiB APPEND; "
                                "the store host refuses it and ends the link: the proxy exits with status 3 "
                                "(issue 32, 1)",
