@@ -187,8 +187,8 @@ def _section(r: dict) -> str:
     if r["mismatches"]:
         lines += ["", "Mismatches (raw in docs/bench/fuzz.json):", ""]
         for m in r["mismatches"][:20]:
-            what = m.get("mismatch") or m.get("problem")
-            lines.append(f"- {m['kind']} seed {m['seed']}, {m['target']}: {what.splitlines()[0][:160]}")
+            what = (m.get("mismatch") or m.get("problem")).splitlines()[0].removeprefix(f"{m['target']}: ")
+            lines.append(f"- {m['kind']} seed {m['seed']}, {m['target']}: {what[:160]}")
     return "\n".join(lines)
 
 

@@ -212,3 +212,24 @@ def test_no_memory_while_sending_deferred_answers_ends_the_session_instead_of_we
         assert other.replies == [struct.pack("<q", 1)]
 
     asyncio.run(main())
+
+
+@pytest.mark.xfail(strict=True, reason="tree-refused-write-kept (tests/oracle/regressions.py KNOWN_BUGS)")
+def test_a_write_the_store_host_refuses_closes_its_client_through_a_tree():
+    """An APPEND whose result passes the value limit is refused at the store host; its
+    client, two proxies down, must be closed as one proxy level closes it."""
+    root, relay = node(proxy_args=["--link-listen", "127.0.0.1:0"])
+    leaf = StoreProcess(host="127.0.0.1", port=0, command="proxy", controlled=True, env=ENV,
+                        extra_args=["--upstream", f"127.0.0.1:{relay.link_port}", "--connect-timeout", "10"])
+    leaf.start()
+    try:
+        c = StoreClient(("127.0.0.1", leaf.port), timeout=15)
+        c.set(b"/k", b"x")
+        c.append(b"/k", b"p" * (5 * MiB))
+        c.append(b"/k", b"q" * (5 * MiB))  # (refused: 10 MiB)
+        with pytest.raises((StoreClientError, OSError)):
+            c.get(b"/k")
+    finally:
+        leaf.stop()
+        relay.stop()
+        root.stop()
