@@ -58,7 +58,7 @@ def test_late_node_named_failure_report_and_timeline(tmp_path):
     assert report["first"]["group_rank"] == 2 and report["first"]["addr"] == "127.0.1.3"
     assert report["restarts"] == 0 and report["nodes_seen"] == 3
     assert set(report["phases"]) == {"agent start", "rendezvous", "worker start", "run"}
-    assert report["phases"]["rendezvous"] > 3  # node 0 waited for the late node
+    assert report["phases"]["rendezvous"] > 2  # node 0 waited for the late node (4 s later; less its own slow start)
 
     # the timeline: written by the store host, one row per node, phases in order
     tl = json.loads(timeline.read_text())
