@@ -110,6 +110,8 @@ def adversary(port: int, rcvbuf: int | None = None) -> socket.socket:
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, rcvbuf)
     sock.connect(("127.0.0.1", port))
     sock.sendall(encode_handshake(1))
+    sock.settimeout(20)
+    assert sock.recv(4, socket.MSG_WAITALL) == b"\x01\x00\x00\x00"  # (the PING's answer)
     return sock
 
 
@@ -191,6 +193,37 @@ def test_sets_past_the_store_budget_close_their_client_only(tiered, budget, key_
         n.close()
 
 
+def test_a_flood_of_sets_through_a_proxy_waits_for_the_link_instead_of_overflowing_it():
+    """SETs have no answer, so nothing bounds them but the link: a client pipelining
+    200 MiB of them waits (it is not read) while the node's link has more than 16 MiB
+    sent and not acknowledged; before, the proxy buffered them all and the link's
+    resend buffer overflowed: the node was lost. Every SET is applied."""
+    n = Node(tiered=True)
+    try:
+        bystander = n.torch_client()
+        hog = adversary(n.port)
+        value = b"v" * MiB
+        flood = threading.Thread(target=send_until_closed, daemon=True, args=(
+            hog, b"".join(encode_request((Op.SET, b"/flood/%d" % i, value)) for i in range(200))))
+        flood.start()
+        rtts = []
+        while flood.is_alive() and len(rtts) < 10_000:
+            t = time.monotonic()
+            bystander.add("ticks", 1)
+            rtts.append(time.monotonic() - t)
+            time.sleep(0.01)
+        flood.join(60)
+        hog.sendall(encode_request((Op.CHECK, (b"/flood/199",))))
+        hog.settimeout(20)
+        assert hog.recv(1) == b"\x00"  # (READY: all 200 in)
+        assert max(rtts) < 5.0, rtts
+        assert n.root.stats()["store_bytes"] >= 200 * MiB
+        n.still_served(bystander)
+        assert peak_rss_mb(n.proxy.pid) < 160  # (~90 MB; it held all 200 MiB before: ~260 MB)
+    finally:
+        n.close()
+
+
 def test_appends_past_the_value_limit_close_their_client_only(node):
     """APPEND copies the whole value each time: its result is held to the value limit
     (8 MiB), where torch's server lets it grow without end."""
@@ -229,7 +262,6 @@ def test_long_scans_never_stall_the_store_host_past_the_link_heartbeat_timeout()
         def scan_forever() -> None:  # (reads each answer whole, and asks again)
             while not stop.is_set():
                 sock = adversary(n.root.port)
-                sock.recv(4)  # (the PING's)
                 try:
                     while not stop.is_set():
                         sock.sendall(encode_request((Op.LIST_KEYS,)))

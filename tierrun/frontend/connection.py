@@ -71,7 +71,7 @@ class ClientConnection(asyncio.Protocol):
     """
 
     __slots__ = ("_frontend", "_upstream", "_parser", "_transport", "peer", "closed", "_sniff", "_gate",
-                 "_backlog", "_writing_paused", "_owed", "_out", "_limits")
+                 "_backlog", "_writing_paused", "_owed", "_out", "_limits", "_write_room")
 
     def __init__(self, frontend: ConnectionOwner) -> None:
         self._frontend = frontend
@@ -88,6 +88,8 @@ class ClientConnection(asyncio.Protocol):
         self._owed = Owed()
         self._out: list[bytes] | None = None  # while _serve runs: its answers, in order
         self._limits = frontend.limits
+        #: A link upstream's: may a write go now (else ``room_again`` is called later)?
+        self._write_room = getattr(frontend.upstream, "write_room", None)
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         self._transport = transport  # type: ignore[assignment]
@@ -163,6 +165,13 @@ class ClientConnection(asyncio.Protocol):
                 if op == _PING:
                     out.append(encode_u32(req[1]))
                     continue
+                if op in NO_REPLY_OPS and self._write_room is not None and not self._write_room(self):
+                    self._write(out)  # (the link is congested: its writes wait, unread)
+                    out.clear()
+                    self._backlog = requests[i:]
+                    assert self._transport is not None
+                    self._transport.pause_reading()
+                    return
                 reply = execute(req, self)
                 if reply is not None:
                     out.append(reply)
@@ -239,6 +248,10 @@ class ClientConnection(asyncio.Protocol):
 
     def resume_writing(self) -> None:
         self._writing_paused = False
+        self._resume()
+
+    def room_again(self) -> None:
+        """The link has room for writes again (see ``tier.connection.SessionEnd.write_room``)."""
         self._resume()
 
     def _resume(self) -> None:

@@ -39,8 +39,9 @@ class Ledger:
     """One end's count of a session's numbered frames (BATCH one way; REPLIES and
     INVALIDATE the other): the frames it sent and keeps until acknowledged, the frames
     it received, and when it owes the peer an ACK: every ``ack_every`` frames, or every
-    eighth of the peer's resend buffer (so a peer sending large frames never fills it
-    while we read them). Outlives connections. O(1) per frame."""
+    1/32 of the peer's resend buffer (so a peer sending large frames never fills it
+    while we read them, nor long holds back its writers: see ``SessionEnd.write_room``).
+    Outlives connections. O(1) per frame."""
 
     __slots__ = ("outbox", "received", "unacked_in", "ack_every", "unacked_bytes_in", "ack_bytes")
 
@@ -50,7 +51,7 @@ class Ledger:
         self.unacked_in = 0  # ... since our last ACK on this connection
         self.ack_every = ack_every
         self.unacked_bytes_in = 0  # ... and their bytes
-        self.ack_bytes = max(1, max_unacked_bytes // 8)
+        self.ack_bytes = max(1, max_unacked_bytes // 32)
 
     def sent(self, frame: bytes) -> None:
         """Number and keep ``frame``. Raises LinkError past the resend buffer's bound."""

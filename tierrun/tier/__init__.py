@@ -4,6 +4,7 @@ watches, readahead, hold) composed by thin asyncio adapters (upstream, connectio
 from .connection import LinkConnection
 from .plan import PlanLimits
 from .stats import CoalescingStats
-from .upstream import LinkUpstream, LinkView, connect_link
+from .connect import connect_link
+from .upstream import LinkUpstream, LinkView
 
 __all__ = ["CoalescingStats", "LinkConnection", "LinkUpstream", "LinkView", "PlanLimits", "connect_link"]

@@ -65,6 +65,11 @@ class SessionEnd:
         #: The store's limits on one request, as the store host said when the session
         #: opened (None before).
         self.upstream_limits: Limits | None = None
+        #: Past this many bytes sent and not acknowledged, clients' writes wait (write_room).
+        self.congested_at = self.config.max_unacked_bytes // 16  # (twice the store host's ack step)
+        self._stalled: set = set()  # clients whose writes wait for room
+        #: Bytes of writes waiting for the next batch (kept by the subclass).
+        self.queued_writes = 0
 
     # -- for the subclass -----------------------------------------------------------------
 
@@ -90,6 +95,27 @@ class SessionEnd:
         """The store host's limits on one request, when the session opens."""
 
     # -- the session --------------------------------------------------------------------
+
+    def write_room(self, client: object) -> bool:
+        """May ``client`` send a write (a request with no answer) now? Not while the
+        frames sent and not acknowledged, and the writes waiting for the next batch (a
+        batch waits while one is in flight), pass ``congested_at``: a client that floods
+        the link with SETs would make it pass its bound (the session, and the node,
+        lost). Then ``client.room_again()`` is called once they are back under it (or
+        the session is over). O(1)."""
+        if self.ledger.outbox.bytes + self.queued_writes <= self.congested_at or self.dead is not None:
+            return True
+        self._stalled.add(client)
+        return False
+
+    def acked(self) -> None:
+        """The store host acknowledged frames (or a batch left): let waiting writes go
+        if there is room."""
+        if self._stalled and (self.ledger.outbox.bytes + self.queued_writes <= self.congested_at
+                              or self.dead is not None):
+            stalled, self._stalled = self._stalled, set()
+            for client in stalled:
+                client.room_again()  # type: ignore[attr-defined]
 
     def silence(self) -> float | None:
         """Seconds since the upstream was last heard from on the current connection;
@@ -184,6 +210,7 @@ class SessionEnd:
             self._conn.abort(reason)
             self._conn = None
         self.on_dead(reason)
+        self.acked()  # (clients waiting to write learn, at their next request, that it is over)
         self._on_lost(reason)
 
     def close(self) -> None:

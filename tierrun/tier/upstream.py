@@ -40,7 +40,7 @@ from .hold import HELD_WRITES, HoldPolicy, issuer
 from .plan import (
     FETCH_AFTER_WRITES_MARK, FETCH_MARK, PEEK_MARK, WATCH_MARK, Plan, PlanLimits, UpOp, plan_batch, plan_peeks,
 )
-from .connection import SessionEnd, open_connection
+from .connection import SessionEnd
 from .readahead import ReadAhead
 from .stats import CoalescingStats
 from .watches import MISSING, WatchCache, answer_from
@@ -257,6 +257,8 @@ class LinkUpstream(SessionEnd):
                 policy.joined(monotonic())
         if self._held:
             policy.writers.add(issuer(waiter))
+        if req[0] in NO_REPLY_OPS:  # (see SessionEnd.write_room)
+            self.queued_writes += _write_size(req)
         self._pending.append((waiter, ns, req))
 
     def _hold_over(self) -> None:
@@ -287,6 +289,7 @@ class LinkUpstream(SessionEnd):
         self._cancel_waits(waiter)
         self._unanswered.pop(waiter, None)
         self._unconfirmed.discard(waiter)
+        self._stalled.discard(waiter)
 
     def _cancel_waits(self, waiter: Waiter) -> None:
         """Drop the client's WAIT or BARRIER, sent (upstream too, once nobody else waits
@@ -340,6 +343,8 @@ class LinkUpstream(SessionEnd):
         plan = plan_batch(pending, self.limits) if pending else Plan()
         self._note_plan(plan)
         self._send_plan(plan, extra)
+        self.queued_writes = 0
+        self.acked()
 
     def _note_plan(self, plan: Plan) -> None:
         stats, counts, watches = self.stats, plan.counts, self.watches
@@ -463,6 +468,13 @@ class LinkUpstream(SessionEnd):
             break_watches(below)
 
 
+def _write_size(req: Request) -> int:
+    """Bytes of a SET's, APPEND's, QUEUE_PUSH's or MULTI_SET's keys and values."""
+    if req[0] == Op.MULTI_SET:
+        return sum(map(len, req[1])) + sum(map(len, req[2]))
+    return len(req[1]) + len(req[2])
+
+
 class LinkView:
     """The link as seen by one front-end listener: every client in ``namespace``."""
 
@@ -479,22 +491,5 @@ class LinkView:
     def forget(self, waiter: Waiter) -> None:
         self._link.forget(waiter, self._ns)
 
-
-async def connect_link(host: str, port: int, token: bytes, on_lost: Callable[[str], None],
-                       timeout: float = 60.0, config: LinkConfig | None = None,
-                       limits: PlanLimits | None = None) -> LinkUpstream:
-    """Connect and open a session, retrying while the store host is not up yet (backoff
-    0.1 s to 2 s). Raises LinkError (refused, wrong token, version) or TimeoutError."""
-    loop = asyncio.get_running_loop()
-    deadline = loop.time() + timeout
-    link = LinkUpstream(token, on_lost, config, (host, port), limits)
-    delay = 0.1
-    while True:
-        try:
-            await open_connection(link, max(deadline - loop.time(), 1.0))
-            return link
-        except (OSError, asyncio.TimeoutError) as e:
-            if loop.time() + delay > deadline:
-                raise TimeoutError(f"cannot connect to the store host {host}:{port}: {e}") from None
-            await asyncio.sleep(delay)
-            delay = min(delay * 2, 2.0)
+    def write_room(self, client: Any) -> bool:
+        return self._link.write_room(client)
