@@ -146,7 +146,7 @@ class JobStore:
         try:
             while True:  # the store host may not be up yet
                 try:
-                    value = read_over_link((self.host, self.port), self.token.encode(), key,
+                    value = read_over_link((self.host, self.port), self.token, key,
                                            max(deadline - time.monotonic(), 1.0))
                     return value.decode()
                 except (ConnectionRefusedError, ConnectionResetError):
@@ -155,6 +155,8 @@ class JobStore:
                     time.sleep(delay)
                     delay = min(2 * delay, 2.0)
         except (OSError, LinkError, LookupError) as e:
+            if isinstance(e, LinkError) and any(why in str(e) for why in TOKEN_REFUSED):
+                raise RendezvousConnectionError(self._token_refused(f"{self.host}:{self.port}")) from None
             raise RendezvousConnectionError(
                 f"node rank {tree.rank} did not learn where its parent in the store tree, node "
                 f"rank {tree.parent}, takes links within {self.timeout.total_seconds():.0f} s "
