@@ -109,8 +109,11 @@ class SessionEnd:
         return False
 
     def acked(self) -> None:
-        """The store host acknowledged frames (or a batch left): let waiting writes go
-        if there is room."""
+        """The store host acknowledged frames (or a batch left): once it has everything
+        resent on this connection, the connection is healthy (the grace period starts
+        afresh after the next loss); waiting writes go if there is room."""
+        if self.down_since is not None and self.ledger.outbox.acked >= self._resync_upto:
+            self.down_since = None
         if self._stalled and (self.ledger.outbox.bytes + self.queued_writes <= self.congested_at
                               or self.dead is not None):
             stalled, self._stalled = self._stalled, set()
@@ -177,13 +180,6 @@ class SessionEnd:
         self.on_beat()
         if self.dead is None:
             self._schedule_heartbeat()
-
-    def acked(self) -> None:
-        """The store host acknowledged frames: once it has everything resent on this
-        connection, the connection is healthy (the grace period starts afresh after
-        the next loss)."""
-        if self.down_since is not None and self.ledger.outbox.acked >= self._resync_upto:
-            self.down_since = None
 
     def connection_lost(self, conn: LinkConnection, reason: str) -> None:
         if conn is not self._conn:
