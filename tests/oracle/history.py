@@ -125,6 +125,8 @@ class Generator:
         # a few keys per history, so that requests meet on them
         self.keys = r.sample(KEYS, r.randint(2, 4))
         self.values = r.sample(SMALL_VALUES, 6) + [b"1", b"2"]
+        # (a queue of a key's name meets the WAITs on that key: torch counts them its way)
+        self.queues = QUEUES[:1] if {"wait-on-queue-key", "queue-push-wait-count"} & profile.avoid else QUEUES
 
     # (each returns one request)
     def key(self) -> bytes:
@@ -183,9 +185,9 @@ class Generator:
                 keys.append(keys[0])
             return (op, tuple(keys), tuple(self.value() for _ in keys))
         if op == Op.QUEUE_PUSH:
-            return (op, r.choice(QUEUES), self.value())
+            return (op, r.choice(self.queues), self.value())
         if op in (Op.QUEUE_POP, Op.QUEUE_LEN):
-            return (op, r.choice(QUEUES))
+            return (op, r.choice(self.queues))
         if op == Op.BARRIER:  # (/n may hold any number: a count that overflows)
             keys = BARRIER_KEYS[:1] if "barrier-overflow" in self.p.avoid else BARRIER_KEYS
             return (op, r.choice(keys), r.choice([1, 2, 2, 3, 3, 0, -1]))
@@ -205,7 +207,7 @@ class Generator:
 
     def fence(self) -> tuple:
         r = self.rnd
-        fences = [(Op.GETNUMKEYS,), (Op.QUEUE_LEN, r.choice(QUEUES)), (Op.LIST_KEYS,), (Op.PING, 7),
+        fences = [(Op.GETNUMKEYS,), (Op.QUEUE_LEN, r.choice(self.queues)), (Op.LIST_KEYS,), (Op.PING, 7),
                   (Op.CHECK, (r.choice(self.keys),)), (Op.GET, r.choice(self.keys))]
         if "tree-reply-order" in self.p.avoid:
             fences = fences[:4]

@@ -1,10 +1,12 @@
 """Every difference the oracle found, minimized, as a table the CI test runs
-(tests/test_oracle.py), and KNOWN_BUGS: the ones that are tierrun's bugs, not yet fixed.
+(tests/test_oracle.py); KNOWN_BUGS: the ones that are tierrun's bugs, not yet fixed;
+KNOWN_DEVIATIONS: where tierrun differs from torch's server and torch's behaviour is the
+odd one (a decision to take, either way).
 
-A case whose ``bug`` is in KNOWN_BUGS is expected to fail on the targets in its
+A case whose ``bug`` is in KNOWN (either list) is expected to fail on the targets in its
 ``fails_on`` (pytest.mark.xfail(strict=True): it turns red the day it passes, so that
 the entry is removed from KNOWN_BUGS with the fix); on every other target it must pass.
-The generator also keeps away from the patterns of KNOWN_BUGS (history.Profile.avoid),
+The generators also keep away from the patterns of KNOWN (history.Profile.avoid),
 so that the seeded histories of the CI test stay green while a bug is known; remove a
 bug from KNOWN_BUGS and the random histories draw its pattern again.
 
@@ -44,9 +46,11 @@ KNOWN_BUGS = {
                    "requests still upstream: the answers come out of order",
     "empty-multi-set": "a MULTI_SET of no keys through a node proxy raises IndexError in the proxy "
                        "(_contended) and the client is disconnected; torch accepts it",
-    "add-overflow-merge": "a node proxy merges pipelined ADDs to one key whose sum leaves int64: struct.error "
-                          "in _flush, the batch is dropped, its ADDs never answered, and the proxy's next "
-                          "batch is refused by the store host (unknown client): the proxy exits (issue 32, 2)",
+    "add-overflow-merge": "a node proxy merges pipelined ADDs to one key whose sum, or one caller's answer "
+                          "rebuilt from it (final - sum + prefix), leaves int64: struct.error in _flush, the batch "
+                          "is dropped and its ADDs never answered; when that batch opened the link's client id, "
+                          "the store host refuses the next one (unknown client) and the proxy exits (issue 32, 2). "
+                          "torch's server wraps",
     "append-merge-past-limit": "a node proxy merges two pipelined 5 MiB APPENDs to one key into a 10 MiB APPEND; "
                                "the store host refuses it and ends the link: the proxy exits with status 3 "
                                "(issue 32, 1)",
@@ -73,6 +77,14 @@ KNOWN_DEVIATIONS = {
                           "the connection (its VALIDATE is only valid first)",
     "multi-set-partial": "a MULTI_SET with a key or value past the limits is refused whole; torch's server "
                          "applies the pairs before the bad one, then closes the connection",
+    "wait-on-queue-key": "a WAIT on several keys, one of them a non-empty queue's: tierrun counts the queue as "
+                         "present (as CHECK does, and as torch does when every key is present) and waits for the "
+                         "others; torch registers every key missing from its key-value map, the queue's too, and "
+                         "also waits for a write to it",
+    "queue-push-wait-count": "a WAIT with a key repeated, then a QUEUE_PUSH and a write to that key: torch counts "
+                             "the key once per occurrence, and its QUEUE_PUSH takes one from every waiter it passes "
+                             "without dropping them, so the write wakes the WAIT with other keys still missing; "
+                             "tierrun keeps waiting",
 }
 
 #: Everything the CI test expects to fail (and the generator keeps away from).
@@ -142,6 +154,12 @@ CASES = [
            (0, tuple((Op.SET, b"/h%d" % i, Big(8 * MiB, b"h")) for i in range(40)) + ((Op.GETNUMKEYS,),)),
            (1, ((Op.GETNUMKEYS,),)), where=(1, 1)),
          PROXIES, "unacked-bytes-limit", "torch: 40 keys; the proxy exits, both clients closed", runs=4, heavy=True),
+    Case("wait-with-a-queue-key",
+         H((0, ((Op.QUEUE_PUSH, b"/a", b"1"), (Op.WAIT, (b"/a", b"/b")))), (1, ((Op.COMPARE_SET, b"/b", b"", b"/a"),))),
+         ALL, "wait-on-queue-key", "torch: client 0's WAIT is not answered; tierrun answers it"),
+    Case("queue-push-and-a-repeated-wait-key",
+         H((1, ((Op.WAIT, (b"/a", b"/a", b"/a/0", b"/c")),)), (0, ((Op.QUEUE_PUSH, b"/a", b"/a"), (Op.ADD, b"/a", 4)))),
+         ALL, "queue-push-wait-count", "torch answers client 1's WAIT though /a/0 and /c are missing"),
     Case("set-after-failed-add",
          H((1, ((Op.APPEND, b"/a", b"/a"), (Op.GETNUMKEYS,))), (0, ((Op.ADD, b"/a", 1), (Op.SET, b"/a", b"1"))),
            (1, ((Op.MULTI_GET, (b"/a",)),)), where=(3, 0)),
@@ -167,6 +185,10 @@ CASES = [
                                                                         (Op.ADD, b"/a", 100)))),
          note="torch queues the 8 MiB answer, then closes: libuv cancels the write, the client gets nothing; "
               "tierrun sends it, then closes (accepted: sequential.LOST_ON_CLOSE)"),
+    Case("long-write-then-wait",
+         H((0, ((Op.SET, b"/b", b"/a"), (Op.APPEND, b"1", Big(5 * MiB)), (Op.WAIT, (b"/b",)))),),
+         note="torch reads the 5 MiB in 4 KiB reads and answered the probe on another connection before the "
+              "WAIT: its answer came after the step (the runner now waits until the server read the write)"),
     Case("multi-get-of-no-keys", H((0, ((Op.MULTI_GET, ()), (Op.GETNUMKEYS,))),),
          note="answered with no bytes (the reply reader once waited for one)"),
     Case("list-keys-order",
