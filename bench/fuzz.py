@@ -73,7 +73,7 @@ def main() -> int:
                 for outcome in failed:
                     entry = {"kind": "concurrent", "seed": seed, "target": outcome.target,
                              "problem": outcome.problem or "not linearizable", "outcome": outcome.describe(),
-                             "cluster_ran": list(oracle.since_restart)}
+                             "cluster_ran": _compact(oracle.since_restart)}
                     if args.minimize_concurrent and minimized.get(outcome.target, 0) < args.minimize:
                         minimized[outcome.target] = minimized.get(outcome.target, 0) + 1
                         entry["minimized"] = repr(_minimize_concurrent(oracle, seed, avoid, outcome.target))
@@ -87,7 +87,7 @@ def main() -> int:
                 for m in mismatches:
                     entry = {"kind": "sequential", "seed": seed, "target": m.target, "what": kind(m),
                              "mismatch": str(m), "history": m.history.source(),
-                             "cluster_ran": list(oracle.since_restart)}
+                             "cluster_ran": _compact(oracle.since_restart)}
                     if minimized.get(m.target, 0) < args.minimize:
                         minimized[m.target] = minimized.get(m.target, 0) + 1
                         small = minimize_mismatch(oracle, m, max_tries=80)
@@ -111,6 +111,19 @@ def main() -> int:
     return 1 if found else 0
 
 
+def _compact(ran: list) -> dict:
+    """What the cluster ran, ("sequential" | "concurrent", seed) each with the seed after
+    the one before: the first seed and one letter per history."""
+    seeds = [seed for _, seed in ran]
+    assert seeds == list(range(seeds[0], seeds[0] + len(seeds))) if seeds else True
+    return {"first_seed": seeds[0] if seeds else None, "kinds": "".join(kind_[0] for kind_, _ in ran)}
+
+
+def _expand(compact: dict) -> list:
+    return [("sequential" if k == "s" else "concurrent", compact["first_seed"] + i)
+            for i, k in enumerate(compact["kinds"])]
+
+
 def replay(args) -> int:
     import json
 
@@ -124,7 +137,7 @@ def replay(args) -> int:
     while time.monotonic() < deadline:
         attempt += 1
         with Oracle() as oracle:
-            for kind_, seed in entry["cluster_ran"]:
+            for kind_, seed in _expand(entry["cluster_ran"]):
                 if kind_ == "concurrent":
                     bad = oracle.check_concurrent(concurrent.generate(seed, avoid))
                     bad = [o.describe() for o in bad]

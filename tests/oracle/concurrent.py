@@ -339,7 +339,7 @@ def as_sequential(history: ConcurrentHistory, outcome: Outcome | None = None):
     from .history import History
 
     if outcome is not None:
-        firsts, seen = [], set()
+        firsts = []
         counts = [0] * len(history.scripts)
         calls = sorted(outcome.calls, key=lambda c: c.invoked)
         i = 0

@@ -22,7 +22,7 @@ from tierrun.protocol import Op
 
 from .history import History
 from .targets import ClosedError, Conn, Target
-from .wire import op_name, short
+from .wire import op_name, request_size, short
 
 #: Settling: how long nothing more must arrive after the probe's answer.
 SLACK = 0.003
@@ -30,6 +30,9 @@ FINAL_SLACK = 0.03
 #: How long tierrun may take to give the answers torch gave at a step (seconds, plus
 #: one per 4 MiB the step writes).
 DEADLINE = 3.0
+#: A write at least this long is read by the server in many reads: wait until it has
+#: read all of it before probing.
+BIG_WRITE = 64 * 1024
 
 
 @dataclass
@@ -98,8 +101,6 @@ def _settle(target: Target, entry: int, conns: list[Conn], slack: float) -> None
 
 def _deadline(burst) -> float:
     """Time for a burst's answers: more when it moves megabytes."""
-    from .wire import request_size
-
     size = sum(request_size(r) for r in burst or ())
     return DEADLINE + size / (4 << 20)
 
@@ -138,6 +139,8 @@ def run(history: History, target: Target, reference: Trace | None = None, stop_a
                 _wait(conns, lambda: c.closed or not c.reader.pending, time.monotonic() + _deadline(()))
             if sent is not None and not c.closed:
                 c.send(sent)
+                if sum(request_size(r) for r in sent) > BIG_WRITE:
+                    c.consumed()  # (the probe below must not overtake the end of it)
             if reference is None:
                 _wait(conns, lambda: c.closed or c.reader.answered, time.monotonic() + 10 + _deadline(sent))
             else:

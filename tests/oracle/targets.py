@@ -48,6 +48,24 @@ def _env() -> dict[str, str]:
     return env
 
 
+def unread_by_server(server_port: int, client_port: int) -> int:
+    """Bytes the server's end of a loopback connection has received but its process
+    has not read yet (the rx_queue of /proc/net/tcp and tcp6); 0 if none or gone."""
+    want = (f"{server_port:04X}", f"{client_port:04X}")
+    for table in ("/proc/net/tcp6", "/proc/net/tcp"):
+        try:
+            with open(table) as f:
+                next(f)
+                for line in f:
+                    fields = line.split()
+                    local, remote, queues = fields[1], fields[2], fields[4]
+                    if (local.rsplit(":", 1)[1], remote.rsplit(":", 1)[1]) == want:
+                        return int(queues.split(":")[1], 16)
+        except OSError:
+            continue
+    return 0
+
+
 class ClosedError(Exception):
     pass
 
@@ -71,6 +89,17 @@ class Conn:
         if struct.unpack("<I", data)[0] != nonce:
             raise ClosedError(f"handshake answered {data!r}")
         self.sock.setblocking(False)
+        self.port = port
+        self.local_port = self.sock.getsockname()[1]
+
+    def consumed(self, timeout: float = 30.0) -> None:
+        """Wait until the server's process has read everything sent so far (a long
+        request arrives in many reads: the server may answer a probe on another
+        connection before it has read the end of it)."""
+        deadline = time.monotonic() + timeout
+        while not self.closed and unread_by_server(self.port, self.local_port) and time.monotonic() < deadline:
+            time.sleep(0.002)
+            self.pump()
 
     def fileno(self) -> int:
         return self.sock.fileno()
