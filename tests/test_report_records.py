@@ -5,6 +5,7 @@ import json
 import os
 import subprocess
 import sys
+import time
 
 from torch.distributed.elastic.events import Event, EventSource
 
@@ -125,12 +126,21 @@ def test_worker_wrapper_records_the_error_and_keeps_python_behaviour(tmp_path):
     data = json.loads(err.read_text())["message"]
     assert data["message"] == "KeyError: 'lost'"
     assert 'job.py", line 3' in data["extraInfo"]["py_callstack"]
-    # SystemExit is an exit, not an error: no error file
+    # SystemExit is an exit: Python's exit code, and the time of the call (the process
+    # ends later, after clean-up that fails its peers' collectives first)
     script.write_text("raise SystemExit(3)\n")
+    err.unlink()
+    before = time.time()
+    out = subprocess.run([sys.executable, "-m", "tierrun.launcher.worker_main", str(script)],
+                         env=dict(os.environ, TORCHELASTIC_ERROR_FILE=str(err)))
+    data = json.loads(err.read_text())["message"]
+    assert out.returncode == 3 and data["message"] == "exited with code 3" and not data["extraInfo"]["py_callstack"]
+    assert before <= data["extraInfo"]["tierrun_time"] <= time.time()
+    script.write_text("raise SystemExit(0)\n")
     err.unlink()
     out = subprocess.run([sys.executable, "-m", "tierrun.launcher.worker_main", str(script)],
                          env=dict(os.environ, TORCHELASTIC_ERROR_FILE=str(err)))
-    assert out.returncode == 3 and not err.exists()
+    assert out.returncode == 0 and not err.exists()
 
 
 def test_collective_failures_after_a_death_are_consequences_not_the_root_cause():

@@ -14,7 +14,7 @@ from pathlib import Path
 
 from torch.distributed.elastic.multiprocessing.errors import ChildFailedError, record
 from torch.distributed.elastic.multiprocessing.api import SignalException
-from torch.distributed.elastic.rendezvous import RendezvousConnectionError
+from torch.distributed.elastic.rendezvous import RendezvousError
 from torch.distributed.launcher.api import elastic_launch
 from torch.distributed.run import config_from_args
 
@@ -156,7 +156,7 @@ def main(argv: list[str]) -> int:
         report = reporting.report_failure(config.logs_specs.root_log_dir)
         failures = reporting.torch_failures_in_report_order(report, e.failures)
         raise ChildFailedError(_script_name(cmd_args), failures) from None
-    except (RendezvousConnectionError, JobStoppedError) as e:
+    except (RendezvousError, JobStoppedError) as e:  # (timed out, closed, store lost: one line)
         print(f"tierrun: error: {e}", file=sys.stderr)
         return 1
     except SignalException as e:  # torch's agent has stopped the workers

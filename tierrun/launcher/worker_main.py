@@ -25,13 +25,14 @@ def _script_frames(tb: TracebackType | None) -> TracebackType | None:
     return tb
 
 
-def _record(exc: BaseException) -> None:
+def _record(exc: BaseException, message: str | None = None, callstack: str | None = None) -> None:
     path = os.environ.get("TORCHELASTIC_ERROR_FILE")
     if not path or os.path.exists(path):  # the script's own @record already wrote it
         return
     now = time.time()
-    data = {"message": {"message": f"{type(exc).__name__}: {exc}", "extraInfo": {
-        "py_callstack": "".join(traceback.format_exception(type(exc), exc, exc.__traceback__)),
+    data = {"message": {"message": message or f"{type(exc).__name__}: {exc}", "extraInfo": {
+        "py_callstack": "".join(traceback.format_exception(type(exc), exc, exc.__traceback__))
+        if callstack is None else callstack,
         "timestamp": str(int(now)), "tierrun_time": now,
     }}}
     try:
@@ -52,7 +53,12 @@ def main() -> None:
         run = lambda: runpy.run_path(args[0], run_name="__main__")
     try:
         run()
-    except SystemExit:
+    except SystemExit as e:
+        # timed when called: the process ends later, after Python's and Gloo's clean-up,
+        # which fails its peers' collectives first (the report must not blame them)
+        code = e.code if isinstance(e.code, int) or e.code is None else 1
+        if code:
+            _record(e, f"exited with code {code}", "")
         raise
     except BaseException as e:
         e.__traceback__ = _script_frames(e.__traceback__)

@@ -330,10 +330,11 @@ class ElasticRendezvousHandler(StoreRendezvousHandler):
     def shutdown(self) -> bool:
         self._run_shutdown_hooks()
         self._stop_watching(leaving=True)
-        try:
-            self.set_closed()
-        except Exception:
-            log.debug("closing rendezvous '%s' failed (store gone)", self.run_id, exc_info=True)
+        if self._round >= 0:  # (a node that never joined, e.g. could not start its store, ends nothing)
+            try:
+                self.set_closed()
+            except Exception:
+                log.debug("closing rendezvous '%s' failed (store gone)", self.run_id, exc_info=True)
         if self.job.hosting:
             time.sleep(0.5)  # let the other agents read the closed flag
         self.job.stop()
