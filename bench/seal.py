@@ -7,9 +7,9 @@ Two measures, printed and written to docs/benchmarks.md:
   common frame of a start-up), read, checked, executed and answered (a sealed REPLIES
   frame) by ``LinkServerConnection.data_received``, in-process, no sockets: the cost
   per frame with this tree, and with a baseline revision's code (``--baseline REV``,
-  default ``main``: its frames carry no MAC), taken from git into a temporary
-  directory and run in a child process, alternating runs so that both see the same
-  machine.
+  default ``89ed34b^1``: main just before the trust branch was merged, whose frames
+  carry no MAC), taken from git into a temporary directory and run in a child process,
+  alternating runs so that both see the same machine.
 
     python bench/seal.py [--baseline REV] [--frames N] [--rounds R] [--no-write]
 """
@@ -136,7 +136,7 @@ def _child(pythonpath: Path, frames: int) -> float:
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--baseline", default="main")
+    p.add_argument("--baseline", default="89ed34b^1", help="a revision without sealed frames")
     p.add_argument("--frames", type=int, default=20000)
     p.add_argument("--rounds", type=int, default=7)
     p.add_argument("--no-write", action="store_true")
@@ -166,7 +166,7 @@ def main() -> None:
         "Code | µs per frame at the store host",
         "--- | ---:",
         f"sealed (this tree) | {s:.2f}",
-        f"no MAC (`{args.baseline}`) | {b:.2f}",
+        f"no MAC (`{args.baseline}`: main before sealed frames) | {b:.2f}",
         f"the MAC's cost | {s - b:+.2f} ({(s - b) / b:+.0%})",
     ])
     print(body)
