@@ -393,7 +393,7 @@ class _Planner:
         elif op == Op.GET:
             self.folds[(Op.GET, ns)] = u
         self.open_reads[dk] = u
-        if bookkeeping:
+        if bookkeeping or len(keys) == 1:  # (a one-key read: its key is not read ahead too)
             for k in keys or (ALL_KEYS,):
                 self.read_on((ns, k), dk)
         plan.ops.append(u)
