@@ -120,6 +120,22 @@ def test_limits_are_enforced_from_the_length_alone(req, limits, match):
             p.feed(data[i : i + 1])
 
 
+@pytest.mark.parametrize("bad", [b"\x13", bytes((Op.GET,)) + struct.pack("<Q", 1 << 40),
+                                 bytes((Op.CHECK,)) + struct.pack("<Q", 1 << 20)])
+def test_requests_before_an_invalid_one_come_with_its_error(bad):
+    """torch's server executes and answers what came before the bad request, then closes."""
+    good = [(Op.SET, b"/a", b"1"), (Op.ADD, b"/n", 2)]
+    p = RequestParser()
+    with pytest.raises(ProtocolError) as err:
+        p.feed(encode_handshake(1) + b"".join(encode_request(r) for r in good) + bad)
+    assert err.value.requests == [(Op.PING, 1)] + good  # (the handshake's PING)
+    p = RequestParser()
+    p.feed(encode_handshake(1) + encode_request(good[0]))
+    with pytest.raises(ProtocolError) as err:  # (only those of the same feed)
+        p.feed(bad)
+    assert err.value.requests == []
+
+
 def test_a_huge_claimed_length_allocates_nothing():
     p = RequestParser()
     p.feed(encode_handshake(1))

@@ -298,7 +298,7 @@ class Generator:
                     size[r[1]] = size.get(r[1], 0) + request_size(r)
                 elif r[0] == Op.MULTI_SET:
                     for k, v in zip(r[1], r[2]):
-                        size[k] = size.get(k, 0) + len(v) + 32
+                        size[k] = size.get(k, 0) + (v.n if isinstance(v, Big) else len(v)) + 32
                 out.append(r)
             burst = out
         return burst

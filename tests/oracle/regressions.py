@@ -42,14 +42,6 @@ KNOWN_BUGS = {
                                "closes a client whose request fails; one proxy level closes it). In the "
                                "appends-merged case torch's 10 MiB APPEND and the tree's silent drop both "
                                "leave c0 open, so that case passes on the tree by accident",
-    "after-failure-executed": "through a node proxy, requests a client pipelined after one that fails (ADD on a "
-                              "non-number) still take effect: the proxy sent them upstream in the same batch; "
-                              "torch's server closes the connection at the failure and executes nothing after it",
-    "bad-after-good": "requests that arrive in the same read as a malformed or over-limit request are "
-                      "dropped unexecuted and unanswered (torch executes and answers them, then closes); "
-                      "a SET before it is lost",
-    "reply-order": "a node front-end answers PING and CANCEL_WAIT at once, ahead of the same client's earlier "
-                   "requests still upstream: the answers come out of order",
     "unacked-bytes-limit": "a client pipelining 40 SETs of 8 MiB (legal, one by one) through a node proxy: the "
                            "link's unacknowledged frames pass LinkConfig.max_unacked_bytes (256 MiB) before the "
                            "store host's next ACK, the proxy takes the store host for dead ('stopped "

@@ -25,6 +25,13 @@ log = logging.getLogger("tierrun.store")
 
 _PING = Op.PING
 _CANCEL_WAIT = Op.CANCEL_WAIT
+_CHECK = Op.CHECK
+#: Deferred answers that do not hold the client's next requests back (see the class):
+#: torch's server goes on with a client's requests while its WAIT or BARRIER waits.
+_ANSWERED_LATER = frozenset({Op.WAIT, Op.BARRIER})
+#: The opcode of the stand-in for an invalid request: its client is closed when its
+#: requests before it are answered.
+_INVALID = -1
 #: A connection executes its client's next request only while it owes the client at
 #: most this many bytes of answers (see :mod:`.owed`); past it, it stops reading until
 #: the client reads (flow control).
@@ -68,10 +75,18 @@ class ClientConnection(asyncio.Protocol):
     host behind it, hold about ``REPLY_BUFFER`` plus one answer for it, plus its
     requests; one owed more than ``limits.max_unread_bytes`` (which flow control
     leaves out of reach of a torch client) is closed.
+
+    Order, as torch's server keeps it: a request whose answer comes later (from a link
+    upstream; WAIT and BARRIER excepted) holds the client's next requests back until
+    it is answered (``_fence``). So its answer comes before theirs, PING's and
+    CANCEL_WAIT's too, and if it fails (its client is closed) nothing the client sent
+    after it is executed. A torch client waits for every answer but WAIT's anyway: this
+    costs it nothing. Requests read before an invalid one are executed and answered,
+    then the client is closed.
     """
 
     __slots__ = ("_frontend", "_upstream", "_parser", "_transport", "peer", "closed", "_sniff", "_gate",
-                 "_backlog", "_writing_paused", "_owed", "_out", "_limits", "_write_room")
+                 "_backlog", "_writing_paused", "_owed", "_out", "_limits", "_write_room", "_fence")
 
     def __init__(self, frontend: ConnectionOwner) -> None:
         self._frontend = frontend
@@ -90,6 +105,9 @@ class ClientConnection(asyncio.Protocol):
         self._limits = frontend.limits
         #: A link upstream's: may a write go now (else ``room_again`` is called later)?
         self._write_room = getattr(frontend.upstream, "write_room", None)
+        #: The answer that holds the client's next requests back: 0 none, 1 a longer
+        #: one, 2 a CHECK's (one byte).
+        self._fence = 0
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         self._transport = transport  # type: ignore[assignment]
@@ -126,13 +144,14 @@ class ClientConnection(asyncio.Protocol):
                 return
         try:
             requests = self._parser.feed(data)
-        except ProtocolError as e:
-            self.drop(f"invalid request: {e}")
-            return
+        except ProtocolError as e:  # (those before it first; reading stops with the stand-in)
+            requests = e.requests + [(_INVALID, f"invalid request: {e}")]
         if not requests:
             return
-        if self._backlog:
+        if self._backlog or self._fence:
             self._backlog += requests
+            assert self._transport is not None
+            self._transport.pause_reading()
             return
         self._serve(requests)
 
@@ -165,6 +184,10 @@ class ClientConnection(asyncio.Protocol):
                 if op == _PING:
                     out.append(encode_u32(req[1]))
                     continue
+                if op == _INVALID:
+                    self._write(out)
+                    self.drop(req[1])
+                    return
                 if op in NO_REPLY_OPS and self._write_room is not None and not self._write_room(self):
                     self._write(out)  # (the link is congested: its writes wait, unread)
                     out.clear()
@@ -180,6 +203,15 @@ class ClientConnection(asyncio.Protocol):
                         self._owed.cancelled()
                 elif op not in NO_REPLY_OPS:
                     room -= self._owed.sent(req, self._limits)
+                    if op not in _ANSWERED_LATER and (op != _CHECK or self._owed.one_byte_only()):
+                        self._fence = 2 if op == _CHECK else 1
+                        self._write(out)
+                        out.clear()
+                        if i + 1 < len(requests):
+                            self._backlog = requests[i + 1:]
+                            assert self._transport is not None
+                            self._transport.pause_reading()
+                        return
         except StoreError as e:
             self._write(out)
             self.drop(f"{Op(requests[i][0]).name} failed: {e}")
@@ -210,8 +242,11 @@ class ClientConnection(asyncio.Protocol):
     def wake(self, reply: bytes) -> None:
         """A deferred answer (a WAIT woken, any answer through a link): written after the
         answers of the requests being executed, if any (a pipelined SET may wake this
-        client's own WAIT). Closes a client owed more than its budget."""
+        client's own WAIT). Closes a client owed more than its budget; lifts the fence of
+        the answer that held the client's next requests back (see the class)."""
         self._owed.answered(reply)
+        if self._fence and (len(reply) == 1) == (self._fence == 2):
+            self._fence = 0
         if self._out is not None:
             self._out.append(reply)
             return
@@ -258,7 +293,7 @@ class ClientConnection(asyncio.Protocol):
         """Execute the requests kept while the client was owed too much, if it is owed
         little enough now; read again once none is left."""
         assert self._transport is not None
-        if self.closed or self._out is not None:  # (_serve is running: it goes on itself)
+        if self.closed or self._out is not None or self._fence:  # (_serve is running: it goes on itself)
             return
         if self._backlog:
             if self.owed() > REPLY_BUFFER:

@@ -83,6 +83,10 @@ class Owed:
         elif self._answers:
             self.reserved -= self._answers.popleft()
 
+    def one_byte_only(self) -> bool:
+        """Is one one-byte answer all that is still to come of those (the last sent)?"""
+        return self._one_byte == 1
+
     def cancelled(self) -> None:
         """CANCEL_WAIT: the client's WAITs and BARRIERs will not be answered."""
         self.reserved -= self._one_byte * (1 + REQUEST_RESERVE)

@@ -34,7 +34,10 @@ Request = tuple
 
 
 class ProtocolError(Exception):
-    """The peer sent something no torch client sends; the connection must be closed."""
+    """The peer sent something no torch client sends; the connection must be closed.
+    ``requests``: those completed before it in the same ``RequestParser.feed``."""
+
+    requests: list = []
 
 
 class LimitExceeded(ProtocolError):
@@ -197,8 +200,10 @@ class RequestParser:
     """Turns the byte stream of one client connection into requests.
 
     ``feed(data)`` returns every request completed by ``data`` and keeps the rest for
-    later. It raises :class:`ProtocolError` on anything invalid; the parser is then
-    unusable and the caller should close the connection.
+    later. It raises :class:`ProtocolError` on anything invalid, with the requests
+    ``data`` completed before it as the error's ``requests`` (torch's server executes
+    and answers those, then closes); the parser is then unusable and the caller should
+    close the connection.
     """
 
     __slots__ = (
@@ -230,11 +235,19 @@ class RequestParser:
         return len(self._buf)
 
     def feed(self, data: bytes) -> list[Request]:
+        out: list[Request] = []
+        try:
+            self._feed(data, out)
+        except ProtocolError as e:
+            e.requests = out
+            raise
+        return out
+
+    def _feed(self, data: bytes, out: list[Request]) -> None:
         buf = self._buf
         buf += data
         if self._numbering == _UNDECIDED and not self._decide_numbering():
-            return []
-        out: list[Request] = []
+            return
         pos = 0
         end = len(buf)
         limits = self._limits
@@ -307,7 +320,6 @@ class RequestParser:
             out.append(tuple(args))
         if pos:
             del buf[:pos]
-        return out
 
     def _parse_items(self, kind: int, pos: int, end: int) -> tuple[int, bool]:
         """Parse a counted list of keys (_KEYS) or key/value pairs (_PAIRS).
