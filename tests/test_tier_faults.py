@@ -214,22 +214,53 @@ def test_no_memory_while_sending_deferred_answers_ends_the_session_instead_of_we
     asyncio.run(main())
 
 
-@pytest.mark.xfail(strict=True, reason="tree-refused-write-kept (tests/oracle/regressions.py KNOWN_BUGS)")
-def test_a_write_the_store_host_refuses_closes_its_client_through_a_tree():
-    """An APPEND whose result passes the value limit is refused at the store host; its
-    client, two proxies down, must be closed as one proxy level closes it."""
-    root, relay = node(proxy_args=["--link-listen", "127.0.0.1:0"])
+def tree(store_args=()):
+    """A store host, a relaying proxy linked to it and a node proxy linked to that."""
+    root, relay = node(store_args, proxy_args=["--link-listen", "127.0.0.1:0"])
     leaf = StoreProcess(host="127.0.0.1", port=0, command="proxy", controlled=True, env=ENV,
                         extra_args=["--upstream", f"127.0.0.1:{relay.link_port}", "--connect-timeout", "10"])
     leaf.start()
+    return root, relay, leaf
+
+
+def refused_through_a_tree(store_args, writes) -> None:
+    """``writes(client)`` sends a write with no answer that the store host refuses: the
+    client, two proxies down, is closed (its next request fails), as one proxy level
+    closes it; a bystander on the same node proxy is served before and after; no link
+    is lost (one link at the store host: the relay's, never expired nor resumed)."""
+    root, relay, leaf = tree(store_args)
     try:
+        bystander = torch_client(leaf.port)
+        bystander.add("bystander", 1)
         c = StoreClient(("127.0.0.1", leaf.port), timeout=15)
-        c.set(b"/k", b"x")
-        c.append(b"/k", b"p" * (5 * MiB))
-        c.append(b"/k", b"q" * (5 * MiB))  # (refused: 10 MiB)
+        writes(c)
         with pytest.raises((StoreClientError, OSError)):
             c.get(b"/k")
+        still_served(root, leaf, bystander)
+        assert relay.exited() is None
     finally:
         leaf.stop()
         relay.stop()
         root.stop()
+
+
+def test_a_write_the_store_host_refuses_closes_its_client_through_a_tree():
+    """An APPEND whose result passes the value limit is refused at the store host."""
+
+    def writes(c: StoreClient) -> None:
+        c.set(b"/k", b"x")
+        c.append(b"/k", b"p" * (5 * MiB))
+        c.append(b"/k", b"q" * (5 * MiB))  # (refused: 10 MiB)
+
+    refused_through_a_tree((), writes)
+
+
+def test_a_set_past_the_store_budget_closes_its_client_through_a_tree():
+    """A SET past the store-wide bytes budget (--max-store-bytes) is refused at the
+    store host."""
+
+    def writes(c: StoreClient) -> None:
+        c.set(b"/k", b"x")
+        c.set(b"/big", b"y" * 200_000)
+
+    refused_through_a_tree(["--max-store-bytes", "100000"], writes)

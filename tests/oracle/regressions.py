@@ -35,18 +35,7 @@ ALL = ("flat",) + PROXIES
 #: tierrun's bugs the oracle found, not fixed yet: name -> what goes wrong. Remove an
 #: entry with its fix: its cases below must then pass (strict xfail), and the random
 #: histories of the CI test draw its pattern again.
-KNOWN_BUGS = {
-    "tree-refused-write-kept": "through a tree (a proxy linked to a relaying proxy), a write with no answer that "
-                               "the store host refuses (an APPEND past the value limit) is dropped, but its "
-                               "client is not closed: the relay has no request id to fail (torch's server "
-                               "closes a client whose request fails; one proxy level closes it). In the "
-                               "appends-merged case torch's 10 MiB APPEND and the tree's silent drop both "
-                               "leave c0 open, so that case passes on the tree by accident",
-    "unacked-bytes-limit": "a client pipelining 40 SETs of 8 MiB (legal, one by one) through a node proxy: the "
-                           "link's unacknowledged frames pass LinkConfig.max_unacked_bytes (256 MiB) before the "
-                           "store host's next ACK, the proxy takes the store host for dead ('stopped "
-                           "acknowledging') and drops every client (about 1 run in 3; no fold involved)",
-}
+KNOWN_BUGS: dict[str, str] = {}  # (none known now)
 
 
 #: Where tierrun differs from torch's server on input no torch client sends, and torch's
@@ -128,16 +117,21 @@ CASES = [
          H((1, ((Op.APPEND, b"/a", b"x"), (Op.GETNUMKEYS,))),
            (0, ((Op.APPEND, b"/a", Big(5 * MiB, b"p")), (Op.APPEND, b"/a", Big(5 * MiB, b"q")), (Op.GETNUMKEYS,))),
            (1, ((Op.GET, b"/b"),)), where=(1, 1)),
-         ("flat", "tiered", "mixed"), "append-past-value-limit",
+         ALL, "append-past-value-limit",
          "torch stores 10 MiB + 1; tierrun refuses the second APPEND (its result passes the value limit) and "
-         "closes c0, the store and c1 carry on. (c1's write first makes /a contended: the "
+         "closes c0, the store and c1 carry on; through the tree too (the relay answers the refused write's "
+         "request id: it once passed there by accident, c0 left open). (c1's write first makes /a contended: the "
          "proxy holds c0's first APPEND for the next, as it does a barrier's ADDs: without it they merge only "
          "when they happen to meet in one batch)", runs=3),
     Case("pipelined-sets-past-the-unacked-bytes",
          H((1, ((Op.SET, b"/h0", b"x"), (Op.GETNUMKEYS,))),
            (0, tuple((Op.SET, b"/h%d" % i, Big(8 * MiB, b"h")) for i in range(40)) + ((Op.GETNUMKEYS,),)),
            (1, ((Op.GETNUMKEYS,),)), where=(1, 1)),
-         PROXIES, "unacked-bytes-limit", "torch: 40 keys; the proxy exits, both clients closed", runs=4, heavy=True),
+         note="torch: 40 keys. A proxy once pushed all 320 MiB onto its link before the store host's next ACK, "
+              "past its 256 MiB bound of unacknowledged frames, and dropped every client (1 run in 3): a client's "
+              "write now waits while a link holds 16 MiB (max_unacked_bytes / 16) unacknowledged or queued, "
+              "so at most one 8 MiB write beyond that; a relaying proxy stops reading a node's link meanwhile",
+         runs=4, heavy=True),
     Case("wait-with-a-queue-key",
          H((0, ((Op.QUEUE_PUSH, b"/a", b"1"), (Op.WAIT, (b"/a", b"/b")))), (1, ((Op.COMPARE_SET, b"/b", b"", b"/a"),))),
          ALL, "wait-on-queue-key", "torch: client 0's WAIT is not answered; tierrun answers it"),

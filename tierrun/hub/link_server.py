@@ -54,7 +54,7 @@ from ..protocol.limits import Limits
 from ..protocol.parser import decode_request
 from ..protocol.opcodes import NO_REPLY_OPS, WAITING_OPS
 from .reply_gate import ReplyGate
-from .session import LinkStats, Session
+from .session import LinkStats, Session, waiter_for
 
 log = logging.getLogger("tierrun.store")
 
@@ -151,7 +151,7 @@ class LinkServer:
         deadline = now - timeout
         oldest = now
         for conn in list(self.connections):
-            last_rx = conn.heartbeat.last_rx
+            last_rx = now if conn.paused else conn.heartbeat.last_rx  # (paused: not read on purpose)
             if last_rx < deadline:
                 conn.abort(f"nothing heard for {timeout:g} s")
             elif last_rx < oldest:
@@ -249,19 +249,19 @@ class LinkServerConnection(asyncio.Protocol):
         self._initial = initial
         self.resumable = resumable
         self._first_byte = not sniffed
-        #: Called once the connection is gone.
-        self.on_lost: Callable[[], None] | None = None
+        self.on_lost: Callable[[], None] | None = None  # (called once the connection is gone)
         self._handshake = ServerHandshake(token)
         self._decoder = FrameDecoder(self._handshake.max_frame)
         self._session: Session | None = None
         self._transport: asyncio.Transport | None = None
-        #: While a read is handled, what it writes, sent in one write at its end.
-        self._corked: list[bytes] | None = None
+        self._corked: list[bytes] | None = None  # (while a read is handled, what it writes: one write at its end)
         self.heartbeat = Heartbeat(server.config.heartbeat_timeout, monotonic())
         #: The source host, counted in ``LinkServer.handshaking`` until the session opens.
         self._address: str | None = None
         self._deadline: asyncio.TimerHandle | None = None
         self._sealer: Sealer | None = None  # once WELCOME is out, what seals our frames
+        #: Not read while its session's relayed writes wait for room upstream.
+        self.paused = False
 
     def connection_made(self, transport) -> None:  # type: ignore[override]
         self._transport = transport
@@ -432,13 +432,15 @@ class LinkServerConnection(asyncio.Protocol):
         stats.operations += 1
         ack_due = session.ledger.got(len(data))
         try:
-            reply = client.upstream.execute(req, client)
+            reply = client.upstream.execute(req, waiter_for(client, req, rid))  # (a relayed write: its ticket)
         except StoreError as err:
             frame = encode_reply(rid, FAILED, session.failed(req, err))
         else:
             if reply is None:
                 if req[0] not in NO_REPLY_OPS:
                     client.pending.append(rid)  # (a stacked front-end's: answered later)
+                elif client.relays_writes:  # (its write may wait for room: a relaying proxy)
+                    session.relayed_writes(client)
                 frame = b""
             else:
                 frame = encode_reply(rid, *session.vet(reply))
@@ -462,6 +464,24 @@ class LinkServerConnection(asyncio.Protocol):
         if self._transport is not None and not self._transport.is_closing():
             (log.warning if self.resumable and not quiet else log.info)("closing link from %s: %s", self.peer, reason)
             self._transport.abort()
+
+    def pause_reading(self) -> None:
+        """Read nothing until :meth:`resume_reading` (``Session.relayed_writes``); not timed out."""
+        t = self._transport
+        if t is not None and not t.is_closing() and not self.paused:
+            try:
+                t.pause_reading()
+                self.paused = True
+            except NotImplementedError:  # (an in-memory transport in tests: it reads on)
+                pass
+
+    def resume_reading(self) -> None:
+        """Read again; counted as heard from now (nothing was read meanwhile)."""
+        if self.paused:
+            self.paused = False
+            self.heartbeat.heard(monotonic())
+            if self._transport is not None and not self._transport.is_closing():
+                self._transport.resume_reading()
 
     def release_session(self) -> None:
         self._session = None

@@ -15,6 +15,11 @@ store host hold too much for the node (:meth:`Session.vet`): answers sent and no
 acknowledged, queued or held by an invalidation round count, against 7/8 of the link's
 resend buffer, so the node's link never overflows it (a lost node) because a client
 asked for too much.
+
+On a relaying proxy (its upstream a link) a write with no answer may be refused later,
+upstream: it waits under a :class:`WriteTicket` that answers its request id FAILED
+then, so the front-end below closes its clients; and while the upstream link has no
+room for writes, the session's connection is not read (:meth:`Session.relayed_writes`).
 """
 
 from __future__ import annotations
@@ -71,6 +76,11 @@ class Connection(Protocol):
 
     def write(self, data: bytes) -> None: ...
 
+    def pause_reading(self) -> None: ...
+
+    def resume_reading(self) -> None: ...
+
+
 class RemoteClient:
     """A link client (one namespace of a front-end), as its upstream sees it: the waiter
     of its deferred answers. A WAIT or BARRIER waits under a :class:`Ticket` of its
@@ -78,7 +88,7 @@ class RemoteClient:
     front-end) also defers every other answer, delivered in request order. It
     relays: its requests are a whole subtree's (see ``tier.hold.HoldPolicy.contended``)."""
 
-    __slots__ = ("session", "upstream", "pending", "tickets")
+    __slots__ = ("session", "upstream", "pending", "tickets", "relays_writes")
     relay = True
 
     def __init__(self, session: Session, upstream: Upstream) -> None:
@@ -86,6 +96,9 @@ class RemoteClient:
         self.upstream = upstream
         self.pending: deque[int] = deque()  # request ids of deferred answers, in order
         self.tickets: dict[int, Ticket] = {}  # request id -> its waiting WAIT/BARRIER
+        #: Its upstream is a link (this is a relaying proxy): a write it executes may be
+        #: refused later, upstream, and is executed under a :class:`WriteTicket`.
+        self.relays_writes = bool(getattr(upstream, "defers_refusals", False))
 
     def wake(self, reply: bytes) -> None:
         self.session.queue_reply(self.pending.popleft(), OK, reply)
@@ -119,6 +132,44 @@ class Ticket:
     def drop(self, reason: str) -> None:
         if self.client.tickets.pop(self.rid, None) is not None:
             self.client.session.queue_reply(self.rid, FAILED, reason.encode())
+
+
+class WriteTicket:
+    """A write with no answer (SET, APPEND, MULTI_SET, QUEUE_PUSH) that a front-end below
+    sent with a request id, relayed upstream: answered only if it is refused there
+    (FAILED, once), so that the front-end below closes the clients whose writes it
+    carried (``tier.writes``), as the store host answers it when it refuses it itself.
+    ``client`` is the link client it came from: the planner keeps that client's
+    requests in order, the hold policy counts the write as that client's
+    (``tier.hold.issuer``)."""
+
+    __slots__ = ("client", "rid")
+
+    def __init__(self, client: RemoteClient, rid: int) -> None:
+        self.client = client
+        self.rid = rid
+
+    def wake(self, reply: bytes) -> None:
+        """(A write has no answer: never called.)"""
+
+    def drop(self, reason: str) -> None:
+        """Refused upstream (or its link lost before it left): answer FAILED. O(1)."""
+        if self.rid:
+            rid, self.rid = self.rid, 0
+            self.client.session.queue_reply(rid, FAILED, reason.encode())
+
+
+def waiter_for(client: RemoteClient, req: Request, rid: int) -> RemoteClient | Ticket | WriteTicket:
+    """Who waits for the answer of ``client``'s request ``rid``: a WAIT or BARRIER, a
+    :class:`Ticket` of its own (any number wait at once); a relayed write sent with a
+    request id, a :class:`WriteTicket`; anything else the client (deferred answers
+    leave in request order). O(1)."""
+    op = req[0]
+    if op in WAITING_OPS:
+        return Ticket(client, rid)
+    if rid and op in NO_REPLY_OPS and client.relays_writes:
+        return WriteTicket(client, rid)
+    return client
 
 
 class LinkStats:
@@ -158,6 +209,7 @@ class Session:
         replies = self._wakes
         clients = self.clients
         limits = self.server.limits
+        relayed: RemoteClient | None = None  # (a client of this batch whose write was relayed upstream)
         for kind, cid, rid, data in decode_batch(payload):
             if kind == REQUEST:
                 client = clients.get(cid)
@@ -169,7 +221,7 @@ class Session:
                     self._refuse(rid, err, replies)
                     continue
                 stats.operations += 1
-                waiter = client if req[0] not in WAITING_OPS else Ticket(client, rid)  # (one each)
+                waiter = waiter_for(client, req, rid)
                 try:
                     reply = client.upstream.execute(req, waiter)
                 except StoreError as err:
@@ -177,10 +229,12 @@ class Session:
                     continue
                 if reply is not None:
                     replies.append((rid, *self.vet(reply)))
-                elif waiter is not client:
-                    client.tickets[rid] = waiter  # type: ignore[assignment]
+                elif type(waiter) is Ticket:
+                    client.tickets[rid] = waiter
                 elif req[0] not in NO_REPLY_OPS:
                     client.pending.append(rid)
+                elif client.relays_writes:
+                    relayed = client
             elif kind == WATCH:
                 client = clients.get(cid)
                 if client is None:
@@ -226,6 +280,24 @@ class Session:
                 ticket = None if client is None else client.tickets.pop(rid, None)
                 if ticket is not None:
                     client.upstream.forget(ticket)  # type: ignore[union-attr]
+        if relayed is not None:
+            self.relayed_writes(relayed)
+
+    def relayed_writes(self, client: RemoteClient) -> None:
+        """``client``'s writes were relayed upstream (this is a relaying proxy): if its
+        link has no room for more (``tier.connection.SessionEnd.write_room``), read
+        nothing more of this session's connection until it has (:meth:`room_again`),
+        as a front-end pauses a local client. The front-end below keeps its writes
+        meanwhile (unacknowledged, its own write room bounds them), so a node below
+        never pushes this proxy's link past its bound of unacknowledged bytes: at most
+        one frame of each linked front-end beyond the room. O(1)."""
+        if not client.upstream.write_room(self) and self.conn is not None:  # type: ignore[attr-defined]
+            self.conn.pause_reading()
+
+    def room_again(self) -> None:
+        """The upstream link has room for writes again (or is gone): read on."""
+        if self.conn is not None:
+            self.conn.resume_reading()
 
     def _refuse(self, rid: int, err: LimitExceeded, replies: list[tuple[int, int, bytes]]) -> None:
         """A request the store refuses (past a limit): its client is answered FAILED

@@ -69,6 +69,7 @@ class HoldPolicy:
         if req[0] == Op.MULTI_SET and not req[1]:
             return False  # (no keys: nothing to hold for)
         k = family(ns, req[1][0] if req[0] == Op.MULTI_SET else req[1])
+        waiter = issuer(waiter)  # (a relayed write's ticket: its link client, as its ADDs)
         writers = self._family_writer
         if len(writers) >= MAX_FAMILIES:
             writers.clear()

@@ -148,7 +148,7 @@ class LinkUpstream(SessionEnd):
                     req = (FETCH_MARK if clean else FETCH_AFTER_WRITES_MARK, req, None)  # type: ignore[assignment]
         self._enqueue(waiter, ns, req)
         if op in NO_REPLY_OPS:
-            self._unconfirmed.add(waiter)
+            self._unconfirmed.add(issuer(waiter))  # (a relayed write's ticket: its link client)
         else:
             self._unanswered[waiter] = self._unanswered.get(waiter, 0) + 1
             if self._unconfirmed:
@@ -477,6 +477,10 @@ def _write_size(req: Request) -> int:
 
 class LinkView:
     """The link as seen by one front-end listener: every client in ``namespace``."""
+
+    #: A write with no answer may be refused after ``execute`` returned: its waiter's
+    #: ``drop`` is called then (``hub.session.WriteTicket``: a relaying proxy's).
+    defers_refusals = True
 
     def __init__(self, link: LinkUpstream, namespace: bytes) -> None:
         self._link = link

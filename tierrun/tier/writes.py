@@ -58,7 +58,11 @@ class WritesInFlight:
 def refused_write(op: int, writers: list[Any], reason: bytes) -> None:
     """The store host refused a write with no answer (past its budget): close the
     clients whose writes it carried, as torch's server closes a client whose write
-    fails. A front-end below (a relay) is not closed: the store host logged it."""
+    fails. A relayed write (a front-end below sent it with a request id) waits under a
+    ticket whose ``drop`` answers that id with FAILED, so the front-end below closes its
+    own clients in turn (``hub.session.WriteTicket``). A link client itself (``relay``:
+    a write sent with no request id, which nobody below can be told of) is not closed:
+    the store host logged it. O(writers)."""
     why = f"{Op(op).name} failed: {reason.decode(errors='replace')}"
     for w in writers:
         if not getattr(w, "relay", False):
