@@ -41,7 +41,8 @@ SETs its address, then WAIT, WAIT, GET of every rank's: O(W^2) requests; small K
 Node 0 is the store server process. In the tiered set-ups it is node 0's own front-end
 too, as the launcher runs it (`tierrun store --node-frontend`: node 0's agent and ranks
 connect to it, and it hands their requests to the core, in-process, with no link); the
-other nodes' front-ends run inside the simulator processes. Reported per set-up:
+other nodes' front-ends run inside the simulator processes, each linking from a loopback
+address of its own (127.3.x.y), as real nodes do from theirs. Reported per set-up:
 connections node 0 accepted, requests it parsed (flat: every request; tiered: operations
 carried by links and node 0's own agent's and ranks' requests), frames it received
 (flat: one per request; tiered: link batches and node 0's own requests), its CPU seconds (/proc), and the
@@ -282,7 +283,9 @@ class Cluster:
         token = settings.job_token()
         place = TreePlace(n, self.k, self.fanout or self.k, "", "")
         upstream = self.root if place.parent is None else self.tree_address(place.parent)
-        link = await connect_link(*upstream, token, lost, 120, settings.link)
+        # (from the node's own loopback address, as a real node links from its own: the
+        # store host caps the handshakes under way per address)
+        link = await connect_link(*upstream, token, lost, 120, settings.link, source=self.tree_address(n)[0])
         if place.has_children:  # take their links
             links = LinkServer(lambda ns: link.view(ns.decode()), token, lease=link.lease_left)
             await asyncio.get_running_loop().create_server(

@@ -13,12 +13,14 @@ from .upstream import LinkUpstream
 
 async def connect_link(host: str, port: int, token: bytes, on_lost: Callable[[str], None],
                        timeout: float = 60.0, config: LinkConfig | None = None,
-                       limits: PlanLimits | None = None) -> LinkUpstream:
-    """Connect and open a session, retrying while the store host is not up yet (backoff
-    0.1 s to 2 s). Raises LinkError (refused, wrong token, version) or TimeoutError."""
+                       limits: PlanLimits | None = None, source: str | None = None) -> LinkUpstream:
+    """Connect (from the local address ``source``, if given) and open a session,
+    retrying while the store host is not up yet (backoff 0.1 s to 2 s). Raises
+    LinkError (refused, wrong token, version) or TimeoutError."""
     loop = asyncio.get_running_loop()
     deadline = loop.time() + timeout
     link = LinkUpstream(token, on_lost, config, (host, port), limits)
+    link.source = source
     delay = 0.1
     while True:
         try:

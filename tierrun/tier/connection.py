@@ -46,6 +46,9 @@ class SessionEnd:
         self._on_lost = on_lost
         self.config = config or LinkConfig()
         self.address = address  # None: a lost connection is not retried
+        #: The local address its connections leave from (None: the system's choice); a
+        #: simulated node on a loopback address of its own, as a real node has.
+        self.source: str | None = None
         self.session_id = secrets.token_bytes(SESSION_ID_BYTES)
         self.ledger = Ledger(self.config.max_unacked_bytes, self.config.ack_every)  # BATCH out, REPLIES in
         self._conn: LinkConnection | None = None  # connected, session resumed
@@ -368,7 +371,9 @@ async def open_connection(link: SessionEnd, timeout: float) -> None:
     TimeoutError, or LinkError when the store host refuses."""
     assert link.address is not None
     loop = asyncio.get_running_loop()
-    transport, conn = await asyncio.wait_for(loop.create_connection(link.connection, *link.address), timeout)
+    local = None if link.source is None else (link.source, 0)
+    transport, conn = await asyncio.wait_for(
+        loop.create_connection(link.connection, *link.address, local_addr=local), timeout)
     try:
         await asyncio.wait_for(asyncio.shield(conn.established), timeout)
     except BaseException:
