@@ -273,6 +273,7 @@ class Cluster:
         from tierrun.tier import connect_link
         from tierrun.frontend.listen import tcp_listen_socket
         from tierrun.hub.link_server import LinkServer
+        from tierrun.hub.reply_gate import break_watches
         from tierrun.settings import Settings
 
         def lost(reason: str) -> None:
@@ -287,6 +288,7 @@ class Cluster:
         # store host caps the handshakes under way per address)
         link = await connect_link(*upstream, token, lost, 120, settings.link, source=self.tree_address(n)[0])
         if place.has_children:  # take their links
+            link.on_watches_broken = break_watches
             links = LinkServer(lambda ns: link.view(ns.decode()), token, lease=link.lease_left)
             await asyncio.get_running_loop().create_server(
                 lambda: links.accept(sniffed=False), *self.tree_address(n))

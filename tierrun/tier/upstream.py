@@ -30,7 +30,6 @@ from ..link.config import LinkConfig
 from ..link.frames import (
     INVALIDATED, OK, PEEKS, WATCH_LEASE, decode_invalidate, decode_replies, encode_count, entry_cancel,
 )
-from ..hub.reply_gate import break_watches
 from ..protocol import Op, Request
 from ..protocol.limits import Limits
 from ..protocol.opcodes import NO_REPLY_OPS, WAIT_CANCELED, WAITING_OPS, WATCHABLE_OPS
@@ -44,7 +43,7 @@ from .connection import SessionEnd
 from .readahead import ReadAhead
 from .stats import CoalescingStats
 from .watches import MISSING, WatchCache, answer_from
-from .writes import WritesInFlight, refused_write
+from .writes import WritesInFlight, refused_write, write_size
 
 log = logging.getLogger("tierrun.frontend")
 
@@ -77,6 +76,9 @@ class LinkUpstream(SessionEnd):
         self._unconfirmed: set[Waiter] = set()  # clients whose last request has no answer
         self._held = False  # the open batch opened with a contended write: it is held
         self._hold: asyncio.Handle | None = None  # ... until then (None: a batch is in flight)
+        #: (watchers, on_done): the invalidation round of front-ends below watching keys
+        #: that changed; set by whoever links them to this one (``hub.reply_gate``'s).
+        self.on_watches_broken: Callable[[list, Callable[[], None] | None], None] = _nobody_below
 
     # -- the session's events (see .connection) ----------------------------------------
 
@@ -258,7 +260,7 @@ class LinkUpstream(SessionEnd):
         if self._held:
             policy.writers.add(issuer(waiter))
         if req[0] in NO_REPLY_OPS:  # (see SessionEnd.write_room)
-            self.queued_writes += _write_size(req)
+            self.queued_writes += write_size(req)
         self._pending.append((waiter, ns, req))
 
     def _hold_over(self) -> None:
@@ -458,21 +460,18 @@ class LinkUpstream(SessionEnd):
             self.confirm(encode_count(INVALIDATED, round_id))
 
         if below:
-            break_watches(below, confirm)
+            self.on_watches_broken(below, confirm)
         else:
             confirm()
 
     def _drop_watches(self) -> None:
         below = self.watches.drop_all()
         if below:
-            break_watches(below)
+            self.on_watches_broken(below, None)
 
 
-def _write_size(req: Request) -> int:
-    """Bytes of a SET's, APPEND's, QUEUE_PUSH's or MULTI_SET's keys and values."""
-    if req[0] == Op.MULTI_SET:
-        return sum(map(len, req[1])) + sum(map(len, req[2]))
-    return len(req[1]) + len(req[2])
+def _nobody_below(watchers: list, on_done: Callable[[], None] | None) -> None:
+    raise RuntimeError("front-ends below watch keys, but nothing runs their invalidation rounds")
 
 
 class LinkView:
