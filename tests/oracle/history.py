@@ -249,7 +249,7 @@ class Generator:
             out.append(req)
             if req[0] in BLOCKING:
                 break
-        out = self.avoiding(out)
+        out = self.avoiding(out) or [self.fence()]  # (all of it a known pattern)
         if not expects_reply(out[-1]) and out[-1][0] != RAW:
             out.append(self.fence())
         return tuple(out)
