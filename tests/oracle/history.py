@@ -294,7 +294,7 @@ class Generator:
                     if r[1] in size and n > VALUE_LIMIT:
                         continue
                     size[r[1]] = n
-                elif r[0] == Op.SET:  # (the value an APPEND would grow)
+                elif r[0] in (Op.SET, Op.COMPARE_SET):  # (the value an APPEND would grow)
                     size[r[1]] = size.get(r[1], 0) + request_size(r)
                 elif r[0] == Op.MULTI_SET:
                     for k, v in zip(r[1], r[2]):
