@@ -26,3 +26,17 @@ def test_a_watching_read_counts_as_its_request():
     assert [r[1][0] for _, _, r in b.take()] == [Op.CHECK]
     assert not b.cancel_waits("c1")
 
+
+
+def test_waits_of_keeps_every_group_of_a_client():
+    from tierrun.tier.waits_of import WaitsOf
+
+    w = WaitsOf()
+    a, b, c = object(), object(), object()
+    w.add("c0", a)
+    w.add("c1", c)
+    w.add("c0", b)  # (a client that pipelines two WAITs)
+    w.answered("c0", a)
+    assert w.pop("c0") == [b] and w.pop("c0") == []
+    w.answered("c1", b)  # (not c1's: nothing happens)
+    assert w.pop("c1") == [c]

@@ -25,7 +25,6 @@ log = logging.getLogger("tierrun.store")
 
 _PING = Op.PING
 _CANCEL_WAIT = Op.CANCEL_WAIT
-_CHECK = Op.CHECK
 #: Deferred answers that do not hold the client's next requests back (see the class):
 #: torch's server goes on with a client's requests while its WAIT or BARRIER waits.
 _ANSWERED_LATER = frozenset({Op.WAIT, Op.BARRIER})
@@ -84,10 +83,13 @@ class ClientConnection(asyncio.Protocol):
     it is answered (``_fence``). So its answer comes before theirs, PING's and
     CANCEL_WAIT's too, and if it fails (its client is closed) nothing the client sent
     after it is executed. A torch client waits for every answer but WAIT's anyway: this
-    costs it nothing. PING and CANCEL_WAIT, answered here, wait for the client's writes
-    sent upstream (no answer of their own) to be confirmed by a later answer: a PING
-    goes upstream instead, a CANCEL_WAIT after one. Requests read before an invalid one
-    are executed and answered, then the client is closed.
+    costs it nothing. (A WAIT's or BARRIER's answer comes through ``wake_wait``: so the
+    fence's is told apart.) PING and CANCEL_WAIT are answered here, but not ahead of
+    what the client sent upstream before them (``_behind``: writes with no answer yet
+    confirmed by a later one, a WAIT or BARRIER that the store host may have answered
+    already): then a PING goes upstream instead, and a CANCEL_WAIT follows a PING sent
+    up first, whose answer comes after all of theirs. Requests read before an invalid
+    one are executed and answered, then the client is closed.
     """
 
     __slots__ = ("_frontend", "_upstream", "_parser", "_transport", "peer", "closed", "_sniff", "_gate",
@@ -110,9 +112,8 @@ class ClientConnection(asyncio.Protocol):
         self._limits = frontend.limits
         #: A link upstream's: may a write go now (else ``room_again`` is called later)?
         self._write_room = getattr(frontend.upstream, "write_room", None)
-        #: The answer that holds the client's next requests back: 0 none, 1 a longer
-        #: one, 2 a CHECK's (one byte).
-        self._fence = 0
+        #: An answer (not a WAIT's or BARRIER's) is due: the client's next requests wait.
+        self._fence = False
         self._unconfirmed = False  # writes went upstream, no later answer came yet
         self._swallow = False  # the fence's answer is _SYNC's: not the client's
 
@@ -162,6 +163,11 @@ class ClientConnection(asyncio.Protocol):
             return
         self._serve(requests)
 
+    def _behind(self) -> bool:
+        """Has the client sent a link upstream requests whose effect or answer a PING's
+        or CANCEL_WAIT's answer must not overtake? (See the class.)"""
+        return self._write_room is not None and (self._unconfirmed or self._owed.waits > 0)
+
     def owed(self) -> int:
         """Bytes of answers this connection owes its client (see :mod:`.owed`). O(1)."""
         assert self._transport is not None
@@ -188,13 +194,13 @@ class ClientConnection(asyncio.Protocol):
                         self._transport.pause_reading()
                         return
                 op = req[0]
-                if op == _PING and not self._unconfirmed:
+                if op == _PING and not self._behind():
                     out.append(encode_u32(req[1]))
                     continue
-                if op == _CANCEL_WAIT and self._unconfirmed:
+                if op == _CANCEL_WAIT and self._behind():
                     self._owed.sent(_SYNC, self._limits)
                     execute(_SYNC, self)
-                    self._fence, self._swallow = 1, True
+                    self._fence = self._swallow = True
                     self._write(out)
                     out.clear()
                     self._backlog = requests[i:]
@@ -220,8 +226,8 @@ class ClientConnection(asyncio.Protocol):
                         self._owed.cancelled()
                 elif op not in NO_REPLY_OPS:
                     room -= self._owed.sent(req, self._limits)
-                    if op not in _ANSWERED_LATER and (op != _CHECK or self._owed.one_byte_only()):
-                        self._fence = 2 if op == _CHECK else 1
+                    if op not in _ANSWERED_LATER:
+                        self._fence = True
                         self._write(out)
                         out.clear()
                         if i + 1 < len(requests):
@@ -264,14 +270,30 @@ class ClientConnection(asyncio.Protocol):
         client's own WAIT). Closes a client owed more than its budget; lifts the fence of
         the answer that held the client's next requests back (see the class)."""
         self._owed.answered(reply)
-        if self._fence and (len(reply) == 1) == (self._fence == 2):
-            self._fence = 0
+        if self._fence:  # (answers other than WAIT's come in order: this is the fence's)
+            self._fence = False
             self._unconfirmed = False
-            if self._swallow:
+            if self._swallow:  # (_SYNC's: now the CANCEL_WAIT it went ahead of)
                 self._swallow = False
-                if self._backlog and not self.closed:
+                if not self.closed:
+                    cancel = self._backlog.pop(0)
+                    try:
+                        answer = self._upstream.execute(cancel, self)
+                    except StoreError as e:
+                        self.drop(f"CANCEL_WAIT failed: {e}")
+                        return
+                    self._owed.cancelled()
+                    self._write([answer])  # type: ignore[list-item]
                     self._resume()
                 return
+        self._deliver(reply)
+
+    def wake_wait(self, reply: bytes) -> None:
+        """A WAIT's or BARRIER's answer, from a link upstream."""
+        self._owed.answered_wait()
+        self._deliver(reply)
+
+    def _deliver(self, reply: bytes) -> None:
         if self._out is not None:
             self._out.append(reply)
             return

@@ -52,21 +52,27 @@ class Owed:
     """The answers a connection is still to write for requests sent upstream, and the
     bytes held for it by an invalidation round. Answers of one connection's requests
     come back in order, but a WAIT's or BARRIER's (one byte) may come after later
-    ones: one-byte answers are counted apart. O(1) per request and per answer."""
+    ones: those are counted apart, and so are CHECK's (one byte too). O(1) per request
+    and per answer."""
 
-    __slots__ = ("reserved", "_answers", "_one_byte", "held")
+    __slots__ = ("reserved", "_answers", "_checks", "waits", "held")
 
     def __init__(self) -> None:
         self.reserved = 0  # bytes reserved for answers still to come
         self._answers: deque[int] = deque()  # reservations of the others, in order
-        self._one_byte = 0  # answers of one byte still to come
+        self._checks = 0  # CHECK answers still to come
+        self.waits = 0  # WAIT and BARRIER answers still to come
         self.held = 0  # bytes held by the reply gate for this connection
 
     def sent(self, req: Request, limits: Limits) -> int:
         """``req`` went upstream and its answer will come later: reserve it; returns
         the bytes reserved."""
-        if req[0] in _ONE_BYTE:
-            self._one_byte += 1
+        op = req[0]
+        if op in _ONE_BYTE:
+            if op == Op.CHECK:
+                self._checks += 1
+            else:
+                self.waits += 1
             size = 1 + REQUEST_RESERVE
         else:
             size = largest_answer(req, limits) + REQUEST_RESERVE
@@ -75,19 +81,25 @@ class Owed:
         return size
 
     def answered(self, answer: bytes) -> None:
-        """An answer came (``waiter.wake``): free its reservation."""
+        """An answer came (``waiter.wake``): free its reservation. One byte long: a
+        CHECK's if one is due (a link upstream says ``answered_wait`` for a WAIT's),
+        else a WAIT's or BARRIER's (the core answers CHECK at once)."""
         if len(answer) == 1:  # (no other answer is one byte long)
-            if self._one_byte:  # (0: a CHECK's, after a CANCEL_WAIT forgot it)
-                self._one_byte -= 1
+            if self._checks:
+                self._checks -= 1
                 self.reserved -= 1 + REQUEST_RESERVE
+            else:
+                self.answered_wait()
         elif self._answers:
             self.reserved -= self._answers.popleft()
 
-    def one_byte_only(self) -> bool:
-        """Is one one-byte answer all that is still to come of those (the last sent)?"""
-        return self._one_byte == 1
+    def answered_wait(self) -> None:
+        """A WAIT's or BARRIER's answer came."""
+        if self.waits:  # (0: after a CANCEL_WAIT forgot them)
+            self.waits -= 1
+            self.reserved -= 1 + REQUEST_RESERVE
 
     def cancelled(self) -> None:
         """CANCEL_WAIT: the client's WAITs and BARRIERs will not be answered."""
-        self.reserved -= self._one_byte * (1 + REQUEST_RESERVE)
-        self._one_byte = 0
+        self.reserved -= self.waits * (1 + REQUEST_RESERVE)
+        self.waits = 0

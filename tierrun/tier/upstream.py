@@ -37,6 +37,7 @@ from . import fanout
 from .entries import Ids, encode_plan
 from .hold import HELD_WRITES, HoldPolicy, issuer
 from .pending import PendingBatch
+from .waits_of import WaitsOf
 from .plan import (
     FETCH_AFTER_WRITES_MARK, FETCH_MARK, PEEK_MARK, WATCH_MARK, Plan, PlanLimits, UpOp, plan_batch, plan_peeks,
 )
@@ -63,7 +64,7 @@ class LinkUpstream(SessionEnd):
         self._extra: list[bytes] = []  # CANCEL entries for the next batch
         self._inflight: dict[int, UpOp] = {}
         self._writes = WritesInFlight()  # writes with no answer, answered if refused
-        self._wait_of: dict[Waiter, UpOp] = {}  # a client's WAIT or BARRIER upstream
+        self._wait_of = WaitsOf()  # a client's WAITs and BARRIERs upstream
         self._ids = Ids()  # request ids, and a link client id per namespace
         #: Per batch in flight, the request id of its last answer that the upstream
         #: gives at once (not a WAIT's or BARRIER's): while there are
@@ -215,7 +216,7 @@ class LinkUpstream(SessionEnd):
             return False
         u.waiters.append(waiter)
         u.watchers.append(watcher)  # type: ignore[union-attr]
-        self._wait_of[waiter] = u
+        self._wait_of.add(waiter, u)
         if watcher is not None:
             self.watches.watch_below(k, watcher)
         self.stats.watch_joins += 1
@@ -296,8 +297,7 @@ class LinkUpstream(SessionEnd):
     def _cancel_waits(self, waiter: Waiter) -> None:
         """Drop the client's WAIT or BARRIER, sent (upstream too, once nobody else waits
         under it) or still to be sent. O(1), or O(waiters of its group) once sent."""
-        group = self._wait_of.pop(waiter, None)
-        if group is not None:
+        for group in self._wait_of.pop(waiter):
             if waiter in group.waiters:
                 at = group.waiters.index(waiter)
                 del group.waiters[at]
@@ -307,7 +307,7 @@ class LinkUpstream(SessionEnd):
             if not group.waiters and group.cid:  # nobody waits: drop it upstream
                 self._queue_extra(entry_cancel(group.cid, group.rid))
                 group.cid = 0
-        elif self._pending.cancel_waits(waiter):
+        if self._pending.cancel_waits(waiter):
             self._answered(waiter)
 
     def _queue_extra(self, entry: bytes) -> None:
@@ -354,7 +354,7 @@ class LinkUpstream(SessionEnd):
         for u in plan.all_ops():
             if u.group:
                 for w in u.waiters:
-                    wait_of[w] = u
+                    wait_of.add(w, u)
             if u.wkey is not None:
                 watches.note_sent(u)
         if plan.fetched:
@@ -405,7 +405,7 @@ class LinkUpstream(SessionEnd):
                 reason = fanout.failure(u, data)
                 for w in u.waiters:
                     if u.group:
-                        self._wait_of.pop(w, None)
+                        self._wait_of.answered(w, u)
                     answered(w)
                     w.drop(reason)  # type: ignore[attr-defined]
                 continue
@@ -420,8 +420,11 @@ class LinkUpstream(SessionEnd):
                     w.drop("the store host's answer did not match the request")  # type: ignore[attr-defined]
                 raise
             for w, answer in out:
-                if group:
-                    self._wait_of.pop(w, None)
+                if group:  # (a WAIT's or BARRIER's: a client connection tells it apart)
+                    self._wait_of.answered(w, u)
+                    answered(w)
+                    getattr(w, "wake_wait", w.wake)(answer)
+                    continue
                 answered(w)
                 w.wake(answer)
 
@@ -440,10 +443,10 @@ class LinkUpstream(SessionEnd):
             self._readahead.past_end(*u.wkey)  # type: ignore[misc]
         for w, watcher, answer in out:
             if u.group:
-                self._wait_of.pop(w, None)
+                self._wait_of.answered(w, u)
             if watcher is None:
                 self._answered(w)
-            w.wake(answer)
+            (getattr(w, "wake_wait", w.wake) if u.group else w.wake)(answer)
 
     def on_invalidate(self, payload: bytes) -> None:
         """The core says these watches broke: forget them, pass it on to the front-ends
