@@ -88,6 +88,7 @@ def plot(med: dict[str, dict[str, dict]], path: Path) -> None:
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
+    from matplotlib.ticker import NullLocator
 
     fig, ax = plt.subplots(figsize=(8, 5))
     setups = [s for s in dict.fromkeys(s for by in med.values() for s in by) if not s.endswith(" lockstep")]
@@ -100,6 +101,9 @@ def plot(med: dict[str, dict[str, dict]], path: Path) -> None:
             ax.plot(ks, [med[s][setup]["node0_cpu_s"] for s in sizes], "x--", color=colour,
                     label=f"{setup}: node 0")
     ax.set_xscale("log", base=2)
+    ks = sorted({int(size.split("x")[0]) for size in med})
+    ax.set_xticks(ks, [str(k) for k in ks])
+    ax.xaxis.set_minor_locator(NullLocator())
     ax.set_yscale("log")
     ax.set_xlabel("nodes K (8 ranks each)" if all(s.endswith("x8") for s in med) else "nodes K")
     ax.set_ylabel("CPU seconds over the start-up")
