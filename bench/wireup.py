@@ -210,7 +210,7 @@ def measure(setup: str, k: int, p: int, skew: float, seed: str, args: argparse.N
             else:
                 result = {"connections": st["clients_accepted"], "requests": requests, "frames": requests}
         return {**result, "node0_cpu_s": node0, "busiest_cpu_s": busiest, "busiest_node": busiest_node,
-                "total_cpu_s": node0 + sum(cpus.values()), "processes": 1 + len(proxies),
+                "total_cpu_s": node0 + sum(cpus.values()), "max_proxy_cpu_s": max(cpus.values(), default=0.0), "processes": 1 + len(proxies),
                 "proxies_start_s": proxies_s, "node0_cpu_proxies_start_s": node0_proxies_start, "wall_s": wall}
     finally:
         for s in sims:

@@ -14,7 +14,7 @@ from pathlib import Path
 from servers import process_cpu_seconds
 
 #: The figures whose median the table gives (the others are counts or labels).
-METRICS = ("connections", "requests", "frames", "node0_cpu_s", "busiest_cpu_s", "total_cpu_s", "processes",
+METRICS = ("connections", "requests", "frames", "node0_cpu_s", "busiest_cpu_s", "total_cpu_s", "max_proxy_cpu_s", "processes",
            "proxies_start_s", "wall_s")
 
 
