@@ -62,7 +62,6 @@ import argparse
 import json
 import os
 import secrets
-import socket
 import statistics
 import subprocess
 import sys
@@ -247,7 +246,7 @@ def echo_server() -> None:
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--sizes", nargs="+", default=["64x8", "256x8", "512x8", "1024x8"], help="KxP")
+    p.add_argument("--sizes", nargs="+", default=["64x8", "128x8", "256x8", "512x8", "1024x8"], help="KxP")
     p.add_argument("--repeat", type=int, default=3)
     p.add_argument("--procs", type=int, default=2, help="simulator processes")
     p.add_argument("--traffic", choices=("nccl", "gloo"), default="nccl")
