@@ -20,8 +20,7 @@ def gate_of(upstream):
     gate = _gates.get(upstream)
     if gate is None:
         gate = _gates[upstream] = ReplyGate()
-        if not isinstance(upstream, LinkUpstream):
-            upstream.on_watches_broken = break_watches
+        upstream.on_watches_broken = break_watches  # (a core's, or a relaying front-end's)
     return gate
 
 

@@ -41,9 +41,17 @@ def test_the_report_blames_the_rank_that_died(tmp_path, how):
         assert line is not None and blame in line and line.endswith(said), text[-4000:]
         assert "5 failure(s) in collectives after it (consequences)" in text or \
             "worker(s) stopped by their agent" in text, text[-4000:]
-    # torch's own summary on that node agrees on the root cause
-    root = texts[node].split("Root Cause (first observed failure):")[1]
-    assert f"rank      : {rank} (local_rank: {local})" in root, texts[node][-3000:]
+    # torch's own summary, the launcher's last lines, agrees on every node: on the dying
+    # rank's node it names that rank; on the others (whose own workers failed only
+    # because it died, and torch would name one of them) that rank on its node
+    for k, text in enumerate(texts):
+        root = text.split("Root Cause (first observed failure):")[1]
+        assert f"rank      : {rank} (local_rank: {local})" in root, text[-3000:]
+        if k != node:
+            assert f"host      : 127.0.1.{node + 1} (node rank {node}; this node's failures followed it)" in root
+            assert root.count("rank      :") == 1 and said in root, text[-3000:]
+            failures = text.split("Root Cause (first observed failure):")[0].rsplit("Failures:", 1)[1]
+            assert failures.count("rank      :") >= 1, text[-3000:]  # this node's own, listed there
 
     report = json.loads(next((tmp_path / "logs0").glob("tierrun_failure_*.json")).read_text())
     first = report["first"]

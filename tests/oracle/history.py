@@ -249,7 +249,7 @@ class Generator:
             out.append(req)
             if req[0] in BLOCKING:
                 break
-        out = self.avoiding(out)
+        out = self.avoiding(out) or [self.fence()]  # (all of it a known pattern)
         if not expects_reply(out[-1]) and out[-1][0] != RAW:
             out.append(self.fence())
         return tuple(out)
@@ -294,7 +294,7 @@ class Generator:
                     if r[1] in size and n > VALUE_LIMIT:
                         continue
                     size[r[1]] = n
-                elif r[0] == Op.SET:  # (the value an APPEND would grow)
+                elif r[0] in (Op.SET, Op.COMPARE_SET):  # (the value an APPEND would grow)
                     size[r[1]] = size.get(r[1], 0) + request_size(r)
                 elif r[0] == Op.MULTI_SET:
                     for k, v in zip(r[1], r[2]):

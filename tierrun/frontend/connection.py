@@ -29,6 +29,9 @@ _CHECK = Op.CHECK
 #: Deferred answers that do not hold the client's next requests back (see the class):
 #: torch's server goes on with a client's requests while its WAIT or BARRIER waits.
 _ANSWERED_LATER = frozenset({Op.WAIT, Op.BARRIER})
+#: Sent upstream ahead of a CANCEL_WAIT that follows writes not yet confirmed (its
+#: answer, swallowed, confirms them).
+_SYNC = (Op.PING, 0)
 #: The opcode of the stand-in for an invalid request: its client is closed when its
 #: requests before it are answered.
 _INVALID = -1
@@ -81,12 +84,14 @@ class ClientConnection(asyncio.Protocol):
     it is answered (``_fence``). So its answer comes before theirs, PING's and
     CANCEL_WAIT's too, and if it fails (its client is closed) nothing the client sent
     after it is executed. A torch client waits for every answer but WAIT's anyway: this
-    costs it nothing. Requests read before an invalid one are executed and answered,
-    then the client is closed.
+    costs it nothing. PING and CANCEL_WAIT, answered here, wait for the client's writes
+    sent upstream (no answer of their own) to be confirmed by a later answer: a PING
+    goes upstream instead, a CANCEL_WAIT after one. Requests read before an invalid one
+    are executed and answered, then the client is closed.
     """
 
     __slots__ = ("_frontend", "_upstream", "_parser", "_transport", "peer", "closed", "_sniff", "_gate",
-                 "_backlog", "_writing_paused", "_owed", "_out", "_limits", "_write_room", "_fence")
+                 "_backlog", "_writing_paused", "_owed", "_out", "_limits", "_write_room", "_fence", "_unconfirmed", "_swallow")
 
     def __init__(self, frontend: ConnectionOwner) -> None:
         self._frontend = frontend
@@ -108,6 +113,8 @@ class ClientConnection(asyncio.Protocol):
         #: The answer that holds the client's next requests back: 0 none, 1 a longer
         #: one, 2 a CHECK's (one byte).
         self._fence = 0
+        self._unconfirmed = False  # writes went upstream, no later answer came yet
+        self._swallow = False  # the fence's answer is _SYNC's: not the client's
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         self._transport = transport  # type: ignore[assignment]
@@ -181,9 +188,19 @@ class ClientConnection(asyncio.Protocol):
                         self._transport.pause_reading()
                         return
                 op = req[0]
-                if op == _PING:
+                if op == _PING and not self._unconfirmed:
                     out.append(encode_u32(req[1]))
                     continue
+                if op == _CANCEL_WAIT and self._unconfirmed:
+                    self._owed.sent(_SYNC, self._limits)
+                    execute(_SYNC, self)
+                    self._fence, self._swallow = 1, True
+                    self._write(out)
+                    out.clear()
+                    self._backlog = requests[i:]
+                    assert self._transport is not None
+                    self._transport.pause_reading()
+                    return
                 if op == _INVALID:
                     self._write(out)
                     self.drop(req[1])
@@ -212,6 +229,8 @@ class ClientConnection(asyncio.Protocol):
                             assert self._transport is not None
                             self._transport.pause_reading()
                         return
+                elif self._write_room is not None:  # (a write through a link)
+                    self._unconfirmed = True
         except StoreError as e:
             self._write(out)
             self.drop(f"{Op(requests[i][0]).name} failed: {e}")
@@ -247,6 +266,12 @@ class ClientConnection(asyncio.Protocol):
         self._owed.answered(reply)
         if self._fence and (len(reply) == 1) == (self._fence == 2):
             self._fence = 0
+            self._unconfirmed = False
+            if self._swallow:
+                self._swallow = False
+                if self._backlog and not self.closed:
+                    self._resume()
+                return
         if self._out is not None:
             self._out.append(reply)
             return

@@ -25,7 +25,7 @@ from ..rendezvous.handler_base import JobStoppedError
 from ..settings import Settings, SettingsError
 from .args import TIERRUN_BACKENDS, UsageError, build_parser, normalise
 from .devices import resolve_nproc_per_node
-from .reporting import JobReporting
+from .reporting import JobFailedError, JobReporting
 
 log = logging.getLogger("tierrun")
 
@@ -155,7 +155,7 @@ def main(argv: list[str]) -> int:
             return 1
         report = reporting.report_failure(config.logs_specs.root_log_dir)
         failures = reporting.torch_failures_in_report_order(report, e.failures)
-        raise ChildFailedError(_script_name(cmd_args), failures) from None
+        raise JobFailedError(_script_name(cmd_args), failures, report) from None
     except (RendezvousError, JobStoppedError) as e:  # (timed out, closed, store lost: one line)
         print(f"tierrun: error: {e}", file=sys.stderr)
         return 1

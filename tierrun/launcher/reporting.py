@@ -11,26 +11,33 @@ from __future__ import annotations
 
 import logging
 import os
+import signal
 import socket
 import sys
 import time
+from datetime import datetime
 from pathlib import Path
 
 from torch.distributed.elastic import events
 from torch.distributed.elastic.events import handlers as event_handlers
+from torch.distributed.elastic.multiprocessing.errors import ChildFailedError, ProcessFailure
 
 from ..rendezvous.handler_base import StoreRendezvousHandler
 from ..client import StoreClientError
 from ..report import timeline
 from ..report.board import JobBoard, NodeRecord
-from ..report.failure import FailureReport
+from ..report.failure import FailedRank, FailureReport
 from ..report.recorder import FINAL_STATES, AgentRecorder
 
 log = logging.getLogger("tierrun")
 
 EVENT_DESTINATION = "tierrun"
-#: seconds the store host waits for every node's final record before it reports
+#: seconds an agent that reports waits for another node's final record (from the start,
+#: then from the last one that came), before it reports without the rest
 REPORT_GRACE = 5.0
+#: seconds it waits at most: the nodes' failures may cascade (a peer's collective fails
+#: when a failed worker's process ends, which takes seconds on a loaded machine)
+REPORT_LIMIT = 30.0
 #: seconds the store host keeps the store up after a failure, for the others' reports
 LINGER = 1.0
 
@@ -103,13 +110,18 @@ class JobReporting:
 
     def _read_when_all_ended(self, board: JobBoard, members: int) -> None:
         """Read every record into ``_others`` until ``members`` agents have published how
-        their round ended, or ``REPORT_GRACE`` seconds have passed. Raises like the
-        board; what was read before stays in ``_others``."""
-        deadline = time.monotonic() + REPORT_GRACE
+        their round ended, or no other has for ``REPORT_GRACE`` seconds, or
+        ``REPORT_LIMIT`` seconds have passed. Raises like the board; what was read before
+        stays in ``_others``."""
+        start = time.monotonic()
+        deadline, seen = start + REPORT_GRACE, -1
         while True:
             self._others = board.read_all()
             ended = sum(1 for r in self._others if r.attempts and r.attempts[-1].state in FINAL_STATES)
-            if ended >= members or time.monotonic() > deadline:
+            now = time.monotonic()
+            if ended > seen:  # another node ended: wait for the rest from now
+                seen, deadline = ended, min(now + REPORT_GRACE, start + REPORT_LIMIT)
+            if ended >= members or now > deadline:
                 return
             time.sleep(0.1)
 
@@ -144,3 +156,42 @@ class JobReporting:
             failure.timestamp = floor  # (the first keeps its own second: the floor starts at 0)
             aligned[rank] = failure
         return aligned
+
+
+class JobFailedError(ChildFailedError):
+    """torch's ``ChildFailedError`` for this node's failed workers (what ``@record`` and
+    tools expect), whose summary names as its "Root Cause" the job's first failure from
+    tierrun's report when that is on another node: torch's own would name one of this
+    node's workers, which failed only because that rank did. This node's failures are
+    then all listed under "Failures"."""
+
+    def __init__(self, name: str, failures: dict[int, ProcessFailure], report: FailureReport) -> None:
+        first = report.first
+        self.first_elsewhere: FailedRank | None = first if first is not None and first.node != report.reporter else None
+        super().__init__(name, failures)
+
+    def format_msg(self, boarder_delim: str = "=", section_delim: str = "-") -> str:
+        first = self.first_elsewhere
+        if first is None:
+            return super().format_msg(boarder_delim, section_delim)
+        title = f"{self.name} FAILED"
+        blocks = [self._format_failure(i, rank, f) for i, (rank, f) in enumerate(self.failures.items())]
+        f = first.failure
+        when = datetime.fromtimestamp(int(f.time)).isoformat(sep="_")
+        signal_name = f" ({signal.Signals(-f.exitcode).name})" if f.exitcode is not None and -f.exitcode in _SIGNALS else ""
+        root = "\n".join([
+            f"[{len(blocks)}]:",
+            f"  time      : {when}",
+            f"  host      : {first.addr} (node rank {first.group_rank}; this node's failures followed it)",
+            f"  rank      : {f.global_rank} (local_rank: {f.local_rank})",
+            f"  exitcode  : {f.exitcode}{signal_name}",
+            f"  error_file: {'on node ' + first.addr if f.traceback else '<N/A>'}",
+            f"  traceback : {f.message}",
+        ])
+        width = min(max([len(title)] + [w for _, w in blocks] + [len(line) for line in root.splitlines()]), 60)
+        return "\n".join(["", boarder_delim * width, title, section_delim * width, "Failures:",
+                          *[fmt for fmt, _ in blocks], section_delim * width,
+                          "Root Cause (first observed failure):", root, boarder_delim * width])
+
+
+_SIGNALS = {s.value for s in signal.Signals}

@@ -63,6 +63,7 @@ from ..settings import Settings
 from .handler_base import StoreRendezvousHandler
 from . import liveness
 from .job_store import JobStore, public_clients_from, store_workers_from, token_from
+from .messages import join_timeout_message
 
 log = logging.getLogger("tierrun.rendezvous")
 
@@ -341,23 +342,20 @@ class ElasticRendezvousHandler(StoreRendezvousHandler):
         return True
 
 
-def join_timeout_message(run_id: str, node_addr: str, join_timeout: float, arrived: list[str],
-                         min_nodes: int, max_nodes: int) -> str:
-    """What a node that waited ``join_timeout`` for too few ``arrived`` nodes reports."""
-    return (
-        f"rendezvous '{run_id}' timed out after {join_timeout:.0f} s on node "
-        f"{node_addr}: {len(arrived)} node(s) arrived ({', '.join(arrived)}), "
-        f"at least {min_nodes} needed (--nnodes {min_nodes}:{max_nodes}); "
-        f"{max(min_nodes - len(arrived), 0)} more missing. Start tierrun on the missing "
-        "nodes with the same --rdzv_endpoint and --rdzv_id, lower --nnodes, or raise "
-        "--rdzv_conf join_timeout=SECONDS."
-    )
-
-
 def _hosts_store(host: str, local_addr: str | None) -> bool:
     if local_addr:
         return host == local_addr or (host in ("localhost", "127.0.0.1", "::1") and local_addr in ("localhost", "127.0.0.1", "::1"))
     return _matches_machine_hostname(host)
+
+
+def _unreachable_hint(host: str, is_host: bool | None) -> str:
+    """What a node that does not host the store, and found none, should do."""
+    if is_host is False:
+        return ("this node does not host it (--rdzv_conf is_host=false). One node must host the store: set "
+                "is_host=true on the endpoint's node, or leave is_host unset so the endpoint's host is inferred.")
+    return (f"this node does not host it (the endpoint names another machine). Start tierrun on {host}, or "
+            "raise --rdzv_conf join_timeout if it is late; if the endpoint's name is not that node's own (a "
+            "Kubernetes Service, a DNS alias), set --rdzv_conf is_host=true on the node that should host it.")
 
 
 def create_handler(params: RendezvousParameters, settings: Settings) -> RendezvousHandler:
@@ -368,10 +366,13 @@ def create_handler(params: RendezvousParameters, settings: Settings) -> Rendezvo
     host, port = parse_rendezvous_endpoint(params.endpoint, DEFAULT_PORT)
     join_timeout = float(params.config.get("join_timeout", DEFAULT_JOIN_TIMEOUT))
     last_call = float(params.config.get("last_call_timeout", DEFAULT_LAST_CALL_TIMEOUT))
+    # (every store operation may take a minute, as torch's c10d read_timeout; reaching
+    # the store host, join_timeout: a node nobody hosts the store for gives up then)
     timeout = timedelta(seconds=max(join_timeout, 60))
     is_host = params.get_as_bool("is_host")
     job = JobStore(host, port, hosting=_hosts_store(host, params.local_addr) if is_host is None else is_host,
-                   timeout=timeout, token=token_from(params.config, settings),
+                   timeout=timeout, connect_timeout=join_timeout, unreachable_hint=_unreachable_hint(host, is_host),
+                   token=token_from(params.config, settings),
                    store_workers=store_workers_from(params.config), link_config=settings.link,
                    public_clients=public_clients_from(params.config),
                    host_fallback="any" if is_host is None else "never", node=params.local_addr)

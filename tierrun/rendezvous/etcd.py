@@ -54,11 +54,13 @@ from torch.distributed.elastic.rendezvous import (
 )
 
 from ..settings import Settings
-from .elastic import DEFAULT_JOIN_TIMEOUT, DEFAULT_LAST_CALL_TIMEOUT, join_timeout_message
+from .elastic import DEFAULT_JOIN_TIMEOUT, DEFAULT_LAST_CALL_TIMEOUT
 from .etcd_client import Etcd, EtcdAuthError, EtcdOptions, EtcdUnavailable, KeyValue, absent, count, put
 from .etcd_watch import keep_alive, when_gone, when_set
 from .handler_base import StoreRendezvousHandler
 from .job_store import JobStore, public_clients_from, store_workers_from, token_from
+from .etcd_hosts import PORT_SETTING, descriptor, in_rank_order, may_not_host, none_may_host
+from .messages import join_timeout_message
 
 log = logging.getLogger("tierrun.rendezvous")
 
@@ -67,8 +69,6 @@ _JOB_CLOSED = b"job-closed"
 _WATCH_SLICE = 5.0
 #: seconds a silent node keeps its membership (its lease's TTL): ``heartbeat_timeout``
 DEFAULT_LEASE_TTL = 10.0
-#: ``is_host`` -> the order in which nodes are chosen to host a round's store
-_HOST_PREFERENCE = {True: 0, None: 1, False: 2}
 
 
 class EtcdRendezvousHandler(StoreRendezvousHandler):
@@ -86,6 +86,9 @@ class EtcdRendezvousHandler(StoreRendezvousHandler):
                  config: dict, settings: Settings, is_host: bool | None = None) -> None:
         super().__init__(None, run_id, local_addr, config)
         self._is_host = is_host  # (see create_handler)
+        #: why this node may not host a round's store (None: it may)
+        self._no_host = "--rdzv_conf is_host=false" if is_host is False else None
+        self._no_host_said: set[int] = set()  # rounds whose closer said none may host
         self.options = options
         self._etcd = Etcd(options)
         self._min = min_nodes
@@ -178,9 +181,7 @@ class EtcdRendezvousHandler(StoreRendezvousHandler):
     def _join(self, r: int, deadline: float) -> tuple[list[str], list[str]] | None:
         """Join round r; the members' ids and addresses in rank order once it closes with
         this node, None if it closed without it."""
-        me = json.dumps({"id": self._id, "addr": self.node_addr, "prev_rank": self._rank,
-                         "prev_round": self._round, "pid": os.getpid(),
-                         "host": _HOST_PREFERENCE[self._is_host]}).encode()
+        me = descriptor(self._id, self.node_addr, self._rank, self._round, os.getpid(), self._is_host, self._no_host)
         joined, responses, revision = self._etcd.txn(
             [absent(self._k(r, "sig/closed"))],
             [put(self._k(r, f"joined/{self._id}"), me, self._lease), count(self._k(r, "joined/"))],
@@ -234,14 +235,11 @@ class EtcdRendezvousHandler(StoreRendezvousHandler):
         kvs, _ = etcd.range(self._k(r, "joined/"))
         if len(kvs) < self._min:
             return False
-        # rank 0 hosts the store: nodes that must host first, those that must not last;
-        # then by rank in the previous round, then by arrival (etcd's create revision)
-        arrivals = sorted((dict(json.loads(kv.value), rev=kv.create_revision) for kv in kvs),
-                          key=lambda a: (a.get("host", 1), a["prev_rank"] if a["prev_rank"] >= 0 else 1 << 30,
-                                         a["rev"]))[: self._max]
-        if arrivals[0].get("host", 1) == _HOST_PREFERENCE[False]:
-            log.warning("round %d of '%s': none of the %d nodes that joined may host the store "
-                        "(--rdzv_conf is_host=false); waiting for one that may", r, self.run_id, len(kvs))
+        arrivals = in_rank_order(kvs, self._max)
+        if len(no_host := may_not_host(arrivals)) == len(arrivals):
+            if r not in self._no_host_said:  # (once: the last call retries every 0.5 s)
+                self._no_host_said.add(r)
+                log.warning("round %d of '%s': %s; waiting for one that may", r, self.run_id, none_may_host(no_host))
             return False
         members = json.dumps({"ids": [a["id"] for a in arrivals],
                               "addrs": [a["addr"] for a in arrivals]}).encode()
@@ -297,10 +295,11 @@ class EtcdRendezvousHandler(StoreRendezvousHandler):
     def _timeout_message(self, r: int) -> str:
         try:
             kvs, _ = self._etcd.range(self._k(r, "joined/"))
-            arrived = [json.loads(kv.value)["addr"] for kv in kvs]
+            arrivals = [json.loads(kv.value) for kv in kvs]
         except EtcdUnavailable:
-            arrived = ["(unknown: etcd did not answer)"]
-        return join_timeout_message(self.run_id, self.node_addr, self._join_timeout, arrived, self._min, self._max)
+            arrivals = [{"addr": "(unknown: etcd did not answer)"}]
+        return join_timeout_message(self.run_id, self.node_addr, self._join_timeout, [a["addr"] for a in arrivals],
+                                    self._min, self._max, may_not_host(arrivals))
 
     # -- the round's store -------------------------------------------------------------
 
@@ -317,6 +316,7 @@ class EtcdRendezvousHandler(StoreRendezvousHandler):
                     self._use_store(JobStore(self.node_addr, self._store_port, hosting=True,
                                              timeout=self._store_timeout, token=self._token,
                                              store_workers=self._store_workers, host_fallback="never",
+                                             port_setting=PORT_SETTING,
                                              link_config=self._link_config, node=self.node_addr,
                                              public_clients=self._public_clients))
                 except RendezvousConnectionError as e:
@@ -327,6 +327,7 @@ class EtcdRendezvousHandler(StoreRendezvousHandler):
                     log.warning("node %s cannot host the store of round %d (%s); re-forming with "
                                 "another node as the store host", self.node_addr, r, e)
                     self._is_host = False  # as torch's c10d does: a client from now on
+                    self._no_host = f"its store could not start on store_port {self._store_port}"
                     return None
             endpoint = self.job.worker_endpoint(namespace)
             assert endpoint is not None
@@ -463,8 +464,9 @@ class EtcdRendezvousHandler(StoreRendezvousHandler):
     def shutdown(self) -> bool:
         self._run_shutdown_hooks()
         self._stop_round_watch()
-        try:
-            self.set_closed()
+        try:  # (a node that never joined a round, e.g. timed out, ends nothing: others may go on)
+            if self._round >= 0:
+                self.set_closed()
         except EtcdUnavailable:
             log.warning("could not mark rendezvous '%s' closed: etcd unreachable", self.run_id)
         if self.job is not None:

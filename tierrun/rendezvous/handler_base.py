@@ -93,7 +93,8 @@ class StoreRendezvousHandler(RendezvousHandler):
         if self._local_world_size is None:  # (under torchrun: not told how many workers)
             self._rank_note = "ranks assigned through the store"
         elif identical:
-            self._rank_note = f"every node runs {self._local_world_size} workers: ranks computed locally"
+            n = self._local_world_size
+            self._rank_note = f"every node runs {n} worker{'' if n == 1 else 's'}: ranks computed locally"
         else:
             self._rank_note = "nodes run different numbers of workers: ranks assigned through the store"
 
@@ -201,7 +202,7 @@ class StoreRendezvousHandler(RendezvousHandler):
             self.job.start()
             return self.job.client()
         notice = StillWaiting(self.node_addr, lambda: self.job.upstream_name,
-                              self.job.timeout.total_seconds(), self._progress_interval).start()
+                              self.job.connect_timeout, self._progress_interval).start()
         reached = False
         try:
             self.job.start()

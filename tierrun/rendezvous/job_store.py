@@ -49,7 +49,9 @@ class JobStore:
                  token: bytes | str | None = None, store_workers: int = 1,
                  tree: TreePlace | None = None, link_config: LinkConfig = LinkConfig(),
                  host_fallback: str = "port_in_use", node: str | None = None, public_clients: bool = False,
-                 host_hint: str | None = None) -> None:
+                 host_hint: str | None = None, connect_timeout: float | None = None,
+                 unreachable_hint: str | None = None,
+                 port_setting: str = "--master_port or --rdzv_endpoint HOST:PORT") -> None:
         """``token``: the job token (tiered when given), which the store processes this
         agent starts get through a pipe, not their environment (none of them inherits a
         secret variable); ``link_config``: the link timings of the store processes it
@@ -61,7 +63,12 @@ class JobStore:
         ``node``: this node's address, as messages name it (default: its host name);
         ``public_clients``: a tiered store host's public port serves torch-protocol
         clients too (by default it takes node links only: ``tierrun store --links-only``);
-        ``host_hint``: what ends the message of a host that cannot start its store."""
+        ``host_hint``: what ends the message of a host that cannot start its store;
+        ``connect_timeout``: seconds a node that does not host waits for the store host
+        to answer (default: ``timeout``, which stays every store operation's timeout);
+        ``unreachable_hint``: what to do, ending the message of a node that gave up;
+        ``port_setting``: the setting that gives the store's port, as a host that cannot
+        start its store names it."""
         if host_fallback not in ("any", "port_in_use", "never"):
             raise ValueError(f"host_fallback={host_fallback!r}")
         self.host = host
@@ -71,6 +78,9 @@ class JobStore:
         self.public_clients = public_clients
         self.host_hint = host_hint
         self.timeout = timeout
+        self.connect_timeout = timeout.total_seconds() if connect_timeout is None else connect_timeout
+        self.unreachable_hint = unreachable_hint
+        self.port_setting = port_setting
         self.token = token.encode() if isinstance(token, str) else token
         self.store_workers = store_workers
         self.tree = tree if token is not None else None
@@ -106,14 +116,16 @@ class JobStore:
                 host=PROXY_HOST, port=0, unix=f"@tierrun-proxy-{os.getpid()}-{secrets.token_hex(4)}",
                 controlled=True, command="proxy", env=store_process_env(), token=self.token,
                 extra_args=["--upstream", upstream,
-                            "--connect-timeout", str(self.timeout.total_seconds()), *extra],
-                start_timeout=self.timeout.total_seconds() + 10,
+                            "--connect-timeout", str(self.connect_timeout), *extra],
+                start_timeout=self.connect_timeout + 10,
             )
             try:
                 proxy.start()
             except StoreStartError as e:
                 if any(why in str(e) for why in TOKEN_REFUSED):
                     raise RendezvousConnectionError(self._token_refused(upstream)) from None
+                if "cannot connect to the store host" in str(e) and upstream == f"{self.host}:{self.port}":
+                    raise RendezvousConnectionError(self.unreachable()) from None
                 raise RendezvousConnectionError(
                     f"this node's store proxy could not link to {upstream} "
                     f"({'the store host' if upstream.endswith(f':{self.port}') else 'its parent node in the store tree'}): {e}"
@@ -129,6 +141,13 @@ class JobStore:
                 "job needs the same secret: check that TIERRUN_TOKEN_FILE names a file with the same "
                 "contents on every node (or that TIERRUN_TOKEN is the same); with no secret, the "
                 "token is derived from --rdzv_id and the store endpoint, which must then be the same.")
+
+    def unreachable(self) -> str:
+        """What a node that does not host the store says when the store host has not
+        answered within ``connect_timeout``: one line, with what to do."""
+        hint = self.unreachable_hint or ("Check that the store host (node rank 0 / the --rdzv_endpoint "
+                                         "host) is running and that the port is open.")
+        return f"{self.node}: no store at {self.host}:{self.port} after {self.connect_timeout:.0f} s; {hint}"
 
     def ready(self) -> bool:
         """``start`` and ``client`` have nothing left to do (they return at once)."""
@@ -244,7 +263,7 @@ class JobStore:
                 hint = ", or let another node host it (--rdzv_conf is_host=false here)." if self.host_fallback == "never" else "."
             raise RendezvousConnectionError(
                 f"could not start the job's store on port {self.port} of this node ({why}). "
-                "Pick a free port with --master_port or --rdzv_endpoint HOST:PORT" + hint
+                f"Pick a free port with {self.port_setting}" + hint
             ) from e
         self.root = proc
         log.info("this node hosts the job's store (pid %d): the other nodes reach it at %s:%d",
@@ -268,6 +287,10 @@ class JobStore:
     def client(self) -> TCPStore:
         if self._client is None:
             host, port = self.client_address
+            if self.proxy is None and self.root is None:  # flat, on a node without the store
+                # (torch's client would wait in silence, then print C++ stack traces)
+                if not _await_listener(host, port, self.connect_timeout):
+                    raise RendezvousConnectionError(self.unreachable())
             try:
                 self._client = TCPStore(host, port, is_master=False, timeout=self.timeout,
                                         wait_for_workers=False)
@@ -407,6 +430,22 @@ def store_workers_from(config: dict) -> int:
 
 def _bracket(addr: str) -> str:
     return f"[{addr}]" if ":" in addr else addr
+
+
+def _await_listener(host: str, port: int, timeout: float) -> bool:
+    """Whether something accepts connections on ``host:port`` within ``timeout``
+    seconds: tries every 0.1 s to 1 s (backing off), with Python's sockets (quiet)."""
+    deadline = time.monotonic() + timeout
+    delay = 0.1
+    while True:
+        try:
+            socket.create_connection((host, port), max(min(deadline - time.monotonic(), 5.0), 0.1)).close()
+            return True
+        except OSError:
+            if time.monotonic() + delay > deadline:
+                return False
+            time.sleep(delay)
+            delay = min(2 * delay, 1.0)
 
 
 def _watch_connection(host: str, port: int, timeout: float) -> socket.socket | None:

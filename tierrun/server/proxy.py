@@ -18,6 +18,7 @@ from ..tier import PlanLimits, connect_link
 from ..frontend.listen import describe, tcp_listen_socket
 from ..link.config import LinkConfig
 from ..hub.link_server import LinkServer
+from ..hub.reply_gate import break_watches
 from .control import Event, TakingLinks
 from .service import Service, ServiceConfig
 
@@ -63,6 +64,7 @@ async def serve_proxy(
         config = dataclasses.replace(config, frontend=dataclasses.replace(config.frontend, limits=limits))
     links: LinkServer | None = None
     if link_listen is not None:
+        link.on_watches_broken = break_watches
         links = LinkServer(lambda ns: link.view(ns.decode()), token, link_config, lease=link.lease_left, limits=limits,
                            max_connections=config.frontend.max_connections)
         sock = tcp_listen_socket(*link_listen, config.backlog)

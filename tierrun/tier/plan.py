@@ -189,7 +189,7 @@ def keys_of(req: Request) -> tuple[bytes, ...]:
     op = req[0]
     if op in (Op.CHECK, Op.WAIT, Op.MULTI_GET, Op.MULTI_SET):
         return req[1]
-    if op in (Op.GETNUMKEYS, Op.LIST_KEYS, Op.CANCEL_WAIT):
+    if op in (Op.GETNUMKEYS, Op.LIST_KEYS, Op.CANCEL_WAIT, Op.PING):
         return ()
     return (req[1],)
 

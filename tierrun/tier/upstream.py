@@ -30,13 +30,13 @@ from ..link.config import LinkConfig
 from ..link.frames import (
     INVALIDATED, OK, PEEKS, WATCH_LEASE, decode_invalidate, decode_replies, encode_count, entry_cancel,
 )
-from ..hub.reply_gate import break_watches
 from ..protocol import Op, Request
 from ..protocol.limits import Limits
-from ..protocol.opcodes import NO_REPLY_OPS, WAIT_CANCELED, WAITING_OPS, WATCHABLE_OPS
+from ..protocol.opcodes import NO_REPLY_OPS, WAIT_CANCELED, WATCHABLE_OPS
 from . import fanout
 from .entries import Ids, encode_plan
 from .hold import HELD_WRITES, HoldPolicy, issuer
+from .pending import PendingBatch
 from .plan import (
     FETCH_AFTER_WRITES_MARK, FETCH_MARK, PEEK_MARK, WATCH_MARK, Plan, PlanLimits, UpOp, plan_batch, plan_peeks,
 )
@@ -44,7 +44,7 @@ from .connection import SessionEnd
 from .readahead import ReadAhead
 from .stats import CoalescingStats
 from .watches import MISSING, WatchCache, answer_from
-from .writes import WritesInFlight, refused_write
+from .writes import WritesInFlight, refused_write, write_size
 
 log = logging.getLogger("tierrun.frontend")
 
@@ -59,7 +59,7 @@ class LinkUpstream(SessionEnd):
                  address: tuple[str, int] | None = None, limits: PlanLimits | None = None) -> None:
         super().__init__(token, on_lost, config, address)
         self.limits = limits or PlanLimits()
-        self._pending: list[tuple[Waiter, bytes, Request]] = []
+        self._pending = PendingBatch()
         self._extra: list[bytes] = []  # CANCEL entries for the next batch
         self._inflight: dict[int, UpOp] = {}
         self._writes = WritesInFlight()  # writes with no answer, answered if refused
@@ -77,6 +77,9 @@ class LinkUpstream(SessionEnd):
         self._unconfirmed: set[Waiter] = set()  # clients whose last request has no answer
         self._held = False  # the open batch opened with a contended write: it is held
         self._hold: asyncio.Handle | None = None  # ... until then (None: a batch is in flight)
+        #: (watchers, on_done): the invalidation round of front-ends below watching keys
+        #: that changed; set by whoever links them to this one (``hub.reply_gate``'s).
+        self.on_watches_broken: Callable[[list, Callable[[], None] | None], None] = _nobody_below
 
     # -- the session's events (see .connection) ----------------------------------------
 
@@ -97,8 +100,7 @@ class LinkUpstream(SessionEnd):
         for u in inflight.values():
             for w in u.waiters:
                 w.drop(reason)  # type: ignore[attr-defined]
-        pending, self._pending = self._pending, []
-        for w, _, _ in pending:
+        for w, _, _ in self._pending.take():
             w.drop(reason)  # type: ignore[attr-defined]
         self._drop_watches()
 
@@ -258,8 +260,8 @@ class LinkUpstream(SessionEnd):
         if self._held:
             policy.writers.add(issuer(waiter))
         if req[0] in NO_REPLY_OPS:  # (see SessionEnd.write_room)
-            self.queued_writes += _write_size(req)
-        self._pending.append((waiter, ns, req))
+            self.queued_writes += write_size(req)
+        self._pending.add(waiter, ns, req)
 
     def _hold_over(self) -> None:
         """The held batch leaves, unless a write joined it in its last hold; it leaves on
@@ -293,7 +295,7 @@ class LinkUpstream(SessionEnd):
 
     def _cancel_waits(self, waiter: Waiter) -> None:
         """Drop the client's WAIT or BARRIER, sent (upstream too, once nobody else waits
-        under it) or still to be sent. O(1), or O(pending) when it is still to be sent."""
+        under it) or still to be sent. O(1), or O(waiters of its group) once sent."""
         group = self._wait_of.pop(waiter, None)
         if group is not None:
             if waiter in group.waiters:
@@ -305,12 +307,8 @@ class LinkUpstream(SessionEnd):
             if not group.waiters and group.cid:  # nobody waits: drop it upstream
                 self._queue_extra(entry_cancel(group.cid, group.rid))
                 group.cid = 0
-        elif any(w is waiter for w, _, _ in self._pending):
-            kept = [p for p in self._pending  # (a watching read's opcode is its request's)
-                    if p[0] is not waiter or (p[2][1][0] if p[2][0] < 0 else p[2][0]) not in WAITING_OPS]
-            if len(kept) < len(self._pending):
-                self._answered(waiter)
-            self._pending = kept
+        elif self._pending.cancel_waits(waiter):
+            self._answered(waiter)
 
     def _queue_extra(self, entry: bytes) -> None:
         if not self._pending and not self._extra:
@@ -338,7 +336,7 @@ class LinkUpstream(SessionEnd):
             self._hold = None
         self._held = False
         self._hold_policy.writers.clear()
-        pending, self._pending = self._pending, []
+        pending = self._pending.take()
         extra, self._extra = self._extra, []
         plan = plan_batch(pending, self.limits) if pending else Plan()
         self._note_plan(plan)
@@ -458,21 +456,18 @@ class LinkUpstream(SessionEnd):
             self.confirm(encode_count(INVALIDATED, round_id))
 
         if below:
-            break_watches(below, confirm)
+            self.on_watches_broken(below, confirm)
         else:
             confirm()
 
     def _drop_watches(self) -> None:
         below = self.watches.drop_all()
         if below:
-            break_watches(below)
+            self.on_watches_broken(below, None)
 
 
-def _write_size(req: Request) -> int:
-    """Bytes of a SET's, APPEND's, QUEUE_PUSH's or MULTI_SET's keys and values."""
-    if req[0] == Op.MULTI_SET:
-        return sum(map(len, req[1])) + sum(map(len, req[2]))
-    return len(req[1]) + len(req[2])
+def _nobody_below(watchers: list, on_done: Callable[[], None] | None) -> None:
+    raise RuntimeError("front-ends below watch keys, but nothing runs their invalidation rounds")
 
 
 class LinkView:

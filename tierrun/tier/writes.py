@@ -55,6 +55,13 @@ class WritesInFlight:
         self._writers.clear()
 
 
+def write_size(req: tuple) -> int:
+    """Bytes of a SET's, APPEND's, QUEUE_PUSH's or MULTI_SET's keys and values."""
+    if req[0] == Op.MULTI_SET:
+        return sum(map(len, req[1])) + sum(map(len, req[2]))
+    return len(req[1]) + len(req[2])
+
+
 def refused_write(op: int, writers: list[Any], reason: bytes) -> None:
     """The store host refused a write with no answer (past its budget): close the
     clients whose writes it carried, as torch's server closes a client whose write

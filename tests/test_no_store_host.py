@@ -1,0 +1,97 @@
+"""Jobs in which no node hosts the store end after the join timeout, in one line that
+says what happened, on which node and what to do: real ``tierrun`` processes, 2
+simulated nodes. ``tierrun`` with ``--rdzv_conf is_host=false`` on every node (flat and
+tiered); ``tierrun-etcd`` where one node is told is_host=false and the other's
+``store_port`` is taken."""
+
+import re
+import socket
+import time
+
+import pytest
+
+from etcd_server import EtcdServer
+from launch import SCRIPTS, finish, free_port, tierrun
+
+#: what torch's C++ code prints: its log lines ("[W1126 03:30:00.123 socket.cpp:...]"),
+#: and the stack traces of its exceptions
+CPP_NOISE = re.compile(r"^\[?[WE]\d{4} |frame #\d+|Exception raised from", re.MULTILINE)
+
+
+def _errors(text: str) -> list[str]:
+    return [line for line in text.splitlines() if line.startswith("tierrun: error:")]
+
+
+@pytest.mark.parametrize("tiered", [False, True])
+def test_nobody_hosts_the_store_each_node_gives_up_after_join_timeout(tmp_path, tiered):
+    port, join = free_port(), 8
+    logs = [tmp_path / f"node{k}.log" for k in range(2)]
+    extra, env = (["--tiered"], {"TIERRUN_TOKEN": "no-host"}) if tiered else ([], {})
+    started = time.monotonic()
+    procs = [tierrun("--nnodes", 2, "--nproc_per_node", 1, "--rdzv_backend", "tierrun",
+                     "--rdzv_endpoint", f"127.0.1.1:{port}", "--rdzv_id", "no-host",
+                     "--rdzv_conf", f"is_host=false,join_timeout={join}", "--local_addr", f"127.0.1.{k + 1}",
+                     *extra, SCRIPTS / "sleep_worker.py", log=logs[k], env=env) for k in range(2)]
+    codes = finish(procs, timeout=150)
+    elapsed = time.monotonic() - started
+    texts = [log.read_text() for log in logs]
+    assert codes == [1, 1], texts[0][-3000:]
+    # join_timeout, plus each agent's start (Python, torch) on a loaded machine; before,
+    # every node waited max(join_timeout, 60) s per store connection attempt, ~3.5 min
+    assert join <= elapsed < join + 25, (elapsed, texts[0][-3000:])
+    for k, text in enumerate(texts):
+        assert _errors(text) == [
+            f"tierrun: error: node 127.0.1.{k + 1}: no store at 127.0.1.1:{port} after {join} s; this node "
+            "does not host it (--rdzv_conf is_host=false). One node must host the store: set is_host=true on "
+            "the endpoint's node, or leave is_host unset so the endpoint's host is inferred."], text[-3000:]
+        assert not CPP_NOISE.search(text) and "Traceback" not in text, text[-3000:]
+        # the notice while it waits names the same deadline
+        assert f"still waiting for the job's store host 127.0.1.1:{port} after 5 s (giving up after {join} s)" in text
+
+
+def test_tierrun_etcd_when_no_node_may_host_the_store_says_why_and_names_store_port(tmp_path):
+    """Node 127.0.1.1 is told is_host=false; 127.0.1.2 may host, but its store_port is
+    taken: round 0 picks it, its store cannot start, the round re-forms with both as
+    clients, and no round can close. Each node ends after join_timeout naming why the
+    nodes it sees may not host, and the setting to change: store_port (not --master_port). The
+    first to give up does not close the job on the other (it was never a member of a
+    round): both say they timed out, not "was closed while node ... waited"."""
+    server = EtcdServer(tmp_path / "etcd-data").start()
+    taken = socket.socket()
+    taken.bind(("0.0.0.0", free_port()))
+    taken.listen()
+    busy = taken.getsockname()[1]
+    join = 10
+    logs = [tmp_path / f"node{k}.log" for k in range(2)]
+    confs = ["is_host=false", f"store_port={busy}"]
+    try:
+        procs = [tierrun("--nnodes", 2, "--nproc_per_node", 1, "--rdzv_backend", "tierrun-etcd",
+                         "--rdzv_endpoint", server.endpoint, "--rdzv_id", "no-etcd-host",
+                         "--rdzv_conf", f"{confs[k]},join_timeout={join},last_call_timeout=1",
+                         "--local_addr", f"127.0.1.{k + 1}", SCRIPTS / "sleep_worker.py", log=logs[k])
+                 for k in range(2)]
+        codes = finish(procs, timeout=150)
+    finally:
+        taken.close()
+        server.stop()
+    texts = [log.read_text() for log in logs]
+    assert codes == [1, 1], texts[1][-3000:]
+    why = ["127.0.1.1: --rdzv_conf is_host=false", f"127.0.1.2: its store could not start on store_port {busy}"]
+    errors = [_errors(text) for text in texts]
+    for k, text in enumerate(texts):
+        assert len(errors[k]) == 1, text[-3000:]
+        said = errors[k][0]
+        assert said.startswith(f"tierrun: error: rendezvous 'no-etcd-host' timed out after {join} s on node "
+                               f"127.0.1.{k + 1}: "), said
+        assert "but none of them may host the round's store (" in said and why[k] in said, said
+        assert said.endswith("One node must host it: on one node leave --rdzv_conf is_host unset (or set "
+                             "is_host=true), with a free --rdzv_conf store_port (0, the default, takes any "
+                             "free port)."), said
+        assert "more missing" not in text and "--master_port" not in text, text[-3000:]
+    # the first to give up names both nodes and why; the other may find it gone by then
+    # (it left: its lease revoked), and names what it still sees
+    assert any("2 node(s) arrived (" in e[0] and "enough for --nnodes 2:2" in e[0] and all(w in e[0] for w in why)
+               for e in errors), errors
+    # the node whose store could not start said so when it happened, naming the setting
+    assert (f"could not start the job's store on port {busy} of this node (port {busy} is taken). Pick a "
+            "free port with --rdzv_conf store_port=N (0, the default: any free port)") in texts[1], texts[1][-3000:]

@@ -1,0 +1,43 @@
+"""Which node of a ``tierrun-etcd`` round hosts its store: the rank-0 node, chosen by
+each node's ``is_host`` and why a node may not host (told so, or its store could not
+start), as every node's arrival descriptor in etcd records them."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Sequence
+
+from .etcd_client import KeyValue
+
+#: ``is_host`` -> the order in which nodes are chosen to host a round's store
+HOST_PREFERENCE = {True: 0, None: 1, False: 2}
+#: the setting a node that cannot start a round's store is told to change
+PORT_SETTING = "--rdzv_conf store_port=N (0, the default: any free port)"
+
+
+def descriptor(node_id: str, addr: str, prev_rank: int, prev_round: int, pid: int,
+               is_host: bool | None, no_host: str | None) -> bytes:
+    """A node's arrival in a round: ``no_host`` says why it may not host (None: it may)."""
+    return json.dumps({"id": node_id, "addr": addr, "prev_rank": prev_rank, "prev_round": prev_round,
+                       "pid": pid, "host": HOST_PREFERENCE[is_host], "no_host": no_host}).encode()
+
+
+def in_rank_order(kvs: Sequence[KeyValue], max_nodes: int) -> list[dict]:
+    """The first ``max_nodes`` arrivals in rank order. Rank 0 hosts the store: nodes
+    that must host first, those that may not last; then by rank in the previous round,
+    then by arrival (etcd's create revision)."""
+    arrivals = (dict(json.loads(kv.value), rev=kv.create_revision) for kv in kvs)
+    return sorted(arrivals, key=lambda a: (a.get("host", 1), a["prev_rank"] if a["prev_rank"] >= 0 else 1 << 30,
+                                           a["rev"]))[:max_nodes]
+
+
+def may_not_host(arrivals: list[dict]) -> list[tuple[str, str]]:
+    """(address, why) of each of ``arrivals`` that may not host the round's store."""
+    return [(a["addr"], a.get("no_host") or "may not host") for a in arrivals
+            if a.get("host", 1) == HOST_PREFERENCE[False]]
+
+
+def none_may_host(no_host: list[tuple[str, str]]) -> str:
+    """Says that none of the nodes of a round may host its store, and why each may not."""
+    return (f"none of the {len(no_host)} nodes that joined may host the store (" +
+            "; ".join(f"{addr}: {why}" for addr, why in no_host) + ")")

@@ -1,0 +1,30 @@
+"""What the elastic backends (``tierrun``, ``tierrun-etcd``) say when a rendezvous times
+out: one line, with who arrived, what was missing and what to do."""
+
+from __future__ import annotations
+
+
+def join_timeout_message(run_id: str, node_addr: str, join_timeout: float, arrived: list[str],
+                         min_nodes: int, max_nodes: int,
+                         no_host: list[tuple[str, str]] | None = None) -> str:
+    """What a node that waited ``join_timeout`` for a round that did not close reports.
+    ``arrived``: the addresses of the nodes that joined it; ``no_host`` (``tierrun-etcd``,
+    whose rounds need a node that may host their store): (address, why it may not) of
+    each arrived node that may not host it."""
+    head = (f"rendezvous '{run_id}' timed out after {join_timeout:.0f} s on node {node_addr}: "
+            f"{len(arrived)} node(s) arrived ({', '.join(arrived)})")
+    nnodes = f"--nnodes {min_nodes}:{max_nodes}"
+    missing = min_nodes - len(arrived)
+    if no_host and len(no_host) == len(arrived):  # (whoever else came, a round could not close)
+        why = "; ".join(f"{addr}: {reason}" for addr, reason in no_host)
+        need = f"enough for {nnodes}" if missing <= 0 else f"{missing} fewer than {nnodes} needs"
+        return (f"{head}, {need}, but none of them may host the round's store ({why}). One node must "
+                "host it: on one node leave --rdzv_conf is_host unset (or set is_host=true), with a free "
+                "--rdzv_conf store_port (0, the default, takes any free port).")
+    if missing <= 0:
+        return (f"{head}, enough for {nnodes}, but the round did not close before the timeout. Raise "
+                "--rdzv_conf join_timeout=SECONDS (above last_call_timeout, which a round waits for "
+                "more nodes once it has the minimum).")
+    return (f"{head}, at least {min_nodes} needed ({nnodes}); {missing} more missing. Start tierrun on "
+            "the missing nodes with the same --rdzv_endpoint and --rdzv_id, lower --nnodes, or raise "
+            "--rdzv_conf join_timeout=SECONDS.")
