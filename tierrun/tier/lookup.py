@@ -26,13 +26,16 @@ from ..protocol.requests import encode_request
 _u64 = struct.Struct("<Q")
 
 
-def read_over_link(address: tuple[str, int], token: bytes, key: bytes, timeout: float) -> bytes:
+def read_over_link(address: tuple[str, int], token: bytes, key: bytes, timeout: float,
+                   source: str | None = None) -> bytes:
     """The value of ``key`` (as stored: torch's clients add a leading ``/``), once it is
-    set. Blocks up to ``timeout`` seconds in all. Raises ``OSError`` (unreachable; a
+    set, connecting from the local address ``source`` if given. Blocks up to ``timeout``
+    seconds in all. Raises ``OSError`` (unreachable; a
     ``TimeoutError`` past ``timeout``), ``LinkError`` (refused: wrong token, another
     version), or ``LookupError`` if the store host fails the request."""
     deadline = time.monotonic() + timeout
-    with socket.create_connection(address, timeout=timeout) as sock:
+    with socket.create_connection(address, timeout=timeout,
+                                  source_address=None if source is None else (source, 0)) as sock:
         sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
         handshake = ClientHandshake(token, secrets.token_bytes(SESSION_ID_BYTES), True, Ledger(1 << 20, 1 << 30))
         decoder = FrameDecoder(handshake.max_frame)
