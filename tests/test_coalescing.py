@@ -416,9 +416,11 @@ def test_a_clients_own_repeated_writes_are_not_held():
     run(main())
 
 
-def test_sets_and_gets_of_distinct_keys_fold_into_one_multi_set_and_one_multi_get():
+def test_sets_fold_per_client_and_gets_of_distinct_keys_into_one_multi_get():
     """torch's rank assignment: each agent SETs a key of its own, later GETs another of
-    its own. A batch of them reaches the core as one MULTI_SET / one MULTI_GET."""
+    its own. A batch of them reaches the core as one operation per SET (one client's
+    SETs fold into one MULTI_SET: a fold the store host refuses fails every writer in
+    it, so never another client's) and one MULTI_GET."""
     async def main():
         core = StoreCore()
         link, stats = await linked(core)
@@ -426,14 +428,17 @@ def test_sets_and_gets_of_distinct_keys_fold_into_one_multi_set_and_one_multi_ge
         clients = [Client() for _ in range(8)]
         for i, c in enumerate(clients):
             view.execute((Op.SET, f"/role/{i}".encode(), f"r{i}".encode()), c)
+        view.execute((Op.SET, b"/own/0", b"x"), clients[0])  # (a new fold: the latest is clients[7]'s)
+        view.execute((Op.SET, b"/own/1", b"y"), clients[0])  # joins it
         await settle()
-        assert stats.operations == 1 and link.stats.folded_sets == 7
-        assert core.snapshot() == {f"/role/{i}".encode(): f"r{i}".encode() for i in range(8)}
+        assert stats.operations == 9 and link.stats.folded_sets == 1
+        assert core.snapshot() == {**{f"/role/{i}".encode(): f"r{i}".encode() for i in range(8)},
+                                   b"/own/0": b"x", b"/own/1": b"y"}
         for i, c in enumerate(clients):
             view.execute((Op.GET, f"/role/{7 - i}".encode()), c)
         view.execute((Op.GET, b"/role/3"), extra := Client())  # identical to one folded: merged
         await settle()
-        assert stats.operations == 2 and link.stats.folded_gets == 7 and link.stats.merged_reads == 1
+        assert stats.operations == 10 and link.stats.folded_gets == 7 and link.stats.merged_reads == 1
         assert [c.replies for c in clients] == [[value(f"r{7 - i}".encode())] for i in range(8)]
         assert extra.replies == [value(b"r3")]
         assert link.stats.ids_opened == 1  # one namespace
@@ -494,19 +499,19 @@ def test_a_client_request_never_joins_one_placed_before_its_own_earlier_request(
 
 
 def test_a_clients_adds_join_its_run_and_multi_sets_fold():
-    """A client's ADDs join a run they are already in (their answers leave in order); a
-    lower front-end's MULTI_SET joins the SET fold. The core sees one ADD and one
-    MULTI_SET, and every answer is in-order execution's."""
+    """A client's ADDs join a run they are already in (their answers leave in order); its
+    MULTI_SET joins its SET fold. The core sees one ADD and one MULTI_SET, and every
+    answer is in-order execution's."""
     async def main():
         core = StoreCore()
         link, stats = await linked(core)
         view = link.view()
         first, lower = Client(), Client()
         view.execute((Op.SET, b"/role/0", b"r0"), first)
+        view.execute((Op.MULTI_SET, (b"/role/1", b"/role/2"), (b"r1", b"r2")), first)
         view.execute((Op.ADD, b"/init", 1), first)
         view.execute((Op.ADD, b"/init", 3), lower)
         view.execute((Op.ADD, b"/init", 2), lower)
-        view.execute((Op.MULTI_SET, (b"/role/1", b"/role/2"), (b"r1", b"r2")), Client())
         view.execute((Op.GET, b"/role/2"), lower)
         await settle()
         assert first.replies == [struct.pack("<q", 1)]
@@ -517,7 +522,7 @@ def test_a_clients_adds_join_its_run_and_multi_sets_fold():
         # a SET fold takes no MULTI_SET of a key touched since the fold's place
         view.execute((Op.SET, b"/role/3", b"r3"), first)
         view.execute((Op.GET, b"/role/4"), Client())
-        view.execute((Op.MULTI_SET, (b"/role/4", b"/role/5"), (b"x", b"y")), Client())
+        view.execute((Op.MULTI_SET, (b"/role/4", b"/role/5"), (b"x", b"y")), first)
         await settle()
         assert link.stats.folded_sets == 2
 
@@ -544,8 +549,9 @@ def test_a_set_keeps_its_clients_later_requests_behind_it():
         view.execute((Op.SET, b"/flag", b"1"), writer)
         view.execute((Op.GET, b"/k2"), writer)
         await settle()
-        # (the writer's first SET joins the fold: it passes nothing of its own)
-        assert link.stats.merged_reads == 0 and link.stats.folded_sets == 1
+        # (the writer's SETs fold together, in its order, at its first one's place; not
+        # into another client's fold)
+        assert link.stats.merged_reads == 0 and link.stats.folded_sets == 2
         view.execute((Op.ADD, b"/n", 1), other)
         view.execute((Op.SET, b"/x", b"1"), writer)
         view.execute((Op.ADD, b"/n", 1), writer)

@@ -67,17 +67,20 @@ CASES = {
     "APPENDs up to exactly the value limit still merge": (
         [("a", (APPEND, b"k", b"x" * (4 * MiB))), ("b", (APPEND, b"k", b"y" * (4 * MiB)))],
         [((APPEND, b"k", b"x" * (4 * MiB) + b"y" * (4 * MiB)), [], [])]),
-    "SETs of distinct keys fold into one MULTI_SET": (
-        [("a", (SET, b"x", b"1")), ("b", (SET, b"y", b"2"))],
+    "a client's SETs of distinct keys fold into one MULTI_SET": (
+        [("a", (SET, b"x", b"1")), ("a", (SET, b"y", b"2"))],
         [((MULTI_SET, (b"x", b"y"), (b"1", b"2")), [], [])]),
+    "two clients' SETs do not fold (a refused fold fails every write in it)": (
+        [("a", (SET, b"x", b"1")), ("b", (SET, b"y", b"2")), ("a", (SET, b"z", b"3"))],
+        [((SET, b"x", b"1"), [], []), ((SET, b"y", b"2"), [], []), ((SET, b"z", b"3"), [], [])]),
     "a SET of a key already set in the batch starts a new op": (
         [("a", (SET, b"x", b"1")), ("b", (SET, b"x", b"2"))],
         [((SET, b"x", b"1"), [], []), ((SET, b"x", b"2"), [], [])]),
     "a SET does not fold ahead of GETNUMKEYS": (
         [("a", (SET, b"x", b"1")), ("b", (NUMKEYS,)), ("c", (SET, b"y", b"2"))],
         [((SET, b"x", b"1"), [], []), ((NUMKEYS,), ["b"], []), ((SET, b"y", b"2"), [], [])]),
-    "a lower front-end's MULTI_SET joins the SET fold": (
-        [("a", (SET, b"x", b"1")), ("b", (MULTI_SET, (b"y", b"z"), (b"2", b"3")))],
+    "a MULTI_SET joins its client's SET fold": (
+        [("a", (SET, b"x", b"1")), ("a", (MULTI_SET, (b"y", b"z"), (b"2", b"3")))],
         [((MULTI_SET, (b"x", b"y", b"z"), (b"1", b"2", b"3")), [], [])]),
     "one-key WAITs on distinct keys: one WAITS entry": (
         [("a", (WAIT, (b"x",))), ("b", (WAIT, (b"y",))), ("c", (WAIT, (b"x",)))],
@@ -97,15 +100,15 @@ def test_plan(name):
 LIMIT_CASES = {
     "a SET fold holds at most max_fold keys": (
         PlanLimits(max_fold=2),
-        [(c, (SET, c.encode(), b"v")) for c in "abcde"],
+        [("a", (SET, c.encode(), b"v")) for c in "abcde"],
         [2, 2, 1]),
     "a SET fold holds at most max_keys keys": (
         PlanLimits(max_keys=3),
-        [(c, (SET, c.encode(), b"v")) for c in "abcde"],
+        [("a", (SET, c.encode(), b"v")) for c in "abcde"],
         [3, 2]),
     "a SET fold holds at most max_request_bytes": (
         PlanLimits(max_request_bytes=request_size((SET, b"a", b"v" * 40)) + 2 * 16 + 2 * 41),
-        [(c, (SET, c.encode(), b"v" * 40)) for c in "abcde"],
+        [("a", (SET, c.encode(), b"v" * 40)) for c in "abcde"],
         [3, 2]),
     "a MULTI_GET fold's answer fits in a frame whatever the values": (
         PlanLimits(max_value_bytes=1000, max_frame_bytes=2 * 3 * 1040),

@@ -10,8 +10,11 @@ from ..frontend import FrontEndConfig
 from ..protocol import Limits
 
 
-def store_parser(prog: str, description: str, default_host: str | None, default_port: int) -> argparse.ArgumentParser:
-    """A parser of the options every store process shares; each command adds its own."""
+def store_parser(prog: str, description: str, default_host: str | None, default_port: int,
+                 holds_keys: bool = True) -> argparse.ArgumentParser:
+    """A parser of the options every store process shares; each command adds its own.
+    Without ``holds_keys`` (a proxy: the store host holds the keys), no store budgets:
+    given one, argparse says it is not an option of that command instead of ignoring it."""
     p = argparse.ArgumentParser(prog=prog, description=description)
     p.add_argument("--host", default=default_host,
                    help=f"address to listen on (default: {default_host or 'all, dual-stack'})")
@@ -25,14 +28,15 @@ def store_parser(prog: str, description: str, default_host: str | None, default_
                    help="most keys in one request (default: %(default)s)")
     p.add_argument("--max-request-bytes", type=int, default=d.max_request_bytes,
                    help="largest request (default: %(default)s)")
-    p.add_argument("--max-store-bytes", type=int, default=None,
-                   help="budget of the bytes of keys and values the store holds: a write past it is refused and "
-                   "its client closed, as torch's server closes a client whose request fails (default: "
-                   f"$TIERRUN_MAX_STORE_BYTES, else {d.max_store_bytes}, 1 GiB)")
-    p.add_argument("--max-store-keys", type=int, default=None,
-                   help="budget of keys, queues and queued values the store holds, as --max-store-bytes "
-                   f"(default: $TIERRUN_MAX_STORE_KEYS, else {d.max_store_keys}; a LIST_KEYS of them all "
-                   "takes ~1 s)")
+    if holds_keys:
+        p.add_argument("--max-store-bytes", type=int, default=None,
+                       help="budget of the bytes of keys and values the store holds: a write past it is refused "
+                       "and its client closed, as torch's server closes a client whose request fails (default: "
+                       f"$TIERRUN_MAX_STORE_BYTES, else {d.max_store_bytes}, 1 GiB)")
+        p.add_argument("--max-store-keys", type=int, default=None,
+                       help="budget of keys, queues and queued values the store holds, as --max-store-bytes "
+                       f"(default: $TIERRUN_MAX_STORE_KEYS, else {d.max_store_keys}; a LIST_KEYS of them all "
+                       "takes ~1 s)")
     p.add_argument("--max-reply-bytes", type=int, default=d.max_reply_bytes,
                    help="largest answer to one request (MULTI_GET, LIST_KEYS), checked before it is built "
                    "(default: %(default)s, 136 MiB)")
@@ -54,8 +58,8 @@ def frontend_config(args: argparse.Namespace) -> FrontEndConfig:
         max_value_bytes=args.max_value_bytes,
         max_keys_per_request=args.max_keys_per_request,
         max_request_bytes=args.max_request_bytes,
-        max_store_bytes=args.max_store_bytes,
-        max_store_keys=args.max_store_keys,
+        max_store_bytes=getattr(args, "max_store_bytes", Limits.max_store_bytes),
+        max_store_keys=getattr(args, "max_store_keys", Limits.max_store_keys),
         max_reply_bytes=args.max_reply_bytes,
         max_unread_bytes=args.max_unread_bytes,
     )
@@ -69,9 +73,9 @@ def parse_store_args(p: argparse.ArgumentParser, argv: list[str], max_store_byte
     error (status 2) naming the flag to change if the limits are inconsistent."""
     args = p.parse_args(argv)
     d = Limits()
-    if args.max_store_bytes is None:
+    if getattr(args, "max_store_bytes", 0) is None:
         args.max_store_bytes = max_store_bytes or d.max_store_bytes
-    if args.max_store_keys is None:
+    if getattr(args, "max_store_keys", 0) is None:
         args.max_store_keys = max_store_keys or d.max_store_keys
     problem = frontend_config(args).limits.problem()
     if problem:

@@ -135,7 +135,7 @@ def store_main(argv: list[str]) -> int:
 def proxy_main(argv: list[str]) -> int:
     p = store_parser("tierrun proxy", "Run a node front-end: local clients in, one authenticated "
                      "link to the store host out. The job token comes from --token-fd, $TIERRUN_TOKEN "
-                     "or $TIERRUN_TOKEN_FILE.", "127.0.0.1", 0)
+                     "or $TIERRUN_TOKEN_FILE.", "127.0.0.1", 0, holds_keys=False)
     p.add_argument("--upstream", required=True, help="the store host, HOST:PORT")
     p.add_argument("--connect-timeout", type=float, default=60.0)
     p.add_argument("--link-listen", default=None, metavar="HOST:PORT",

@@ -9,10 +9,11 @@ Within a batch:
   one ADD of the sum (wrapped to int64, as torch's server adds); the i-th caller gets
   ``final - sum + prefix_i``, exactly what sequential execution returns; consecutive
   APPENDs to one key, one APPEND of the concatenation (APPEND has no answer);
-- SETs (and MULTI_SETs: a lower front-end's folds) of distinct keys fold into one
-  MULTI_SET, GETs of distinct keys into one MULTI_GET whose values are handed out, and
-  one-key WAITs on distinct keys into one WAITS link entry (each still waits, and is
-  answered, on its own), run where the fold's first request stands.
+- one client's SETs (and MULTI_SETs) of distinct keys fold into one MULTI_SET (only
+  one's: the store host refuses a fold past its budget whole, failing every writer),
+  GETs of distinct keys into one MULTI_GET whose values are handed out, and one-key
+  WAITs on distinct keys into one WAITS link entry (each still waits, and is answered,
+  on its own), run where the fold's first request stands.
   A request joins a fold only if it commutes with everything it moves ahead of: no
   request on its key (a GET or WAIT: no write to it; a SET: no request at all, nor a
   GETNUMKEYS or LIST_KEYS, whose answer a new key changes) since the fold's place.
@@ -28,9 +29,8 @@ store host accepts, or (a MULTI_GET) could answer with more than a link frame ho
 is closed and the request starts a new one. Planned with the store host's limits, a
 merged request is refused only if one of its requests alone would be.
 
-Reads that watch their key (see :mod:`.watches`) come marked: ``(WATCH_MARK, request,
-watcher)`` and the like; they merge only with their like. Cost: O(keys of the batch's
-requests), a few dict operations per key.
+Reads that watch their key (:mod:`.watches`) come marked, ``(WATCH_MARK, request,
+watcher)`` and the like, and merge only with their like. O(keys of the batch).
 """
 
 from __future__ import annotations
@@ -55,9 +55,7 @@ ENTRY_KIND = {WATCH_MARK: 0, FETCH_MARK: WATCHES, FETCH_AFTER_WRITES_MARK: FETCH
 _DEDUP_OPS = frozenset({Op.WAIT, Op.CHECK, Op.GET, Op.MULTI_GET, Op.GETNUMKEYS, Op.QUEUE_LEN})
 #: Pseudo-key touched by every write: GETNUMKEYS and LIST_KEYS depend on all keys.
 ALL_KEYS = b"\x00*"
-#: Encoded bytes a request spends besides its keys and values (opcode, counts, lengths).
-_REQUEST_HEAD = 9
-_ITEM_HEAD = 8
+_REQUEST_HEAD, _ITEM_HEAD = 9, 8  # encoded bytes of a request besides its items, of an item
 
 
 @dataclass(frozen=True)
@@ -66,14 +64,12 @@ class PlanLimits:
     (a proxy plans with the limits the store host announced when it linked, else its
     own), and the link's largest frame."""
 
-    #: Most requests (keys, in a SET fold) in one fold.
-    max_fold: int = 1024
+    max_fold: int = 1024  # most requests (keys, in a SET fold) in one fold
     max_keys: int = Limits.max_keys_per_request
     max_key_bytes: int = Limits.max_key_bytes
     max_value_bytes: int = Limits.max_value_bytes
     max_request_bytes: int = Limits.max_request_bytes
-    #: Most bytes of a link frame; a MULTI_GET fold's answer (up to ``max_value_bytes``
-    #: a key) must fit one.
+    #: Most bytes of a link frame: a MULTI_GET fold's answer must fit one.
     max_frame_bytes: int = DEFAULT_MAX_FRAME
     #: Largest answer the store host gives one request: a MULTI_GET fold's must not pass it.
     max_reply_bytes: int = Limits.max_reply_bytes
@@ -224,7 +220,8 @@ def plan_batch(pending: list[tuple[Any, bytes, Request]], limits: PlanLimits = P
 
 
 class _Planner:
-    __slots__ = ("limits", "plan", "open_reads", "reads_on", "runs", "folds", "last_touch", "last_write", "last")
+    __slots__ = ("limits", "plan", "open_reads", "reads_on", "runs", "folds", "last_touch", "last_write", "last",
+                 "set_joined")
 
     def __init__(self, limits: PlanLimits) -> None:
         self.limits = limits
@@ -236,6 +233,7 @@ class _Planner:
         self.last_touch: dict[tuple[bytes, bytes], int] = {}  # (ns, key): place of the last request on it
         self.last_write: dict[tuple[bytes, bytes], int] = {}
         self.last = -1  # place of the batch's last request (nothing after it needs its keys noted)
+        self.set_joined: dict[bytes, int] = {}  # ns: place of the last write in its SET fold
 
     def touched(self, ns: bytes, keys, write: bool) -> None:
         # (O(keys) only while an ADD run or a read is open)
@@ -432,11 +430,13 @@ class _Planner:
         plan.ops.append(u)
 
     def set(self, i: int, since: int, ns: bytes, req: Request, waiter: Any) -> None:
-        """A SET, or a MULTI_SET (a lower front-end's fold joins ours)."""
+        """A SET, or a MULTI_SET: folded with the same waiter's only (a fold the store host
+        refuses, past its budget, fails every write in it: one client's, not a neighbour's)."""
         keys = keys_of(req)
         f = self.folds.get((Op.SET, ns))
         last_touch = self.last_touch
-        joins = (f is not None and since < f.pos and last_touch.get((ns, ALL_KEYS), -1) < f.pos
+        joins = (f is not None and f.writers[0] is waiter  # type: ignore[index]
+                 and (since < f.pos or since == self.set_joined[ns]) and last_touch.get((ns, ALL_KEYS), -1) < f.pos
                  and all(last_touch.get((ns, k), -1) < f.pos for k in keys))
         if joins:
             fold = f.fold or Fold(f)  # type: ignore[union-attr]
@@ -459,10 +459,12 @@ class _Planner:
             fold.size += size
             f.writers.append(waiter)  # type: ignore[union-attr]
             self.plan.counts.folded_sets += len(keys)
+            self.set_joined[ns] = i
             return
         u = UpOp(req, ns, None, i)
         u.writers = [waiter]
         self.folds[(Op.SET, ns)] = u
+        self.set_joined[ns] = i
         self.plan.ops.append(u)
 
 
