@@ -295,3 +295,41 @@ def test_long_scans_never_stall_the_store_host_past_the_link_heartbeat_timeout()
         n.still_served(bystander)
     finally:
         n.close()
+
+
+@pytest.mark.parametrize("tiered", [False, True], ids=["flat", "tiered"])
+def test_unfinished_requests_past_the_budget_close_the_connection_that_passes_it(tiered):
+    """Clients that each send most of a large SET and stop (the store host holds what
+    came, to finish the request later): their bytes count against one budget per
+    process (--max-unfinished-bytes); the one whose request takes the total past it
+    is closed, with the reason logged; those within it and a bystander are served."""
+    limits = ("--max-value-bytes", str(4 * MiB), "--max-request-bytes", str(8 * MiB),
+              "--max-reply-bytes", str(5 * MiB), "--max-unread-bytes", str(7 * MiB),
+              "--max-unfinished-bytes", str(10 * MiB))
+    n = Node(tiered, limits)
+    try:
+        if n.proxy is not None:  # (the proxy's own budget, as the store host's)
+            n.proxy.stop()
+            n.proxy = StoreProcess(host="127.0.0.1", port=0, command="proxy", env=ENV, controlled=True,
+                                   extra_args=["--upstream", f"127.0.0.1:{n.root.port}", *limits])
+            n.proxy.start()
+            n.front, n.port = n.proxy, n.proxy.port
+        bystander = n.torch_client()
+        whole = encode_request((Op.SET, b"/big", b"v" * (4 * MiB)))
+        part, rest = whole[: 3 * MiB + MiB // 2], whole[3 * MiB + MiB // 2:]
+        held = []
+        for _ in range(2):  # (7 MiB held: within the budget)
+            sock = adversary(n.port)
+            sock.sendall(part)
+            held.append(sock)
+        time.sleep(0.5)
+        third = adversary(n.port)
+        send_until_closed(third, part)
+        assert closed_by_server(third)
+        assert "--max-unfinished-bytes" in wait_for_log(n.front, "unfinished request")
+        for sock in held:  # (still open: they may finish their requests)
+            sock.sendall(rest + encode_request((Op.PING, 9)))
+            assert sock.recv(4, socket.MSG_WAITALL) == b"\t\x00\x00\x00"
+        n.still_served(bystander)
+    finally:
+        n.close()

@@ -51,6 +51,8 @@ class ConnectionOwner(Protocol):
     links_only: bool
     #: Who may connect on a Unix socket (SO_PEERCRED's uid).
     unix_uids: frozenset[int]
+    #: Bytes held for unfinished requests, all its connections together.
+    unfinished: int
 
     def admit(self, conn: ClientConnection) -> bool:
         """Count ``conn`` as a client; False: refused (it is closed at once)."""
@@ -93,7 +95,8 @@ class ClientConnection(asyncio.Protocol):
     """
 
     __slots__ = ("_frontend", "_upstream", "_parser", "_transport", "peer", "closed", "_sniff", "_gate",
-                 "_backlog", "_writing_paused", "_owed", "_out", "_limits", "_write_room", "_fence", "_unconfirmed", "_swallow")
+                 "_backlog", "_writing_paused", "_owed", "_out", "_limits", "_write_room", "_fence", "_unconfirmed", "_swallow",
+                 "_unfinished")
 
     def __init__(self, frontend: ConnectionOwner) -> None:
         self._frontend = frontend
@@ -116,6 +119,7 @@ class ClientConnection(asyncio.Protocol):
         self._fence = False
         self._unconfirmed = False  # writes went upstream, no later answer came yet
         self._swallow = False  # the fence's answer is _SYNC's: not the client's
+        self._unfinished = 0  # bytes its parser holds for a request not complete yet
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         self._transport = transport  # type: ignore[assignment]
@@ -154,6 +158,9 @@ class ClientConnection(asyncio.Protocol):
             requests = self._parser.feed(data)
         except ProtocolError as e:  # (those before it first; reading stops with the stand-in)
             requests = e.requests + [(_INVALID, f"invalid request: {e}")]
+        held = self._parser.held
+        if (held or self._unfinished) and not self._account_unfinished(held):
+            return
         if not requests:
             return
         if self._backlog or self._fence:
@@ -162,6 +169,20 @@ class ClientConnection(asyncio.Protocol):
             self._transport.pause_reading()
             return
         self._serve(requests)
+
+    def _account_unfinished(self, held: int) -> bool:
+        """Count the bytes held for this connection's unfinished request in its
+        front-end's total; past ``limits.max_unfinished_bytes``, close it if it holds
+        more than 1 MiB (False). O(1): only on reads that end inside a request."""
+        frontend = self._frontend
+        frontend.unfinished += held - self._unfinished
+        self._unfinished = held
+        if held > (1 << 20) and frontend.unfinished > self._limits.max_unfinished_bytes:
+            self.drop(f"its unfinished request holds {held:,} bytes, and this store's unfinished requests "
+                      f"{frontend.unfinished:,}, past the limit (--max-unfinished-bytes) of "
+                      f"{self._limits.max_unfinished_bytes:,}")
+            return False
+        return True
 
     def _behind(self) -> bool:
         """Has the client sent a link upstream requests whose effect or answer a PING's
@@ -352,6 +373,8 @@ class ClientConnection(asyncio.Protocol):
 
     def connection_lost(self, exc: Exception | None) -> None:
         self.closed = True
+        self._frontend.unfinished -= self._unfinished
+        self._unfinished = 0
         self._upstream.forget(self)
         self._frontend.release(self)
 

@@ -53,6 +53,7 @@ class FrontEnd:
         self.unix_uids = self.config.unix_uids
         self.connections: set[ClientConnection] = set()
         self.accepted = 0
+        self.unfinished = 0  # bytes held for requests being received (see ClientConnection)
         self.refused = 0
         #: Connections that turned out to be links, still open (counted as connections).
         self.links_open = 0

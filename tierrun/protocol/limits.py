@@ -38,6 +38,12 @@ class Limits:
     #: its largest). Past ~1 MiB of them its next requests wait until it reads (flow
     #: control); past this budget it is closed. At least ``max_reply_bytes`` + 1 MiB.
     max_unread_bytes: int = 144 * MiB
+    #: Per front-end process (the store host, a proxy): bytes held for requests being
+    #: received and not complete yet, all connections together. A connection whose
+    #: unfinished request takes the total past it is closed (a client that sends most
+    #: of a large request and stops holds its bytes: one MULTI_SET may be
+    #: ``max_request_bytes``). At least ``max_request_bytes``.
+    max_unfinished_bytes: int = 512 * MiB
 
     def within(self, other: Limits) -> Limits:
         """Each size limit the smaller of this one's and ``other``'s: what a front-end
@@ -56,6 +62,9 @@ class Limits:
         if self.max_reply_bytes < self.max_value_bytes + 64:
             return (f"{_flag('max_reply_bytes')} {self.max_reply_bytes} is below the answer to a GET of the "
                     f"largest value ({_flag('max_value_bytes')} {self.max_value_bytes}, plus 64): raise it")
+        if self.max_unfinished_bytes < self.max_request_bytes:
+            return (f"{_flag('max_unfinished_bytes')} {self.max_unfinished_bytes} is below one request's "
+                    f"({_flag('max_request_bytes')} {self.max_request_bytes}): raise it")
         if self.max_unread_bytes < self.max_reply_bytes + MiB:
             return (f"{_flag('max_unread_bytes')} {self.max_unread_bytes} leaves no room for the largest "
                     f"answer ({_flag('max_reply_bytes')} {self.max_reply_bytes}) plus 1 MiB: raise it")

@@ -208,7 +208,7 @@ class RequestParser:
 
     __slots__ = (
         "_limits", "_buf", "_numbering", "_op", "_plan", "_step", "_args",
-        "_items", "_remaining", "_request_bytes",
+        "_items", "_remaining", "_request_bytes", "_items_bytes",
     )
 
     def __init__(self, limits: Limits | None = None, numbering: str | None = None) -> None:
@@ -223,6 +223,7 @@ class RequestParser:
         self._items: list = []  # keys (or keys and values, in turn) of a _KEYS/_PAIRS field so far
         self._remaining = -1  # items still to read in a _KEYS/_PAIRS field; -1: count unread
         self._request_bytes = 0  # bytes of the current request consumed so far
+        self._items_bytes = 0  # bytes of the keys and values in _items
 
     @property
     def is_legacy(self) -> bool:
@@ -233,6 +234,12 @@ class RequestParser:
     def buffered(self) -> int:
         """Bytes received but not yet consumed by a complete field."""
         return len(self._buf)
+
+    @property
+    def held(self) -> int:
+        """Bytes held for the request being received: what is buffered, and the keys
+        and values of a multi-key request parsed so far. O(1)."""
+        return len(self._buf) + self._items_bytes
 
     def feed(self, data: bytes) -> list[Request]:
         out: list[Request] = []
@@ -375,6 +382,7 @@ class RequestParser:
             if q > size:
                 break
             append(data[p + 8 : q])
+            self._items_bytes += q - p
             p = q
             j += 1
             remaining -= 1
@@ -388,6 +396,7 @@ class RequestParser:
         else:
             self._args.append(tuple(items))
         self._items = []
+        self._items_bytes = 0
         self._remaining = -1
         return pos, True
 

@@ -44,6 +44,9 @@ def store_parser(prog: str, description: str, default_host: str | None, default_
                    help="per client connection: most bytes of answers it has not read, counting those still "
                    "to come, before it is closed; past 1 MiB its requests wait until it reads (default: "
                    "%(default)s, 144 MiB)")
+    p.add_argument("--max-unfinished-bytes", type=int, default=d.max_unfinished_bytes,
+                   help="most bytes held for requests being received, all connections together: a connection "
+                   "whose unfinished request takes the total past it is closed (default: %(default)s, 512 MiB)")
     p.add_argument("--max-connections", type=int, default=FrontEndConfig().max_connections)
     p.add_argument("--control-stdin", action="store_true",
                    help="take commands on stdin (used by the launcher) and stop when stdin closes")
@@ -62,6 +65,7 @@ def frontend_config(args: argparse.Namespace) -> FrontEndConfig:
         max_store_keys=getattr(args, "max_store_keys", Limits.max_store_keys),
         max_reply_bytes=args.max_reply_bytes,
         max_unread_bytes=args.max_unread_bytes,
+        max_unfinished_bytes=args.max_unfinished_bytes,
     )
     return FrontEndConfig(limits=limits, max_connections=args.max_connections)
 
@@ -96,6 +100,7 @@ def frontend_arguments(config: FrontEndConfig, log_level: str) -> list[str]:
         "--max-store-keys", str(limits.max_store_keys),
         "--max-reply-bytes", str(limits.max_reply_bytes),
         "--max-unread-bytes", str(limits.max_unread_bytes),
+        "--max-unfinished-bytes", str(limits.max_unfinished_bytes),
         "--max-connections", str(config.max_connections),
         "--log-level", log_level,
     ]
