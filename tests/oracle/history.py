@@ -296,6 +296,8 @@ class Generator:
                     size[r[1]] = n
                 elif r[0] in (Op.SET, Op.COMPARE_SET):  # (the value an APPEND would grow)
                     size[r[1]] = size.get(r[1], 0) + request_size(r)
+                elif r[0] == Op.ADD:  # (a number of up to 20 characters)
+                    size[r[1]] = size.get(r[1], 0) + 20
                 elif r[0] == Op.MULTI_SET:
                     for k, v in zip(r[1], r[2]):
                         size[k] = size.get(k, 0) + (v.n if isinstance(v, Big) else len(v)) + 32
