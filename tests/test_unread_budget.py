@@ -38,6 +38,9 @@ class Transport:
     def resume_reading(self):
         self.reading = True
 
+    def can_write_eof(self):
+        return False  # (drop closes at once: see ClientConnection.drop's lingering close)
+
     def close(self):
         self.closed = True
 
@@ -77,6 +80,7 @@ class Gate:
 
 class Owner:
     link_acceptor = None
+    unfinished = 0
 
     def __init__(self, upstream, limits=None, gate=None):
         self.upstream = upstream

@@ -104,6 +104,10 @@ CASES = [
          PROXIES, "reply-order", "torch: the ADD's answer, then the nonce; a proxy: the nonce first"),
     Case("cancel-wait-after-add", H((0, ((Op.ADD, b"", I64_MAX - 1), (Op.CANCEL_WAIT,))), where=(3,)),
          PROXIES, "reply-order"),
+    Case("answer-then-a-value-past-the-limit",
+         H((0, ((Op.ADD, b"/a", I64_MIN + 1), (Op.COMPARE_SET, b"", b"", Big(8 * MiB + 1, b"v")))),),
+         note="(the fuzzer's: closed with 8 MiB unread, the store's socket reset the connection and the ADD's "
+              "answer was lost; a dropped client's connection now closes lingering)"),
     Case("push-then-ping", H((1, ((Op.QUEUE_PUSH, b"/q", b"1"), (Op.PING, 1))), (0, ((Op.QUEUE_POP, b"/q"),)),
                              where=(0, 3)),
          note="(the fuzzer's: the PING's answer came before the push reached the store)"),

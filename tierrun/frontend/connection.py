@@ -38,6 +38,8 @@ _INVALID = -1
 #: most this many bytes of answers (see :mod:`.owed`); past it, it stops reading until
 #: the client reads (flow control).
 REPLY_BUFFER = 1 << 20
+#: Seconds a dropped client's connection is still read (and discarded) before it is closed.
+LINGER = 2.0
 
 
 class ConnectionOwner(Protocol):
@@ -143,6 +145,8 @@ class ClientConnection(asyncio.Protocol):
             transport.abort()
 
     def data_received(self, data: bytes) -> None:
+        if self.closed:  # (dropped: what it still sends is read and discarded, see drop)
+            return
         if self._sniff:
             self._sniff = False
             if data[0] == LINK_MAGIC:
@@ -341,8 +345,21 @@ class ClientConnection(asyncio.Protocol):
             return
         log.warning("closing connection from %s: %s", self.peer, reason)
         self.closed = True
-        assert self._transport is not None
-        self._transport.close()
+        self._frontend.unfinished -= self._unfinished  # (what its parser held goes now)
+        self._unfinished = 0
+        self._parser = RequestParser(self._limits)
+        transport = self._transport
+        assert transport is not None
+        if not transport.can_write_eof():
+            transport.close()
+            return
+        # A lingering close: the answers written go, then a FIN; what the client still
+        # sends is read and discarded for a while. (Closing with bytes unread resets
+        # the connection, and the reset may destroy answers on their way: a client
+        # that pipelined a request past a limit after others lost their answers.)
+        transport.write_eof()
+        transport.resume_reading()
+        asyncio.get_running_loop().call_later(LINGER, transport.close)
 
     def pause_writing(self) -> None:
         assert self._transport is not None
