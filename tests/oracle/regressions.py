@@ -108,6 +108,15 @@ CASES = [
          H((0, ((Op.ADD, b"/a", I64_MIN + 1), (Op.COMPARE_SET, b"", b"", Big(8 * MiB + 1, b"v")))),),
          note="(the fuzzer's: closed with 8 MiB unread, the store's socket reset the connection and the ADD's "
               "answer was lost; a dropped client's connection now closes lingering)"),
+    Case("answers-before-a-failure-while-a-long-request-comes",
+         H((0, ((Op.APPEND, b"/n", b"/a"),)),
+           (0, ((Op.CHECK, (b"/n",)), (Op.ADD, b"/n", -5), (Op.COMPARE_SET, b"/a", Big(4 * MiB, b"w"), b"/a")))),
+         note="torch closes at the failed ADD with 4 MiB unread: its socket resets the connection and the CHECK's "
+              "answer is lost; tierrun's arrives (accepted: sequential._same's sending)"),
+    Case("answer-before-an-out-of-range-add-while-a-long-set-comes",
+         H((0, ((Op.MULTI_SET, (b"/b", b"/a", b""), (b"-", b"2", b"-9223372036854775809")),)),
+           (0, ((Op.COMPARE_SET, b"/a", b"/a", b"1"), (Op.ADD, b"", 3), (Op.SET, b"/a", Big(4 * MiB, b"v"))))),
+         note="the same: std::stoll's out of range closes torch's connection with the SET unread"),
     Case("push-then-ping", H((1, ((Op.QUEUE_PUSH, b"/q", b"1"), (Op.PING, 1))), (0, ((Op.QUEUE_POP, b"/q"),)),
                              where=(0, 3)),
          note="(the fuzzer's: the PING's answer came before the push reached the store)"),
