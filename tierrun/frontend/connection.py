@@ -39,7 +39,7 @@ _INVALID = -1
 #: the client reads (flow control).
 REPLY_BUFFER = 1 << 20
 #: Seconds a dropped client's connection is still read (and discarded) before it is closed.
-LINGER = 2.0
+LINGER = 10.0
 
 
 class ConnectionOwner(Protocol):
@@ -354,7 +354,7 @@ class ClientConnection(asyncio.Protocol):
             transport.close()
             return
         # A lingering close: the answers written go, then a FIN; what the client still
-        # sends is read and discarded for a while. (Closing with bytes unread resets
+        # sends is read and discarded for up to LINGER seconds. (Closing with bytes unread resets
         # the connection, and the reset may destroy answers on their way: a client
         # that pipelined a request past a limit after others lost their answers.)
         transport.write_eof()
