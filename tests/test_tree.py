@@ -146,7 +146,7 @@ def test_a_dead_proxy_in_the_tree_stops_the_static_job_with_a_message(tmp_path):
     """Node 1's proxy carries the links of nodes 2 and 3, and through node 2's node 4's
     (--store-fanout 2). Killed: node 1 reports its lost store, node 0's watchers see
     nodes stop beating, node 2 names its lost parent once its link's grace period ends,
-    and the job stops, no hang. (Workers idle: no collective fails first.)"""
+    node 4 hears it from node 2's relay at once, and the job stops, no hang. (Workers idle: no collective fails first.)"""
     port = free_port()
     logs = [tmp_path / f"node{k}.log" for k in range(5)]
     procs = [tierrun("--nnodes", 5, "--rdzv_backend", "parallel", "--master_addr", "127.0.1.1",
@@ -171,6 +171,8 @@ def test_a_dead_proxy_in_the_tree_stops_the_static_job_with_a_message(tmp_path):
     # node 2 linked through node 1's proxy: it names that, not the store host
     assert "lost its parent in the store tree (node rank 1's proxy" in logs[2].read_text(), \
         logs[2].read_text()[-3000:]
+    # node 4 linked through node 2's relay, which told it why it gave up: no second grace period
+    assert "their relay, the proxy at tcp 127.0.1.3:" in logs[4].read_text(), logs[4].read_text()[-3000:]
     # (nodes 1 to 4 beat through node 1's proxy: whichever is missed first is named)
     assert re.search(r"node rank [1234] \(127\.0\.1\.[2345]\) has not answered", logs[0].read_text())
 

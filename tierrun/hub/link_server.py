@@ -230,13 +230,17 @@ class LinkServer:
             conn.refuse(f"the store host failed handling this link's requests: {error!r}")
         self.expire(session, f"internal error: {error!r}")
 
-    def close(self) -> None:
-        """The store is stopping: drop every link."""
+    def close(self, final: str | None = None) -> None:
+        """The store is stopping: drop every link; with ``final``, tell each why (an ERROR
+        frame: its front-end gives up at once instead of reconnecting for its grace period)."""
         self.gate.close()
         if self._watchdog is not None:
             self._watchdog.cancel()
         for conn in list(self.connections):
-            conn.abort("the store is stopping")
+            if final is not None:
+                conn.refuse(final)
+            else:
+                conn.abort("the store is stopping")
 
 
 class LinkServerConnection(asyncio.Protocol):

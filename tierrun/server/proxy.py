@@ -70,7 +70,8 @@ async def serve_proxy(
         sock = tcp_listen_socket(*link_listen, config.backlog)
         await asyncio.get_running_loop().create_server(
             lambda: links.accept(sniffed=False), sock=sock, backlog=config.backlog)
-        announce(TakingLinks(describe(sock)))
+        where = describe(sock)
+        announce(TakingLinks(where))
 
     def stats() -> dict:
         silence = link.silence()  # (-1: no connection, the link is reconnecting)
@@ -85,7 +86,7 @@ async def serve_proxy(
     try:
         await service.serve(stop)
     finally:
-        if links is not None:
-            links.close()
+        if links is not None:  # (a lost path to the store ends the subtree's at once, with why)
+            links.close(f"their relay, the proxy at {where}, lost its own link: {lost[0]}" if lost else None)
         link.close()
     return LINK_LOST if lost else 0

@@ -328,7 +328,7 @@ class LinkConnection(asyncio.Protocol):
                     ledger.acked(decode_count(payload))
                     link.acked()
                 elif ftype == ERROR:
-                    raise LinkError("the store host ended the link session: " + payload.decode(errors="replace"))
+                    raise LinkError("the other end ended the link session: " + payload.decode(errors="replace"))
                 else:
                     raise LinkError(f"unexpected frame type {ftype}")
         except LinkError as e:
