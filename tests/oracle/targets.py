@@ -127,7 +127,9 @@ class Conn:
                 if not r and not w:
                     raise TimeoutError("the server took no bytes for 10 s")
             except (BrokenPipeError, ConnectionResetError):
-                self._close()
+                # the server closed with our bytes unread (a reset): what it answered
+                # before is still in our receive buffer; read it, as the server sent it
+                self._drain()
                 return
 
     def pump(self) -> bool:
@@ -148,6 +150,17 @@ class Conn:
                 return True
             self.reader.feed(data)
             got = True
+
+    def _drain(self) -> None:
+        """Read what is left to read, then close (the connection is reset or ended)."""
+        self.sock.setblocking(True)
+        self.sock.settimeout(1.0)
+        try:
+            while data := self.sock.recv(1 << 20):
+                self.reader.feed(data)
+        except OSError:
+            pass
+        self._close()
 
     def _close(self) -> None:
         self.closed = True
