@@ -6,14 +6,18 @@ one line. ``tierrun-etcd``: ``is_host`` chooses which nodes may host a round's s
 own torchrun: ``test_torchrun_plugin.py``.)"""
 
 import socket
+import subprocess
+import sys
 import threading
 import time
 
 import pytest
-from torch.distributed.elastic.rendezvous import RendezvousConnectionError, RendezvousParameters
+from torch.distributed.elastic.rendezvous import RendezvousConnectionError, RendezvousError, RendezvousParameters
 
 from etcd_server import EtcdServer
-from launch import free_port
+from launch import SCRIPTS, finish, free_port, tierrun
+from test_no_store_host import CPP_NOISE
+from tierrun import rendezvous
 from tierrun.rendezvous import elastic, etcd as etcd_backend
 from tierrun.settings import Settings
 
@@ -68,7 +72,8 @@ def test_tierrun_backend_an_inferred_host_that_cannot_bind_becomes_a_client():
                                                            is_host="true", **params), Settings.from_env())
         with pytest.raises(RendezvousConnectionError) as e:
             told.next_rendezvous()
-        assert f"could not start the job's store on port {port} of this node (port {port} is taken)" in str(e.value)
+        assert str(e.value).startswith(f"node {socket.gethostname()}: could not start the job's store on port "
+                                       f"{port} (port {port} is taken)"), str(e.value)
         assert "is_host=false" in str(e.value) and "\n" not in str(e.value)
     finally:
         _shutdown(pair)
@@ -109,3 +114,105 @@ def test_tierrun_etcd_is_host_chooses_the_store_host(tmp_path):
         taken.close()
         _shutdown(handlers)
         server.stop()
+
+
+@pytest.mark.parametrize("backend", ["tierrun", "tierrun-etcd"])
+def test_is_host_takes_torchs_spellings_and_names_a_wrong_one(backend):
+    """``is_host`` is read as torch's ``get_as_bool`` reads it (1/0, true/false, yes/no,
+    any case); another value fails naming the node, the setting and what to write, as a
+    ``RendezvousError`` (one line from the tierrun command) and a ``ValueError`` (what
+    torch's backends raise for it)."""
+    endpoint = "127.0.1.1:29400" if backend == "tierrun" else "127.0.1.1:2379"  # (nothing is contacted)
+
+    def create(value: str):
+        return rendezvous.create(backend, RendezvousParameters(
+            backend, endpoint, "spell", 2, 2, local_addr="127.0.1.2", is_host=value), Settings.from_env())
+
+    for value, told in [("1", True), ("True", True), ("yes", True), ("Y", True),
+                        ("0", False), ("FALSE", False), ("no", False)]:
+        handler = create(value)
+        if backend == "tierrun":  # the endpoint names another node: only is_host makes this one host
+            assert handler.job.hosting is told, value
+        else:
+            assert handler._is_host is told, value
+    with pytest.raises(RendezvousError) as e:
+        create("maybe")
+    assert isinstance(e.value, ValueError)
+    assert str(e.value) == (
+        f"node 127.0.1.2: --rdzv_backend {backend}: --rdzv_conf is_host=maybe is not a boolean: write "
+        "is_host=true or is_host=false (torch's spellings: 1/true/t/yes/y or 0/false/f/no/n)")
+
+
+def test_a_wrong_rdzv_conf_value_ends_the_tierrun_command_in_one_line(tmp_path):
+    """Real ``tierrun`` processes: a value that is not a boolean or a number ends the
+    command with exit code 1 and one line, no traceback (before: torch's traceback of a
+    ValueError that named no node, and for join_timeout=abc not the setting either)."""
+    for conf, said in [("is_host=maybe", "--rdzv_conf is_host=maybe is not a boolean: write is_host=true or "
+                                          "is_host=false (torch's spellings: 1/true/t/yes/y or 0/false/f/no/n)"),
+                       ("join_timeout=abc", "--rdzv_conf join_timeout=abc is not a number: write join_timeout=SECONDS")]:
+        out = subprocess.run(
+            [sys.executable, "-m", "tierrun", "--nnodes", "2", "--nproc_per_node", "1", "--rdzv_endpoint",
+             "127.0.1.1:29400", "--rdzv_id", "wrong", "--rdzv_conf", conf, "--local_addr", "127.0.1.2",
+             str(SCRIPTS / "sleep_worker.py")], capture_output=True, text=True, timeout=120)
+        assert out.returncode == 1, out.stderr[-3000:]
+        assert out.stderr.splitlines() == [f"tierrun: error: node 127.0.1.2: --rdzv_backend tierrun: {said}"], \
+            out.stderr[-3000:]
+
+
+def test_two_nodes_told_to_host(tmp_path):
+    """``is_host=true`` on two nodes of one machine, the endpoint's first: the second's
+    store cannot take the port, and it fails at once in one line naming itself and the
+    port; the first waits for the missing node until join_timeout and ends in one line,
+    with no C++ warnings from torch's client and no "joined" summary of a round that
+    did not form (before: two "waitForInput ... timed out" warnings, then "1 nodes
+    joined in 4.0 s", then the timeout)."""
+    port, join = free_port(), 4
+    logs = [tmp_path / f"node{k}.log" for k in range(2)]
+    args = ("--nnodes", 2, "--nproc_per_node", 1, "--rdzv_endpoint", f"127.0.1.1:{port}", "--rdzv_id", "two",
+            "--rdzv_conf", f"is_host=true,join_timeout={join}", "--progress", "log", "--progress_interval", 1)
+    first = tierrun(*args, "--local_addr", "127.0.1.1", SCRIPTS / "sleep_worker.py", log=logs[0])
+    deadline = time.monotonic() + 60
+    while not _listening("127.0.1.1", port):  # the first hosts the store
+        assert time.monotonic() < deadline and first.poll() is None, logs[0].read_text()[-3000:]
+        time.sleep(0.1)
+    second = tierrun(*args, "--local_addr", "127.0.1.2", SCRIPTS / "sleep_worker.py", log=logs[1])
+    assert finish([first, second], timeout=120) == [1, 1]
+    host, other = (log.read_text() for log in logs)
+    assert [line for line in other.splitlines() if "error" in line.lower()] == [
+        f"tierrun: error: node 127.0.1.2: could not start the job's store on port {port} (port {port} is "
+        "taken). Pick a free port with --master_port or --rdzv_endpoint HOST:PORT, or let another node host "
+        "it (--rdzv_conf is_host=false here)."], other[-3000:]
+    assert [line for line in host.splitlines() if line.startswith("tierrun: error:")] == [
+        f"tierrun: error: rendezvous 'two' timed out after {join} s on node 127.0.1.1: 1 node(s) arrived "
+        "(127.0.1.1), at least 2 needed (--nnodes 2:2); 1 more missing. Start tierrun on the missing nodes "
+        "with the same --rdzv_endpoint and --rdzv_id, lower --nnodes, or raise --rdzv_conf "
+        "join_timeout=SECONDS."], host[-3000:]
+    assert "1/2 nodes after 1 s; waiting for at least 1 more node(s); joined: 127.0.1.1" in host, host[-3000:]
+    assert " joined in " not in host and "Traceback" not in host, host[-3000:]
+    for text in (host, other):
+        assert not CPP_NOISE.search(text), text[-3000:]
+
+
+def _listening(host: str, port: int) -> bool:
+    try:
+        socket.create_connection((host, port), 1).close()
+        return True
+    except OSError:
+        return False
+
+
+def test_an_inferred_host_is_found_through_its_addresses(monkeypatch):
+    """Without is_host, as torch's c10d infers it: the endpoint names this node if it is
+    the node's --local_addr or resolves to it (a host name whose address is the
+    node's), or, not a loopback name, if it names this machine; a loopback endpoint
+    names only the simulated node whose address it is."""
+    names = {"node0.cluster": {"10.0.0.1"}, "svc.cluster": {"10.0.9.9"}, "sim0": {"127.0.1.1"},
+             "localhost": {"127.0.0.1", "::1"}}
+    monkeypatch.setattr(elastic, "_addresses", lambda name: names.get(name, {name}))
+    monkeypatch.setattr(elastic, "_matches_machine_hostname", lambda host: host in ("node0.cluster", "10.0.0.1"))
+    assert elastic._hosts_store("node0.cluster", "10.0.0.1")  # resolves to the node's address
+    assert elastic._hosts_store("node0.cluster", "192.168.0.1")  # this machine, another interface
+    assert not elastic._hosts_store("svc.cluster", "10.0.0.1")  # a Service: is_host=true is for that
+    assert elastic._hosts_store("sim0", "127.0.1.1") and not elastic._hosts_store("sim0", "127.0.1.2")
+    assert not elastic._hosts_store("localhost", "127.0.1.2") and elastic._hosts_store("localhost", "127.0.0.1")
+    assert elastic._hosts_store("127.0.1.1", "127.0.1.1") and not elastic._hosts_store("127.0.1.1", "127.0.1.2")

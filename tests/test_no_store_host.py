@@ -93,5 +93,5 @@ def test_tierrun_etcd_when_no_node_may_host_the_store_says_why_and_names_store_p
     assert any("2 node(s) arrived (" in e[0] and "enough for --nnodes 2:2" in e[0] and all(w in e[0] for w in why)
                for e in errors), errors
     # the node whose store could not start said so when it happened, naming the setting
-    assert (f"could not start the job's store on port {busy} of this node (port {busy} is taken). Pick a "
+    assert (f"could not start the job's store on port {busy} (port {busy} is taken). Pick a "
             "free port with --rdzv_conf store_port=N (0, the default: any free port)") in texts[1], texts[1][-3000:]

@@ -180,7 +180,7 @@ def test_parallel_node0_fails_clearly_when_its_port_is_taken():
         finally:
             handler.shutdown()
         message = str(e.value)
-        assert f"could not start the job's store on port {port} of this node (port {port} is taken)" in message
+        assert f"could not start the job's store on port {port} (port {port} is taken)" in message
         assert "never joins a store it did not start" in message and "\n" not in message
         assert other_job.exited() is None and StoreClient(("127.0.0.1", port)).num_keys() == 0
 

@@ -4,6 +4,7 @@ with torch's elastic registry (torch's ``torchrun`` finds it through the
 launchers create the same handlers.
 """
 
+import socket
 from typing import Callable
 
 from torch.distributed.elastic.rendezvous import RendezvousHandler, RendezvousParameters
@@ -11,6 +12,7 @@ from torch.distributed.elastic.rendezvous import RendezvousHandler, RendezvousPa
 from ..extras import require
 from ..settings import Settings
 from . import elastic, parallel
+from .conf import RendezvousSettingError
 
 #: called with every handler tierrun's backends create (the launcher's reporting)
 on_handler_created: list[Callable[[RendezvousHandler], None]] = []
@@ -33,9 +35,14 @@ _CREATORS: dict[str, Callable[[RendezvousParameters, Settings], RendezvousHandle
 def create(backend: str, params: RendezvousParameters, settings: Settings) -> RendezvousHandler:
     """Create a handler of tierrun's ``backend`` and announce it to ``on_handler_created``.
     ``settings``: what the entry point read of the environment (``Settings.from_env()``).
-    Raises what the backend raises: ``ValueError`` for a wrong setting,
+    Raises :class:`RendezvousSettingError` (a ``ValueError`` and a ``RendezvousError``:
+    the ``tierrun`` command prints it as one line) naming this node for a wrong setting,
     ``MissingExtraError`` for a missing extra."""
-    handler = _CREATORS[backend](params, settings)
+    try:
+        handler = _CREATORS[backend](params, settings)
+    except ValueError as e:  # (a setting the backend cannot use: its message says which)
+        node = params.local_addr or socket.gethostname()
+        raise RendezvousSettingError(f"node {node}: --rdzv_backend {backend}: {e}") from e
     for callback in on_handler_created:
         callback(handler)
     return handler

@@ -36,9 +36,11 @@ not the last call.
 
 from __future__ import annotations
 
+import ipaddress
 import json
 import logging
 import os
+import socket
 import threading
 import time
 from datetime import timedelta
@@ -46,6 +48,7 @@ from datetime import timedelta
 from torch.distributed import PrefixStore
 from torch.distributed.elastic.rendezvous import (
     RendezvousClosedError,
+    RendezvousConnectionError,
     RendezvousHandler,
     RendezvousInfo,
     RendezvousParameters,
@@ -57,11 +60,12 @@ from torch.distributed.elastic.rendezvous.utils import (
     parse_rendezvous_endpoint,
 )
 
-from ..client import StoreClient
+from ..client import StoreClient, StoreClientError
 from ..report.progress import Arrivals
 from ..settings import Settings
 from .handler_base import StoreRendezvousHandler
 from . import liveness
+from .conf import conf_bool, conf_float
 from .job_store import JobStore, public_clients_from, store_workers_from, token_from
 from .messages import join_timeout_message
 
@@ -155,11 +159,15 @@ class ElasticRendezvousHandler(StoreRendezvousHandler):
             self._close(store, r, self._max)
         elif index == self._min:
             threading.Thread(target=self._last_call_then_close, args=(store.clone(), r), daemon=True).start()
-        remaining = deadline - time.monotonic()
-        try:
-            store.wait([self._k(r, "closed")], timedelta(seconds=max(remaining, 0.001)))
-        except Exception as e:
+        try:  # (one WAIT on tierrun's client: torch's prints C++ warnings when one times out)
+            self._wait_quietly([self._k(r, "closed")], deadline - time.monotonic(), self.check_store_host)
+        except TimeoutError as e:
             raise RendezvousTimeoutError(self._timeout_message(store, r)) from e
+        except (OSError, StoreClientError) as e:
+            self.check_store_host()
+            raise RendezvousConnectionError(
+                f"node {self.node_addr} lost its connection to the job's store while waiting for round {r} "
+                f"of rendezvous '{self.run_id}' to close ({type(e).__name__}: {e})") from e
         closed = store.get(self._k(r, "closed")).decode()
         if closed == _JOB_CLOSED:
             raise RendezvousClosedError(f"rendezvous '{self.run_id}' was closed while node {self.node_addr} waited")
@@ -342,10 +350,33 @@ class ElasticRendezvousHandler(StoreRendezvousHandler):
         return True
 
 
+_LOCALHOST = ("localhost", "127.0.0.1", "::1")
+
+
 def _hosts_store(host: str, local_addr: str | None) -> bool:
-    if local_addr:
-        return host == local_addr or (host in ("localhost", "127.0.0.1", "::1") and local_addr in ("localhost", "127.0.0.1", "::1"))
-    return _matches_machine_hostname(host)
+    """Whether the endpoint ``host`` names this node, as torch's c10d infers it (its
+    host name or one of its addresses: ``_matches_machine_hostname``). Given
+    ``--local_addr``, the node is that address, so a loopback endpoint (several simulated
+    nodes on one machine) names only the node whose address it is or resolves to; any
+    other endpoint names it also if it names this machine (a host name where the node's
+    address is another of its interfaces')."""
+    if not local_addr:
+        return _matches_machine_hostname(host)
+    if host == local_addr or (host in _LOCALHOST and local_addr in _LOCALHOST):
+        return True
+    endpoint = _addresses(host)
+    if endpoint & _addresses(local_addr):
+        return True
+    return bool(endpoint) and not any(ipaddress.ip_address(a.split("%")[0]).is_loopback for a in endpoint) \
+        and _matches_machine_hostname(host)
+
+
+def _addresses(name: str) -> set[str]:
+    """The addresses ``name`` resolves to (none if it does not)."""
+    try:
+        return {info[4][0] for info in socket.getaddrinfo(name, None, proto=socket.IPPROTO_TCP)}
+    except (OSError, UnicodeError):
+        return set()
 
 
 def _unreachable_hint(host: str, is_host: bool | None) -> str:
@@ -364,12 +395,12 @@ def create_handler(params: RendezvousParameters, settings: Settings) -> Rendezvo
     else this node hosts if the endpoint names it, and becomes a client of the endpoint
     if its store cannot start there (another agent on this machine hosts it)."""
     host, port = parse_rendezvous_endpoint(params.endpoint, DEFAULT_PORT)
-    join_timeout = float(params.config.get("join_timeout", DEFAULT_JOIN_TIMEOUT))
-    last_call = float(params.config.get("last_call_timeout", DEFAULT_LAST_CALL_TIMEOUT))
+    join_timeout = conf_float(params.config, "join_timeout", DEFAULT_JOIN_TIMEOUT)
+    last_call = conf_float(params.config, "last_call_timeout", DEFAULT_LAST_CALL_TIMEOUT)
     # (every store operation may take a minute, as torch's c10d read_timeout; reaching
     # the store host, join_timeout: a node nobody hosts the store for gives up then)
     timeout = timedelta(seconds=max(join_timeout, 60))
-    is_host = params.get_as_bool("is_host")
+    is_host = conf_bool(params, "is_host")
     job = JobStore(host, port, hosting=_hosts_store(host, params.local_addr) if is_host is None else is_host,
                    timeout=timeout, connect_timeout=join_timeout, unreachable_hint=_unreachable_hint(host, is_host),
                    token=token_from(params.config, settings),

@@ -40,7 +40,6 @@ import os
 import threading
 import time
 import uuid
-from datetime import timedelta
 
 from torch.distributed import PrefixStore
 from torch.distributed.elastic.rendezvous import (
@@ -58,8 +57,9 @@ from .elastic import DEFAULT_JOIN_TIMEOUT, DEFAULT_LAST_CALL_TIMEOUT
 from .etcd_client import Etcd, EtcdAuthError, EtcdOptions, EtcdUnavailable, KeyValue, absent, count, put
 from .etcd_watch import keep_alive, when_gone, when_set
 from .handler_base import StoreRendezvousHandler
-from .job_store import JobStore, public_clients_from, store_workers_from, token_from
-from .etcd_hosts import PORT_SETTING, descriptor, in_rank_order, may_not_host, none_may_host
+from .conf import conf_bool, conf_float
+from .job_store import JobStore
+from .etcd_hosts import RoundStores, descriptor, in_rank_order, may_not_host, none_may_host
 from .messages import join_timeout_message
 
 log = logging.getLogger("tierrun.rendezvous")
@@ -95,17 +95,12 @@ class EtcdRendezvousHandler(StoreRendezvousHandler):
         self._max = max_nodes
         self._join_timeout = join_timeout
         self._last_call = last_call_timeout
-        self._token = token_from(config, settings)
-        self._link_config = settings.link
-        self._store_port = int(config.get("store_port", 0))
-        self._store_workers = store_workers_from(config)
-        self._public_clients = public_clients_from(config)
-        self._store_timeout = timedelta(seconds=max(join_timeout, 60))
+        self._stores = RoundStores.from_config(config, settings, self.node_addr, join_timeout)
         self._base = f"/tierrun/{run_id}"
         self._id = uuid.uuid4().hex
         self._lease = 0
         # a lease outlives a few late renewals: etcd answers keep-alives late under load
-        self._beat_timeout = float(config.get("heartbeat_timeout", DEFAULT_LEASE_TTL))
+        self._beat_timeout = conf_float(config, "heartbeat_timeout", DEFAULT_LEASE_TTL)
         self._lease_ttl = max(2, math.ceil(self._beat_timeout))
         self._lease_lost = False
         self._keepalive_stop = threading.Event()
@@ -313,21 +308,17 @@ class EtcdRendezvousHandler(StoreRendezvousHandler):
             job = self.job
             if job is None or not job.hosting or job.lost() is not None:
                 try:
-                    self._use_store(JobStore(self.node_addr, self._store_port, hosting=True,
-                                             timeout=self._store_timeout, token=self._token,
-                                             store_workers=self._store_workers, host_fallback="never",
-                                             port_setting=PORT_SETTING,
-                                             link_config=self._link_config, node=self.node_addr,
-                                             public_clients=self._public_clients))
+                    self._use_store(self._stores.hosted())
                 except RendezvousConnectionError as e:
                     # the others re-form (without this node if it must host: it fails)
                     self._etcd.create(self._k(r, "sig/changed"), f"store host {self.node_addr} failed".encode())
                     if self._is_host:
-                        raise RendezvousConnectionError(f"node {self.node_addr} (--rdzv_conf is_host=true): {e}") from e
+                        told = f"node {self.node_addr} (--rdzv_conf is_host=true): "
+                        raise RendezvousConnectionError(told + str(e).removeprefix(f"node {self.node_addr}: ")) from e
                     log.warning("node %s cannot host the store of round %d (%s); re-forming with "
                                 "another node as the store host", self.node_addr, r, e)
                     self._is_host = False  # as torch's c10d does: a client from now on
-                    self._no_host = f"its store could not start on store_port {self._store_port}"
+                    self._no_host = f"its store could not start on store_port {self._stores.port}"
                     return None
             endpoint = self.job.worker_endpoint(namespace)
             assert endpoint is not None
@@ -335,20 +326,18 @@ class EtcdRendezvousHandler(StoreRendezvousHandler):
             where = {"host": self.node_addr, "port": self.job.port, "worker_port": endpoint[1]}
             self._etcd.put(self._k(r, "sig/store"), json.dumps(where).encode(), self._lease)
             return endpoint
-        store_deadline = time.monotonic() + self._store_timeout.total_seconds()
+        store_deadline = time.monotonic() + self._stores.timeout.total_seconds()
         while (signals := self._wait_signals(r, ("store", "changed"), store_deadline)) is None:
             if time.monotonic() >= store_deadline:
                 raise RendezvousTimeoutError(
                     f"rendezvous '{self.run_id}' round {r}: the rank-0 node {host_addr} did not "
-                    f"start the round's store within {self._store_timeout.total_seconds():.0f} s")
+                    f"start the round's store within {self._stores.timeout.total_seconds():.0f} s")
         if "store" not in signals:
             return None
         where = json.loads(signals["store"])
         job = self.job
         if job is None or (job.host, job.port) != (where["host"], where["port"]) or job.lost() is not None:
-            self._use_store(JobStore(where["host"], where["port"], hosting=False,
-                                     timeout=self._store_timeout, token=self._token,
-                                     link_config=self._link_config, node=self.node_addr))
+            self._use_store(self._stores.joined(where["host"], where["port"]))
         return self.job.worker_endpoint(namespace) or (where["host"], where["worker_port"])
 
     def _use_store(self, job: JobStore) -> None:
@@ -493,7 +482,7 @@ def create_handler(params: RendezvousParameters, settings: Settings) -> Rendezvo
     options = EtcdOptions.parse(params.endpoint, params.config, settings.etcd_password)
     return EtcdRendezvousHandler(
         options, params.run_id, params.min_nodes, params.max_nodes,
-        float(params.config.get("join_timeout", DEFAULT_JOIN_TIMEOUT)),
-        float(params.config.get("last_call_timeout", DEFAULT_LAST_CALL_TIMEOUT)),
-        params.local_addr, params.config, settings, is_host=params.get_as_bool("is_host"),
+        conf_float(params.config, "join_timeout", DEFAULT_JOIN_TIMEOUT),
+        conf_float(params.config, "last_call_timeout", DEFAULT_LAST_CALL_TIMEOUT),
+        params.local_addr, params.config, settings, is_host=conf_bool(params, "is_host"),
     )

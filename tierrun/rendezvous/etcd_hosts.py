@@ -1,13 +1,20 @@
 """Which node of a ``tierrun-etcd`` round hosts its store: the rank-0 node, chosen by
 each node's ``is_host`` and why a node may not host (told so, or its store could not
-start), as every node's arrival descriptor in etcd records them."""
+start), as every node's arrival descriptor in etcd records them; and how a node makes
+a round's store (:class:`RoundStores`): hosts it, or joins the host's."""
 
 from __future__ import annotations
 
 import json
 from collections.abc import Sequence
+from dataclasses import dataclass
+from datetime import timedelta
 
+from ..link.config import LinkConfig
+from ..settings import Settings
+from .conf import conf_int
 from .etcd_client import KeyValue
+from .job_store import JobStore, public_clients_from, store_workers_from, token_from
 
 #: ``is_host`` -> the order in which nodes are chosen to host a round's store
 HOST_PREFERENCE = {True: 0, None: 1, False: 2}
@@ -41,3 +48,38 @@ def none_may_host(no_host: list[tuple[str, str]]) -> str:
     """Says that none of the nodes of a round may host its store, and why each may not."""
     return (f"none of the {len(no_host)} nodes that joined may host the store (" +
             "; ".join(f"{addr}: {why}" for addr, why in no_host) + ")")
+
+
+@dataclass(frozen=True)
+class RoundStores:
+    """How this node makes the store of a round: hosts it on ``port`` (rank 0), or
+    joins the rank-0 node's. Every store operation may take ``timeout`` (torch's c10d
+    ``read_timeout``: a minute, or the join timeout if longer)."""
+
+    node: str
+    token: bytes | None
+    link_config: LinkConfig
+    port: int
+    workers: int
+    public_clients: bool
+    timeout: timedelta
+
+    @staticmethod
+    def from_config(config: dict, settings: Settings, node: str, join_timeout: float) -> RoundStores:
+        """``--rdzv_conf store_port=N`` (0: any free port), ``store_workers``,
+        ``store_public_clients``, ``tiered``. Raises ``ValueError`` for a wrong one."""
+        return RoundStores(node, token_from(config, settings), settings.link,
+                           conf_int(config, "store_port", 0), store_workers_from(config),
+                           public_clients_from(config), timedelta(seconds=max(join_timeout, 60)))
+
+    def hosted(self) -> JobStore:
+        """A store this node hosts: it fails (``start``) if it cannot start, never joins
+        another on its port."""
+        return JobStore(self.node, self.port, hosting=True, timeout=self.timeout, token=self.token,
+                        store_workers=self.workers, host_fallback="never", port_setting=PORT_SETTING,
+                        link_config=self.link_config, node=self.node, public_clients=self.public_clients)
+
+    def joined(self, host: str, port: int) -> JobStore:
+        """The store ``host:port`` hosts, as a client (a proxy of its own when tiered)."""
+        return JobStore(host, port, hosting=False, timeout=self.timeout, token=self.token,
+                        link_config=self.link_config, node=self.node)

@@ -21,6 +21,7 @@ from torch.distributed.elastic.utils.store import _barrier_nonblocking
 from ..client import StoreClient, StoreClientError
 from ..report.progress import MODES, Arrivals, RendezvousProgress, StillWaiting
 from . import liveness
+from .conf import conf_float
 from .job_store import JobStore
 
 log = logging.getLogger("tierrun.rendezvous")
@@ -54,9 +55,9 @@ class StoreRendezvousHandler(RendezvousHandler):
         if mode not in MODES:
             raise ValueError(f"--rdzv_conf progress={mode}: write one of {', '.join(MODES)}")
         self._progress_mode = mode
-        self._progress_interval = float(config.get("progress_interval", DEFAULT_PROGRESS_INTERVAL))
-        self._beat_interval = float(config.get("heartbeat_interval", liveness.DEFAULT_INTERVAL))
-        self._beat_timeout = float(config.get("heartbeat_timeout", liveness.DEFAULT_TIMEOUT))
+        self._progress_interval = conf_float(config, "progress_interval", DEFAULT_PROGRESS_INTERVAL)
+        self._beat_interval = conf_float(config, "heartbeat_interval", liveness.DEFAULT_INTERVAL)
+        self._beat_timeout = conf_float(config, "heartbeat_timeout", liveness.DEFAULT_TIMEOUT)
         self._lock = threading.Lock()  # state the watch threads set
         self._watcher: StoreClient | None = None
         self._heartbeat: liveness.Heartbeat | None = None
@@ -188,8 +189,10 @@ class StoreRendezvousHandler(RendezvousHandler):
                                       self._progress_mode, self._progress_interval).start()
         try:
             yield
-        finally:
-            progress.stop()
+        except BaseException:
+            progress.stop(completed=False)  # (the error says what went wrong)
+            raise
+        progress.stop()
 
     def connect(self) -> TCPStore:
         """Start this node's store processes and connect to the job's store: blocks

@@ -262,7 +262,7 @@ class JobStore:
             if hint is None:
                 hint = ", or let another node host it (--rdzv_conf is_host=false here)." if self.host_fallback == "never" else "."
             raise RendezvousConnectionError(
-                f"could not start the job's store on port {self.port} of this node ({why}). "
+                f"{self.node}: could not start the job's store on port {self.port} ({why}). "
                 f"Pick a free port with {self.port_setting}" + hint
             ) from e
         self.root = proc

@@ -59,6 +59,7 @@ class RendezvousProgress:
         self._poll = poll
         self._interval = interval
         self._done = threading.Event()
+        self._completed = True
         self._thread = threading.Thread(target=self._run, name="tierrun-progress", daemon=True)
 
     def start(self) -> RendezvousProgress:
@@ -66,7 +67,10 @@ class RendezvousProgress:
             self._thread.start()
         return self
 
-    def stop(self) -> None:
+    def stop(self, completed: bool = True) -> None:
+        """``completed``: the round formed (the display ends saying how many joined);
+        else it failed, and says so itself."""
+        self._completed = completed
         self._done.set()
         if self._thread.is_alive():
             self._thread.join(timeout=5)
@@ -89,9 +93,10 @@ class RendezvousProgress:
             _say(f"{self._title}: {len(a.joined)}/{a.expected} nodes after "
                  f"{time.monotonic() - start:.0f} s; {arrivals_line(a)}")
             printed = True
-        if printed:
+        if printed and self._completed:
             a = self._poll(store)
-            _say(f"{self._title}: {len(a.joined)} nodes joined in {time.monotonic() - start:.1f} s")
+            n = len(a.joined)
+            _say(f"{self._title}: {n} node{'' if n == 1 else 's'} joined in {time.monotonic() - start:.1f} s")
 
     def _bar(self, store: StoreClient, start: float) -> None:
         from tqdm import tqdm
@@ -108,7 +113,7 @@ class RendezvousProgress:
                 a = self._poll(store)
                 if finished:
                     bar.n = len(a.joined)
-                    bar.set_postfix_str("all joined", refresh=False)
+                    bar.set_postfix_str("all joined" if self._completed else arrivals_line(a), refresh=False)
                     bar.refresh()
                     break
 

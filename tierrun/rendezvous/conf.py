@@ -1,0 +1,57 @@
+"""Reading ``--rdzv_conf`` values, and the error a wrong one raises.
+
+A wrong value (``is_host=maybe``, ``join_timeout=abc``) is a :class:`RendezvousSettingError`:
+a ``ValueError`` (what torch's own backends raise for it) that is also a
+``RendezvousError``, so the ``tierrun`` command ends in one line naming the node, the
+setting and what to write, as for every other rendezvous failure.
+"""
+
+from __future__ import annotations
+
+from torch.distributed.elastic.rendezvous import RendezvousError, RendezvousParameters
+
+#: the spellings torch's ``RendezvousParameters.get_as_bool`` takes
+TRUE = ("1", "true", "t", "yes", "y")
+FALSE = ("0", "false", "f", "no", "n")
+
+
+class RendezvousSettingError(RendezvousError, ValueError):
+    """A rendezvous setting (a ``--rdzv_conf`` value, ``--nnodes`` for a backend) that
+    cannot be used; the message says which and what to write."""
+
+
+def conf_bool(params: RendezvousParameters, key: str) -> bool | None:
+    """``--rdzv_conf key=...`` as torch's ``get_as_bool`` reads it (any case of 1/0,
+    true/false, t/f, yes/no, y/n); None when not given. Raises
+    :class:`RendezvousSettingError` for another value."""
+    try:
+        return params.get_as_bool(key)
+    except ValueError:
+        raise RendezvousSettingError(
+            f"--rdzv_conf {key}={params.get(key)} is not a boolean: write {key}=true or {key}=false "
+            f"(torch's spellings: {'/'.join(TRUE)} or {'/'.join(FALSE)})") from None
+
+
+def conf_float(config: dict, key: str, default: float, minimum: float | None = 0.0) -> float:
+    """``--rdzv_conf key=SECONDS`` (or another number), ``default`` when not given.
+    Raises :class:`RendezvousSettingError` for what is not a number, or below ``minimum``."""
+    raw = config.get(key, default)
+    try:
+        value = float(raw)
+    except (TypeError, ValueError):
+        raise RendezvousSettingError(f"--rdzv_conf {key}={raw} is not a number: write {key}=SECONDS") from None
+    if minimum is not None and not value >= minimum:  # (NaN fails too)
+        raise RendezvousSettingError(f"--rdzv_conf {key}={raw}: write a number of at least {minimum:g}")
+    return value
+
+
+def conf_int(config: dict, key: str, default: int, minimum: int | None = 0) -> int:
+    """``--rdzv_conf key=N``, ``default`` when not given; raises like :func:`conf_float`."""
+    raw = config.get(key, default)
+    try:
+        value = int(raw)
+    except (TypeError, ValueError):
+        raise RendezvousSettingError(f"--rdzv_conf {key}={raw} is not a whole number: write {key}=N") from None
+    if minimum is not None and value < minimum:
+        raise RendezvousSettingError(f"--rdzv_conf {key}={raw}: write a whole number of at least {minimum}")
+    return value
