@@ -132,9 +132,13 @@ def test_worker_wrapper_records_the_error_and_keeps_python_behaviour(tmp_path):
     err.unlink()
     before = time.time()
     out = subprocess.run([sys.executable, "-m", "tierrun.launcher.worker_main", str(script)],
-                         env=dict(os.environ, TORCHELASTIC_ERROR_FILE=str(err)))
+                         capture_output=True, text=True, env=dict(os.environ, TORCHELASTIC_ERROR_FILE=str(err)))
     data = json.loads(err.read_text())["message"]
-    assert out.returncode == 3 and data["message"] == "exited with code 3" and not data["extraInfo"]["py_callstack"]
+    assert out.returncode == 3 and data["message"] == "exited with code 3"
+    # where it exited, the script's frames only (Python prints no traceback for it)
+    assert data["extraInfo"]["py_callstack"] == (f'Traceback (most recent call last):\n  File "{script}", line 1, in '
+                                                 '<module>\n    raise SystemExit(3)\nSystemExit: 3\n')
+    assert out.stderr == ""  # (as Python prints nothing for it)
     assert before <= data["extraInfo"]["tierrun_time"] <= time.time()
     script.write_text("raise SystemExit(0)\n")
     err.unlink()

@@ -39,6 +39,11 @@ def test_the_report_blames_the_rank_that_died(tmp_path, how):
     for text in texts:  # every node's report, built from every agent's record
         line = next((s for s in text.splitlines() if "first failure:" in s), None)
         assert line is not None and blame in line and line.endswith(said), text[-4000:]
+        if how == "exit":  # where the script exited (Python prints no traceback for it)
+            assert "    |     sys.exit(3)\n    | SystemExit: 3\n" in text, text[-4000:]
+        # torch's @record has no error file of the launcher's to copy the failure to: it
+        # said so at ERROR on every node, after the report
+        assert "no error file defined for parent" not in text, text[-4000:]
         assert "5 failure(s) in collectives after it (consequences)" in text or \
             "worker(s) stopped by their agent" in text, text[-4000:]
     # torch's own summary, the launcher's last lines, agrees on every node: on the dying

@@ -133,9 +133,20 @@ def _script_name(cmd_args: list[str]) -> str:
     return os.path.basename(rest[0]) if rest else "script"
 
 
+class _NoParentErrorFile(logging.Filter):
+    """Drops torch's "no error file defined for parent" (logged at ERROR by ``@record``
+    on every node of a failed job launched with no error file of its own: the usual
+    case, where it is noise after the failure report; with ``TORCHELASTIC_ERROR_FILE``
+    set, the failure is copied there and nothing is said)."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not str(record.msg).startswith("no error file defined for parent")
+
+
 @record
 def main(argv: list[str]) -> int:
     logging.basicConfig(format="[tierrun] %(levelname)s %(message)s")
+    logging.getLogger("torch.distributed.elastic.multiprocessing.errors.error_handler").addFilter(_NoParentErrorFile())
     try:
         settings = Settings.take_from_env()  # (secrets out of the environment the workers copy)
         logging.getLogger("tierrun").setLevel(settings.log_level.upper())

@@ -55,10 +55,12 @@ def main() -> None:
         run()
     except SystemExit as e:
         # timed when called: the process ends later, after Python's and Gloo's clean-up,
-        # which fails its peers' collectives first (the report must not blame them)
+        # which fails its peers' collectives first (the report must not blame them); its
+        # traceback says where the script exited (Python prints none)
         code = e.code if isinstance(e.code, int) or e.code is None else 1
         if code:
-            _record(e, f"exited with code {code}", "")
+            e.__traceback__ = _script_frames(e.__traceback__)
+            _record(e, f"exited with code {code}")
         raise
     except BaseException as e:
         e.__traceback__ = _script_frames(e.__traceback__)
