@@ -10,10 +10,9 @@ PONG, through the gate, granting it a watch lease.
 A *session* outlives its connection: its clients, their pending waits and the REPLIES
 frames the front-end has not acknowledged stay here for ``LinkConfig.grace`` seconds, so
 a front-end that reconnects resumes with nothing lost, and since BATCH frames are
-counted, nothing it resends is executed twice. A connection silent for
-``heartbeat_timeout`` is closed, which starts the same grace period. An unexpected
-error while handling a session's frames ends it (fail-stop): its batch may be half
-applied, so it must never be resumed.
+counted, nothing it resends is executed twice. An unexpected error while handling a
+session's frames ends it (fail-stop): its batch may be half applied, so it must never
+be resumed. A store (or relay) that stops with ``close(final)`` tells each front-end why.
 
 Every frame after the handshake is sealed (``link.seal``); one that fails its MAC, or
 bytes that cannot be a frame, close that connection only: its session waits for the
@@ -26,9 +25,9 @@ What a connection can hold, and for how long:
   and no more than ``max_handshakes_per_address`` such connections per source
   address; every link counts against ``max_connections`` (the front-end that
   accepted it counts it against its own too);
-- once open: it is closed when nothing is heard for ``heartbeat_timeout``; its session
-  keeps its clients' waits for ``grace`` more seconds; its unacknowledged frames are
-  bounded by ``max_unacked_bytes`` (past it the session ends).
+- once open: it is closed when nothing is heard for ``heartbeat_timeout`` (its session
+  waits ``grace`` seconds for a resume); its unacknowledged frames are bounded by
+  ``max_unacked_bytes`` (past it the session ends).
 """
 
 from __future__ import annotations
@@ -101,10 +100,9 @@ class LinkServer:
                resumable: bool = True, sniffed: bool = True) -> LinkServerConnection:
         """The protocol for a new link connection. ``peer``: its name in logs (default:
         its address); ``initial``: bytes already read from it (after the first byte);
-        ``token``: the one this connection must prove, instead of the job token (the
-        store host's own front-end processes have their own); ``resumable=False``: its
-        session ends with the connection (no grace period); ``sniffed=False``: the link's
-        first byte is still to come (a listener that takes only links)."""
+        ``token``: the one it must prove instead of the job token (the store host's own
+        front-end processes have their own); ``resumable=False``: its session ends with
+        it; ``sniffed=False``: its first byte is still to come (a links-only listener)."""
         if self._watchdog is None:
             self._schedule_watchdog(self.config.heartbeat_timeout)
         return LinkServerConnection(self, peer, initial, token or self.token, resumable, sniffed)
@@ -187,10 +185,9 @@ class LinkServer:
         session.conn = conn
         session.peer = conn.peer
         self.stats.links += conn.resumable  # (node links, not the host's own front-ends)
-        limits = self.limits
-        conn.write(encode_resumed(session.ledger.received, (
-            limits.max_key_bytes, limits.max_value_bytes, limits.max_keys_per_request, limits.max_request_bytes,
-        )) + b"".join(missed))
+        lim = self.limits
+        sizes = (lim.max_key_bytes, lim.max_value_bytes, lim.max_keys_per_request, lim.max_request_bytes)
+        conn.write(encode_resumed(session.ledger.received, sizes) + b"".join(missed))
         return session
 
     def detach(self, session: Session) -> None:
@@ -231,8 +228,7 @@ class LinkServer:
         self.expire(session, f"internal error: {error!r}")
 
     def close(self, final: str | None = None) -> None:
-        """The store is stopping: drop every link; with ``final``, tell each why (an ERROR
-        frame: its front-end gives up at once instead of reconnecting for its grace period)."""
+        """Drop every link; with ``final``, tell each why (its front-end gives up at once)."""
         self.gate.close()
         if self._watchdog is not None:
             self._watchdog.cancel()
