@@ -108,6 +108,11 @@ CASES = [
          H((0, ((Op.ADD, b"/a", I64_MIN + 1), (Op.COMPARE_SET, b"", b"", Big(8 * MiB + 1, b"v")))),),
          note="(the fuzzer's: closed with 8 MiB unread, the store's socket reset the connection and the ADD's "
               "answer was lost; a dropped client's connection now closes lingering)"),
+    Case("held-answer-then-a-value-past-the-limit",
+         H((1, ((Op.GET, b"/a"),)), (0, ((Op.ADD, b"/a", 1), (Op.COMPARE_SET, b"", b"", Big(8 * MiB + 1, b"v")))),
+           where=(0, 1)),
+         note="(the suite's: a proxy's client watches /a, so the ADD's answer waits for an invalidation round; "
+              "the client was dropped meanwhile and that answer discarded: the FIN now waits for it)"),
     Case("answers-before-a-failure-while-a-long-request-comes",
          H((0, ((Op.APPEND, b"/n", b"/a"),)),
            (0, ((Op.CHECK, (b"/n",)), (Op.ADD, b"/n", -5), (Op.COMPARE_SET, b"/a", Big(4 * MiB, b"w"), b"/a")))),

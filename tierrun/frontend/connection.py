@@ -331,13 +331,19 @@ class ClientConnection(asyncio.Protocol):
                 self._resume()
 
     def _send(self, data: bytes) -> None:
-        """An answer the reply gate held: written now."""
-        self._owed.held -= len(data)
-        if not self.closed:
-            assert self._transport is not None
-            self._transport.write(data)
-            if self._backlog:
-                self._resume()
+        """An answer the reply gate held: written now (also once the connection is
+        dropped: it answers a request from before; the FIN waits for it, see drop)."""
+        owed = self._owed
+        owed.held -= len(data)
+        transport = self._transport
+        assert transport is not None
+        if not transport.is_closing():
+            transport.write(data)
+            if not self.closed:
+                if self._backlog:
+                    self._resume()
+            elif owed.held == 0:
+                self._linger(transport)
 
     def drop(self, reason: str) -> None:
         """Close this connection because of something the client did; log one line."""
@@ -350,15 +356,20 @@ class ClientConnection(asyncio.Protocol):
         self._parser = RequestParser(self._limits)
         transport = self._transport
         assert transport is not None
+        transport.resume_reading()  # (what it still sends is read and discarded)
+        if self._owed.held == 0:  # (else once the reply gate lets its answers go: _send)
+            self._linger(transport)
+
+    @staticmethod
+    def _linger(transport: asyncio.Transport) -> None:
+        """A lingering close: the answers written go, then a FIN; what the client still
+        sends is discarded for up to LINGER seconds. (Closing with bytes unread resets
+        the connection, and the reset may destroy answers on their way: a client that
+        pipelined a request past a limit after others lost their answers.)"""
         if not transport.can_write_eof():
             transport.close()
             return
-        # A lingering close: the answers written go, then a FIN; what the client still
-        # sends is read and discarded for up to LINGER seconds. (Closing with bytes unread resets
-        # the connection, and the reset may destroy answers on their way: a client
-        # that pipelined a request past a limit after others lost their answers.)
         transport.write_eof()
-        transport.resume_reading()
         asyncio.get_running_loop().call_later(LINGER, transport.close)
 
     def pause_writing(self) -> None:

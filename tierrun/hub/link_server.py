@@ -41,7 +41,7 @@ from ..frontend import Upstream
 from ..link import auth
 from ..link.config import LinkConfig
 from ..link.frames import (
-    ACK, BATCH, DEFAULT_MAX_FRAME, ERROR, FAILED, INVALIDATED, LINK_MAGIC, REQUEST, TAG, WATCH_LEASE,
+    ACK, BATCH, DEFAULT_MAX_FRAME, ERROR, FAILED, INVALIDATED, LINK_MAGIC, OK, REQUEST, TAG, WATCH_LEASE,
     FrameDecoder, LinkError, Unauthenticated, decode_count, encode_pong, encode_reply, encode_resumed,
     lone_request,
 )
@@ -53,7 +53,7 @@ from ..protocol.limits import Limits
 from ..protocol.parser import decode_request
 from ..protocol.opcodes import NO_REPLY_OPS, WAITING_OPS
 from .reply_gate import ReplyGate
-from .session import LinkStats, Session, waiter_for
+from .session import SMALL_ANSWER, LinkStats, Session, waiter_for
 
 log = logging.getLogger("tierrun.store")
 
@@ -318,7 +318,7 @@ class LinkServerConnection(asyncio.Protocol):
             self._write_wire(out[0] if len(out) == 1 else b"".join(out))
 
     def data_received(self, data: bytes) -> None:
-        self.heartbeat.heard(monotonic())  # (not the loop's clock: no getpid() per read)
+        self.heartbeat.last_rx = monotonic()  # (heard(), inlined; not the loop's clock: no getpid())
         session = self._session
         if session is not None and not self._decoder.partial and len(data) > _LONE_SIZE and not session._wakes:
             try:
@@ -431,8 +431,8 @@ class LinkServerConnection(asyncio.Protocol):
         stats.batches += 1
         stats.operations += 1
         ack_due = session.ledger.got(len(data))
-        try:
-            reply = client.upstream.execute(req, waiter_for(client, req, rid))  # (a relayed write: its ticket)
+        try:  # (not a WAIT here; a relayed write: its ticket)
+            reply = client.upstream.execute(req, waiter_for(client, req, rid) if client.relays_writes else client)
         except StoreError as err:
             frame = encode_reply(rid, FAILED, session.failed(req, err))
         else:
@@ -442,8 +442,8 @@ class LinkServerConnection(asyncio.Protocol):
                 elif client.relays_writes:  # (its write may wait for room: a relaying proxy)
                     session.relayed_writes(client)
                 frame = b""
-            else:
-                frame = encode_reply(rid, *session.vet(reply))
+            else:  # (vet inlined for a small answer)
+                frame = encode_reply(rid, *((OK, reply) if len(reply) <= SMALL_ANSWER else session.vet(reply)))
         if frame:  # (through the gate: if the request changed a watched key, the round goes first)
             session.emit(frame)
         if ack_due:

@@ -53,6 +53,8 @@ log = logging.getLogger("tierrun.store")
 MAX_SHARED_NAMESPACES = 1024
 #: Answers up to this size always go: a node's counters and WAITs must never be refused.
 SMALL_ANSWER = 64 * 1024
+#: Requests whose answer may go to someone other than their client (``waiter_for``).
+OWN_WAITER_OPS = WAITING_OPS | NO_REPLY_OPS
 
 
 class Host(Protocol):
@@ -221,14 +223,14 @@ class Session:
                     self._refuse(rid, err, replies)
                     continue
                 stats.operations += 1
-                waiter = waiter_for(client, req, rid)
+                waiter = client if req[0] not in OWN_WAITER_OPS else waiter_for(client, req, rid)
                 try:
                     reply = client.upstream.execute(req, waiter)
                 except StoreError as err:
                     replies.append((rid, FAILED, self.failed(req, err)))
                     continue
-                if reply is not None:
-                    replies.append((rid, *self.vet(reply)))
+                if reply is not None:  # (vet inlined for small answers: most of them)
+                    replies.append((rid, OK, reply) if len(reply) <= SMALL_ANSWER else (rid, *self.vet(reply)))
                 elif type(waiter) is Ticket:
                     client.tickets[rid] = waiter
                 elif req[0] not in NO_REPLY_OPS:
@@ -326,7 +328,7 @@ class Session:
     def send(self, data: bytes) -> None:
         """Number, keep and (if connected) write one REPLIES frame."""
         try:
-            self.ledger.sent(data)
+            self.ledger.outbox.add(data)  # (ledger.sent, inlined)
         except LinkError as e:
             self.server.expire(self, str(e))
             return

@@ -314,8 +314,11 @@ def replies_frames(replies: list[tuple[int, int, bytes]], max_frame: int = DEFAU
     almost always). An answer that no frame can hold is replaced by a FAILED one: its
     client is closed, the link stays up. O(bytes of the replies)."""
     head = _u32.size + _reply.size + 8
-    if len(replies) == 1 and len(replies[0][2]) + head <= max_frame:
-        return [encode_reply(*replies[0])]
+    if len(replies) == 1:
+        if len(replies[0][2]) + head <= max_frame:
+            return [encode_reply(*replies[0])]
+    elif sum([len(r[2]) for r in replies]) + len(replies) * _reply.size + _u32.size + 8 <= max_frame:
+        return [encode_replies(replies)]  # (they fit in one frame: almost always)
     frames: list[bytes] = []
     chunk: list[tuple[int, int, bytes]] = []
     size = _u32.size
