@@ -187,7 +187,7 @@ def test_tiered_three_nodes_node0_sees_only_links(tmp_path, mode):
         assert {r["master"].split(":")[0] for r in results(log)} == {"127.0.0.1"}
     served = served_by_store_host(logs[0])
     # one link per other node; node 0's agent and 2 workers on its own node front-end (in
-    # the store process, on the core: design.md), none on the public port
+    # the store process, on the core: docs/architecture.md), none on the public port
     assert served["links_accepted"] == 2
     assert served["clients_accepted"] == 0
     assert served["node_frontend"]["clients_accepted"] >= 3

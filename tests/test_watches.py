@@ -1,4 +1,4 @@
-"""Standing watches (design.md): a front-end answers polls of a key from the state its
+"""Standing watches (docs/architecture.md): a front-end answers polls of a key from the state its
 WATCH brought back, until the core invalidates it, which the core does before anyone
 can learn of the change. Driven in one event loop, links through in-memory pipes."""
 

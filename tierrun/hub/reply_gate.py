@@ -1,4 +1,4 @@
-"""Invalidation rounds, and the answers they hold back (design.md's standing watch).
+"""Invalidation rounds, and the answers they hold back (docs/architecture.md: standing watches).
 
 A front-end that watches a key answers reads of it from what it saw. When the key
 changes, every front-end watching it must stop doing so before anyone can learn of

@@ -48,7 +48,7 @@
     INVALIDATE  := u64 round | u32 n | n x u64 watch id  core -> front-end
     INVALIDATED := u64 round                             front-end -> core
 
-Watches (the standing watch of design.md). A WATCH entry's answer is a watch state
+Watches (docs/architecture.md: standing watches). A WATCH entry's answer is a watch state
 (``tierrun.core.watch_state``) followed by the request's own answer; the core then tells the
 front-end, with an INVALIDATE frame naming the watch by the entry's rid, before any
 answer that could reveal a change of the key, and holds back every later answer until

@@ -65,7 +65,7 @@ async def serve_root(
     node = None
     if node_frontend is not None:
         # (on the core like the public port's clients, with no link in between: an
-        # in-process link cost node 0 ~15% more CPU at 512x8, see docs/benchmarks.md,
+        # in-process link cost node 0 ~15% more CPU at 512x8, measured with bench/wireup.py,
         # and merging the requests of one node's workers saves the core little)
         node = Service(node_frontend, make_upstream, dict,
                        lambda event: announce(dataclasses.replace(event, node=True)), gate=links.gate)

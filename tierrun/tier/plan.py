@@ -1,5 +1,5 @@
 """The batch planner: a batch of client requests -> the operations that go upstream,
-and who gets which answer (design.md's coalescing rule). Pure: no I/O, no clock, no
+and who gets which answer (docs/architecture.md: batches and merges). Pure: no I/O, no clock, no
 state beyond one batch; :mod:`.upstream` composes it with the watch cache and the link.
 
 Within a batch:

@@ -1,7 +1,7 @@
 """The watch cache of a front-end: keys it may answer on the node. No I/O, no clock:
 calls that depend on time take ``now``.
 
-Across batches, only through watches (design.md's standing watch; link/frames.py): a
+Across batches, only through watches (docs/architecture.md; link/frames.py): a
 one-key CHECK (a poll from the first: NCCL's heartbeat monitor, torch's only caller of
 CHECK), or GET or WAIT of a key polled (read before by another client, or by the same
 client asking the same: the ranks' WAITs and GETs of the unique id, a barrier's WAITs)
