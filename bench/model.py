@@ -305,25 +305,38 @@ def store_row(pt: Point, fanout: int = 8) -> list[float]:
     return [links, pt.frames, pt.requests]
 
 
-def fit_costs(points: list[Point]) -> Costs:
+#: How the store's cost is split between frames and requests: both fitted ("free"), or
+#: all of it on one of them (the data barely tell them apart: the projection shows both).
+SPLITS = {"free": (0, 1, 2), "frames": (0, 1), "requests": (0, 2)}
+
+
+def fit_costs(points: list[Point], split: str = "free") -> Costs:
     torch = [pt for pt in points if pt.setup == "torch"]
     store = [pt for pt in points if pt.setup != "torch"]
     c = Costs()
     if torch:
         c.torch_req = sum(pt.node0_cpu / pt.requests for pt in torch) / len(torch)
     if store:
-        c.link, c.frame, c.req = nnls([store_row(pt) for pt in store], [pt.node0_cpu for pt in store])
+        cols = SPLITS[split]
+        x = nnls([[store_row(pt)[i] for i in cols] for pt in store], [pt.node0_cpu for pt in store])
+        full = [0.0, 0.0, 0.0]
+        for i, v in zip(cols, x):
+            full[i] = v
+        c.link, c.frame, c.req = full
     return c
 
 
-def _slope(xs: list[float], ys: list[float]) -> float:
-    """The least-squares slope through the origin of ys against xs."""
-    return sum(x * y for x, y in zip(xs, ys)) / sum(x * x for x in xs)
+def _exponent(ns: list[list[int]], totals: list[float], unit: float) -> float:
+    """The exponent x minimising the squared log error of sum(unit n^x for n in ns[i])
+    against totals[i] (a grid over [0, 1.5], step 0.0005: a few thousand sums)."""
+    def err(x: float) -> float:
+        return sum(math.log(sum(unit * n ** x for n in sizes) / total) ** 2 for sizes, total in zip(ns, totals))
+    return min((i * 0.0005 for i in range(3001)), key=err)
 
 
 def fit_counts(points: list[Point], fanout: int = 8) -> Counts:
     """The traffic constants: a and f1, r1 (means over the sizes given), alpha and beta
-    (log-log slopes of the tree's top links' traffic over f1, r1 against n)."""
+    (the tree's top links' traffic, their subtrees' sizes as TreePlace lays them out)."""
     c = Counts()
     flat = [pt for pt in points if pt.setup == "tierrun-flat"]
     c.agent = statistics.mean((pt.requests - PER_RANK * pt.k * pt.p) / pt.k for pt in flat)
@@ -331,12 +344,11 @@ def fit_counts(points: list[Point], fanout: int = 8) -> Counts:
     c.f1 = statistics.mean((pt.frames - c.own(pt.p)) / (pt.k - 1) for pt in tiered)
     c.r1 = statistics.mean((pt.requests - c.own(pt.p)) / (pt.k - 1) for pt in tiered)
     trees = [pt for pt in points if pt.setup == "tree"]
-    logn = [math.log((pt.k - 1) / (fanout - 1)) for pt in trees]
-    top = [(pt, pt.k - fanout) for pt in trees]
-    c.alpha = _slope(logn, [math.log((pt.frames - c.own(pt.p) - c.lookup_frames * lu) / (fanout - 1) / c.f1)
-                            for pt, lu in top])
-    c.beta = _slope(logn, [math.log((pt.requests - c.own(pt.p) - c.lookup_requests * lu) / (fanout - 1) / c.r1)
-                           for pt, lu in top])
+    tops = [tree(pt.k, fanout).top for pt in trees]
+    lookups = [pt.k - fanout for pt in trees]
+    c.alpha = _exponent(tops, [pt.frames - c.own(pt.p) - c.lookup_frames * lu for pt, lu in zip(trees, lookups)], c.f1)
+    c.beta = _exponent(tops, [pt.requests - c.own(pt.p) - c.lookup_requests * lu for pt, lu in zip(trees, lookups)],
+                       c.r1)
     return c
 
 
@@ -364,11 +376,11 @@ def fit_timing(points: list[Point], costs: Costs, skew: float) -> Timing:
     return t
 
 
-def fit(points: list[Point], regime: str, sizes: tuple[int, ...] | None = None) -> Model:
+def fit(points: list[Point], regime: str, sizes: tuple[int, ...] | None = None, split: str = "free") -> Model:
     """A regime's model, every constant from the points of the sizes given (K; all if None)."""
     pts = [pt for pt in points if pt.regime == regime and (sizes is None or pt.k in sizes)]
     skew = 1.0 if regime == "skew" else 0.0
-    costs = fit_costs(pts)
+    costs = fit_costs(pts, split)
     m = Model(fit_counts(pts), costs, fit_timing(pts, costs, skew), skew)
     m.costs.relay = fit_relay(m, pts)
     return m
@@ -386,5 +398,23 @@ def loo_costs(points: list[Point]) -> dict[tuple[str, str, str], float]:
     return out
 
 
-def best_fanout(m: Model, k: int, p: int, fanouts: tuple[int, ...] = (2, 4, 8, 16, 32, 64, 128)) -> int:
-    return min((f for f in fanouts if f < k), key=lambda f: predict(m, "tree", k, p, f).busiest)
+def best_fanout(models: list[Model], k: int, p: int, fanouts: tuple[int, ...] = (2, 4, 8, 16, 32, 64, 128)) -> int:
+    """The fanout whose busiest node is cheapest in the worst of the models given (the
+    splits of the store's cost: the data do not tell which holds)."""
+    return min((f for f in fanouts if f < k), key=lambda f: max(predict(m, "tree", k, p, f).busiest for m in models))
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--no-write", action="store_true", help="print only: no docs section, no plot")
+    args = ap.parse_args()
+    from model_report import report
+
+    text = report(DOCS / "bench", with_plot=not args.no_write)
+    print(text)
+    if not args.no_write:
+        write_section("model", text)
+
+
+if __name__ == "__main__":
+    main()
