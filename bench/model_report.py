@@ -151,11 +151,10 @@ def plot(current: list[Point], m: Model, series: dict[str, list[tuple[int, float
     fig, ax = plt.subplots(figsize=(8, 5))
     for i, (label, pts) in enumerate(series.items()):
         ax.plot([x for x, _ in pts], [y for _, y in pts], "-", color=f"C{i}", label=f"model: {label}")
-    for i, setup in enumerate(("torch", None, "tree")):
-        if setup:
-            meas = [pt for pt in current if pt.setup == setup and pt.regime == "skew"]
-            ax.plot([pt.k * pt.p for pt in meas], [max(pt.node0_cpu, pt.relay_cpu) for pt in meas], "o",
-                    color=f"C{i}", label=f"measured: {setup} (skew 1 s)")
+    for i, setup in enumerate(("torch", "tiered", "tree")):
+        meas = [pt for pt in current if pt.setup == setup and pt.regime == "skew"]
+        ax.plot([pt.k * pt.p for pt in meas], [max(pt.node0_cpu, pt.relay_cpu) for pt in meas], "o",
+                color=f"C{i}", label=f"measured: {setup} (skew 1 s)")
     ax.set_xscale("log")
     ax.set_yscale("log")
     ax.set_xlabel("ranks (8 per node)")
