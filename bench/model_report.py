@@ -17,16 +17,16 @@ CAVEATS = [
     "**Torch's server at 100k connections.** The model prices a connection as its requests; "
     "it does not know the limits a real 100,000-client server meets: `ulimit -n` (this machine's hard limit "
     "is 20,000 open files: torch's server would need ~112,500 descriptors at 12,500x8), the listen backlog "
-    "(`somaxconn`: 12,500 x 9 connects arriving within the skew window overflow a 4,096 backlog; refused "
-    "SYNs are retried after 1 s, 3 s, ...), and the memory of as many libuv handles (~220 MB resident "
-    "already in `store_ops`' run). Its wall time there is a lower bound.",
+    "(`somaxconn` is 4,096 here: 112,500 connects within a 1 s window can overflow the accept queue, and a "
+    "dropped SYN is retried after 1 s, then after twice as long), and the memory of as many connections "
+    "(not measured). Its wall time there is a lower bound.",
     "**One thread.** The busiest node's CPU is counted as if all of it lay on the critical path (libuv's "
     "single loop, tierrun's single event loop): right when a phase's requests queue up behind each other, "
     "pessimistic when they trickle in over the skew window. Whether it is a few seconds of queueing or "
     "none depends on how the requests bunch, which the model does not see.",
     "**Per-thing costs are constants; measured, they fall with load.** A busier server gets more per "
     "wake-up (torch: 11.3 us a request at 64x8, 9.4 at 256x8, skewed), so constants from small points "
-    "overestimate large ones: the fit-on-64x8 check is +10-45% at 256x8. The extrapolation to 12,500 "
+    "overestimate large ones: the fit-on-64x8 check is -2% to +42% at 256x8. The extrapolation to 12,500 "
     "nodes is 50x beyond the largest measured point under the current method (8x beyond the older ones).",
     "**Traffic growth of a link (`f1 n^alpha`, `max(r1 n^beta, u n)`)** is an empirical power law "
     "through n = 1, 9 and 36 nodes per top link; at n = 1,786 (12,500 nodes, F = 8) it is far outside "
@@ -180,7 +180,9 @@ def report(bench: Path, with_plot: bool = True) -> str:
     out = [
         "Pure computation from the stored runs (`cd bench && python model.py`, formulas in its docstring). "
         "Points: `wireup.json` (current method: 64x8 and 256x8, nodes over 1 s and lockstep lines, busiest "
-        f"node measured) and `{OLDER}` (older method: 64x8-1024x8, lockstep, node 0 only).",
+        f"node measured) and `{OLDER}` (older method: 64x8-1024x8, lockstep, node 0 only). Not used: "
+        "`wireup-512x8-7rounds*.json` (older method, torch's agents' traffic through a tree only tierrun's "
+        "agents can run).",
         "",
         "**Validation.** Every constant fitted on the 64x8 points of a regime, then checked on 256x8: "
         f"node-0 CPU error on the checks {', '.join(f'{e:+.0%}' for e in checks)} (median |error| "
