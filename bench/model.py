@@ -12,12 +12,12 @@ Counts at the store host (node 0), from the traffic ``wireup_sim.py`` replays:
                     SET role, WAIT + GET its ranks, exit ADD + WAIT; node 0's agent
                     3 more). Exact: no constant fitted.
   tierrun, flat     requests = frames = 11 K P + a K (a: an agent's rendezvous, standing
-                    WAIT, beats; read off the 64x8 point)
+                    WAIT, beats; read off the flat points)
   a link carrying a subtree of n nodes brings its upstream, over a start-up,
                     frames   f(n) = f1 n^alpha
                     requests r(n) = max(r1 n^beta, u n)
-                    f1, r1: a tiered node's link (n = 1), alpha, beta: the tree's top
-                    links (n = (K-1)/(F-1)), all read off the 64x8 points, per regime
+                    f1, r1: a tiered node's link (n = 1); alpha, beta: the tree's top
+                    links (their subtrees' sizes as TreePlace lays them out), per regime
                     (skewed, lockstep); u = 6 requests no front-end can merge (a node's
                     COMPARE_SET and APPEND of its record, ~4 beat ADDs to its own counter).
                     Under skew a subtree's requests trickle in; a link sends one batch
@@ -25,26 +25,27 @@ Counts at the store host (node 0), from the traffic ``wireup_sim.py`` replays:
   own               node 0's own front-end: o = 11 P + a requests, each a frame
   tiered            node 0: K - 1 links, frames (K-1) f(1) + o, requests (K-1) r(1) + o
   tree (F)          places 1..K-1: the first F-1 link to node 0, place q >= F-1 to the
-                    relay in place (q-F+1) // F (``TreePlace``); levels = front-ends
-                    stacked above the deepest leaf, ~ ceil(log_F K); node 0: F - 1
-                    links, K - F parent lookups (a short link each: a handshake, 2
-                    frames, 2 requests), frames (F-1) f(n_top) + 2 (K-F) + o, requests
-                    (F-1) r(n_top) + 2 (K-F) + o.
-                    A relay with children subtrees n_1..n_F (its own subtree n): F links,
-                    frames sum f(n_i) + f(n) + o (in, out, its own node's clients),
-                    requests sum r(n_i) + o.
+                    relay in place (q-F+1) // F (``TreePlace``: a heap, so the top
+                    subtrees are unequal, n_top,j); levels = front-ends stacked above
+                    the deepest leaf, ~ ceil(log_F K); node 0: F - 1 links, K - F parent
+                    lookups (a short link each: a handshake, 2 frames, 2 requests),
+                    frames sum_j f(n_top,j) + 2 (K-F) + o,
+                    requests sum_j r(n_top,j) + 2 (K-F) + o.
+  a relay           children subtrees n_1..n_F: F links, relays R = sum r(n_i) + o requests.
 
 CPU of a node (costs per thing, fitted by non-negative least squares on relative errors):
   torch's server    cpu = c_torch x requests
   tierrun's store   cpu = c_link x (links + lookups) + c_frame x frames + c_req x requests
-  (a relay's proxy is assumed to cost what the store costs per thing: not fitted on
-  relays, so the relays' measured CPU checks it)
+                    (the data barely separate c_frame from c_req: frames and requests
+                    grow together; the projection also gives the busiest node with all
+                    of the store's cost on frames, and all of it on requests)
+  a relay           cpu = c_link x F + c_relay x R (c_relay from the busiest relay measured)
   busiest = max(node 0, every relay)
 
 Wall time (common start to every rank done, as ``wireup.py`` measures it):
   wall = w0 + S + spawn [S > 0] + levels x (H x (hold + grid)) + busiest cpu
   w0: the replay's fixed part (3 CHECKs a second apart, handshakes), read off torch's
-  64x8 point; spawn = 0.3 s (the last rank's spawn delay); H = 5 held phases (init/,
+  points; spawn = 0.3 s (the last rank's spawn delay); H = 5 held phases (init/,
   rendezvous count and arrivals, barrier, exit) x (10 ms hold + 10 ms grid) per level;
   the busiest node's CPU counted as if all of it were on the critical path (it is one
   thread: libuv's, or tierrun's event loop).
@@ -63,8 +64,7 @@ import argparse
 import json
 import math
 import statistics
-import sys
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from itertools import combinations
 from pathlib import Path
 
