@@ -1,0 +1,215 @@
+"""The report of ``bench/model.py``: the validation tables, the projection, what the model
+cannot capture, the plot."""
+
+from __future__ import annotations
+
+import statistics
+from dataclasses import replace
+from pathlib import Path
+
+from model import CURRENT, OLDER, SPLITS, Model, Point, best_fanout, fit, load, loo_costs, predict
+
+#: Projected sizes (nodes; 8 ranks each) and the fanouts tried for the best one.
+SIZES = (64, 256, 1024, 4096, 12500)
+P = 8
+
+CAVEATS = [
+    "**Torch's server at 100k connections.** The model prices a connection as its requests; "
+    "it does not know the limits a real 100,000-client server meets: `ulimit -n` (this machine's hard limit "
+    "is 20,000 open files: torch's server would need ~112,500 descriptors at 12,500x8), the listen backlog "
+    "(`somaxconn` is 4,096 here: 112,500 connects within a 1 s window can overflow the accept queue, and a "
+    "dropped SYN is retried after 1 s, then after twice as long), and the memory of as many connections "
+    "(not measured). Its wall time there is a lower bound.",
+    "**One thread.** The busiest node's CPU is counted as if all of it lay on the critical path (libuv's "
+    "single loop, tierrun's single event loop): right when a phase's requests queue up behind each other, "
+    "pessimistic when they trickle in over the skew window. Whether it is a few seconds of queueing or "
+    "none depends on how the requests bunch, which the model does not see.",
+    "**Per-thing costs are constants; measured, they fall with load.** A busier server gets more per "
+    "wake-up (torch: 11.3 us a request at 64x8, 9.4 at 256x8, skewed), so constants from small points "
+    "overestimate large ones: the fit-on-64x8 check is -2% to +42% at 256x8. The extrapolation to 12,500 "
+    "nodes is 50x beyond the largest measured point under the current method (8x beyond the older ones).",
+    "**Traffic growth of a link (`f1 n^alpha`, `max(r1 n^beta, u n)`)** is an empirical power law "
+    "through n = 1, 9 and 36 nodes per top link; at n = 1,786 (12,500 nodes, F = 8) it is far outside "
+    "its data. The floor `u n` (requests no front-end merges) is what keeps it honest there, and it is "
+    "an estimate (u = 6).",
+    "**Parent lookups.** Every node with a parent reads its parent's address over a short link of its "
+    "own to node 0 (a handshake each, ~0.4-0.9 ms of node 0 by the fits): K - F handshakes at node 0, "
+    "so in the model the tree's node 0 stays linear in K and the lookups dominate it at 12,500 nodes. The "
+    "*no lookups* line shows the same tree if a node learned its parent's address without node 0.",
+    "**Wall time on one machine.** Every process shares 2 cores here: the tree's measured wall grows "
+    "with its 32 proxy processes' CPU, which the model (a cluster: a node per machine) leaves out "
+    "(-10% to -20% at 256x8). No network latency, no NIC, no real spawn or imports in the replay, so "
+    "neither in the model.",
+    "**Relays** are priced per request relayed (one constant, from the busiest relay measured at "
+    "64x8-256x8, up to 32 relays); at 12,500 nodes a top relay relays 1,786 nodes' requests, untested.",
+]
+
+
+def _err(model: float, measured: float) -> str:
+    return f"{model / measured - 1:+.0%}" if measured else "—"
+
+
+def validation(points: list[Point]) -> tuple[list[str], list[float]]:
+    """Fit on 64x8, check on 256x8, per regime; the costs' leave-one-out alongside."""
+    loo = loo_costs(points)
+    lines = [
+        "| K x P | set-up | regime | role | node-0 requests meas / model | node-0 frames meas / model "
+        "| node-0 CPU s meas / model | error | costs only, leave-one-out | busiest relay CPU s meas / model "
+        "| error | wall s meas / model | error |",
+        "|---|---|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
+    ]
+    checks: list[float] = []
+    for regime in ("skew", "lockstep"):
+        pts = [pt for pt in points if pt.regime == regime]
+        small = min(pt.k for pt in pts)
+        m = fit(points, regime, (small,))
+        for pt in pts:
+            pr = predict(m, pt.setup, pt.k, pt.p)
+            role = "fit" if pt.k == small else "check"
+            if role == "check":
+                checks.append(pr.node0_cpu / pt.node0_cpu - 1)
+            relay = f"{pt.relay_cpu:.3f} / {pr.relay_cpu:.3f} | {_err(pr.relay_cpu, pt.relay_cpu)}" \
+                if pt.relay_cpu else "— | —"
+            lines.append(
+                f"| {pt.name} | {pt.setup} | {regime} | {role} | {pt.requests:,.0f} / {pr.requests:,.0f} "
+                f"| {pt.frames:,.0f} / {pr.frames:,.0f} | {pt.node0_cpu:.3f} / {pr.node0_cpu:.3f} "
+                f"| {_err(pr.node0_cpu, pt.node0_cpu)} | {loo[(pt.name, pt.setup, regime)]:+.0%} | {relay} "
+                f"| {pt.wall:.2f} / {pr.wall:.2f} | {_err(pr.wall, pt.wall)} |")
+    return lines, checks
+
+
+def older(points: list[Point], current: list[Point]) -> tuple[list[str], float]:
+    """The older-method points against the lockstep model fitted on every current point, in
+    units of each run's wake-up floor; the tree as it was (no parent lookups)."""
+    m = fit(current, "lockstep")
+    floor_now = statistics.median(pt.floor_us for pt in current)
+    floor_then = statistics.median(pt.floor_us for pt in points)
+    scale = floor_now / floor_then
+    lines = [
+        f"Older method (`{OLDER}`: lockstep, node 0 only, the store before this month's changes, no parent "
+        f"lookups in the tree; a wake-up cost {floor_then:.0f} us then, {floor_now:.0f} us in the current run: "
+        f"its CPU is shown x {scale:.2f}). Model: lockstep constants fitted on every current point.",
+        "",
+        "| K x P | set-up | node-0 requests meas / model | error | node-0 frames meas / model | error "
+        "| node-0 CPU s (scaled) meas / model | error |",
+        "|---|---|---:|---:|---:|---:|---:|---:|",
+    ]
+    m_old = replace(m, lookups=False)
+    for pt in points:
+        pr = predict(m_old, pt.setup, pt.k, pt.p)
+        cpu = pt.node0_cpu * scale
+        lines.append(f"| {pt.name} | {pt.setup} | {pt.requests:,.0f} / {pr.requests:,.0f} "
+                     f"| {_err(pr.requests, pt.requests)} | {pt.frames:,.0f} / {pr.frames:,.0f} "
+                     f"| {_err(pr.frames, pt.frames)} | {cpu:.3f} / {pr.node0_cpu:.3f} | {_err(pr.node0_cpu, cpu)} |")
+    return lines, scale
+
+
+def projection(models: dict[str, Model]) -> tuple[list[str], dict[str, list[tuple[int, float]]]]:
+    """Torch flat, tiered, the tree (F = 8 and the best F, with and without parent
+    lookups); the busiest CPU under each split of the store's cost (frames / requests)."""
+    m = models["free"]
+    lines = [
+        "| K x P (ranks) | set-up | levels | node-0 CPU s | busiest CPU s (who) | range over cost splits "
+        "| torch / busiest | wall s |",
+        "|---|---|---:|---:|---:|---:|---:|---:|",
+    ]
+    series: dict[str, list[tuple[int, float]]] = {}
+    for k in SIZES:
+        torch = predict(m, "torch", k, P).busiest
+        bf = best_fanout(list(models.values()), k, P)
+        bf_nl = best_fanout([replace(mm, lookups=False) for mm in models.values()], k, P)
+        rows = [("torch (flat)", "torch", 8, True), ("tierrun tiered", "tiered", 8, True),
+                ("tree F=8", "tree", 8, True), (f"tree best F={bf}", "tree", bf, True),
+                ("tree F=8, no lookups", "tree", 8, False), (f"tree best F={bf_nl}, no lookups", "tree", bf_nl, False)]
+        for label, setup, f, lookups in rows:
+            pr = predict(replace(m, lookups=lookups), setup, k, P, f)
+            span = [predict(replace(mm, lookups=lookups), setup, k, P, f).busiest for mm in models.values()]
+            key = label if "best" not in label else "tree best F" + (", no lookups" if not lookups else "")
+            series.setdefault(key, []).append((k * P, pr.busiest))
+            lines.append(f"| {k:,}x{P} ({k * P:,}) | {label} | {pr.levels} | {pr.node0_cpu:.3f} "
+                         f"| {pr.busiest:.3f} ({pr.who if setup == 'tree' else 'node 0'}) "
+                         f"| {min(span):.3f}-{max(span):.3f} | {torch / pr.busiest:.1f}x | {pr.wall:.2f} |")
+    return lines, series
+
+
+def constants(m: Model, label: str) -> str:
+    c, k, t = m.counts, m.costs, m.timing
+    return (f"{label}: c_torch = {k.torch_req * 1e6:.1f} us/request; c_link = {k.link * 1e6:.0f} us, "
+            f"c_frame = {k.frame * 1e6:.1f} us, c_req = {k.req * 1e6:.1f} us, c_relay = {k.relay * 1e6:.0f} us; "
+            f"a = {c.agent:.1f}, f1 = {c.f1:.1f}, alpha = {c.alpha:.3f}, r1 = {c.r1:.1f}, beta = {c.beta:.3f}, "
+            f"u = {c.unmergeable:g}; w0 = {t.base:.2f} s")
+
+
+def plot(current: list[Point], m: Model, series: dict[str, list[tuple[int, float]]], path: Path) -> bool:
+    try:
+        import matplotlib
+    except ImportError:
+        return False
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(8, 5))
+    for i, (label, pts) in enumerate(series.items()):
+        ax.plot([x for x, _ in pts], [y for _, y in pts], "-", color=f"C{i}", label=f"model: {label}")
+    for i, setup in enumerate(("torch", "tiered", "tree")):
+        meas = [pt for pt in current if pt.setup == setup and pt.regime == "skew"]
+        ax.plot([pt.k * pt.p for pt in meas], [max(pt.node0_cpu, pt.relay_cpu) for pt in meas], "o",
+                color=f"C{i}", label=f"measured: {setup} (skew 1 s)")
+    ax.set_xscale("log")
+    ax.set_yscale("log")
+    ax.set_xlabel("ranks (8 per node)")
+    ax.set_ylabel("busiest node's CPU seconds over the start-up")
+    ax.set_title("Wire-up model: busiest node, nodes arriving over 1 s")
+    ax.legend(fontsize="small")
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+    return True
+
+
+def report(bench: Path, with_plot: bool = True) -> str:
+    """The section's markdown (and the plot, if asked and matplotlib is there)."""
+    current = load(bench / CURRENT)
+    old = load(bench / OLDER)
+    val, checks = validation(current)
+    old_lines, _ = older(old, current)
+    skew = fit(current, "skew")
+    proj, series = projection({split: fit(current, "skew", None, split) for split in SPLITS})
+    loo = [abs(e) for e in loo_costs(current).values()]
+    plotted = with_plot and plot(current, skew, series, bench / "model.png")
+    out = [
+        "Pure computation from the stored runs (`cd bench && python model.py`, formulas in its docstring). "
+        "Points: `wireup.json` (current method: 64x8 and 256x8, nodes over 1 s and lockstep lines, busiest "
+        f"node measured) and `{OLDER}` (older method: 64x8-1024x8, lockstep, node 0 only). Not used: "
+        "`wireup-512x8-7rounds*.json` (older method, torch's agents' traffic through a tree only tierrun's "
+        "agents can run).",
+        "",
+        "**Validation.** Every constant fitted on the 64x8 points of a regime, then checked on 256x8: "
+        f"node-0 CPU error on the checks {', '.join(f'{e:+.0%}' for e in checks)} (median |error| "
+        f"{statistics.median(abs(e) for e in checks):.0%}, worst {max(abs(e) for e in checks):.0%}). The costs "
+        f"alone, leave-one-out on measured counts: median |error| {statistics.median(loo):.0%}, worst "
+        f"{max(loo):.0%}.",
+        "",
+        *val,
+        "",
+        *old_lines,
+        "",
+        "**Constants** used for the projection (every current point of the regime):",
+        "",
+        "- " + constants(skew, "skewed (1 s)"),
+        "- " + constants(fit(current, "lockstep"), "lockstep"),
+        "",
+        "**Projection**, nodes arriving over 1 s, 8 ranks a node, skewed constants (wall: the replay's "
+        "start-up, 3 heartbeat CHECKs included, as measured; busiest: node 0 or the busiest relay; range: the "
+        "busiest node's CPU with the store's cost fitted on frames and requests, on frames only, on requests "
+        "only; best F: the fanout of 2-128 whose worst case over the splits is least; *no lookups*: the same tree if nodes learned their parent's address without a link to node 0):",
+        "",
+        *proj,
+        "",
+        "**What the model cannot be trusted for:**",
+        "",
+        *(f"- {c}" for c in CAVEATS),
+    ]
+    if plotted:
+        out += ["", "![model: busiest node against ranks](bench/model.png)"]
+    return "\n".join(out)
