@@ -28,6 +28,9 @@ class Transport:
     def get_write_buffer_size(self):
         return self.buffered
 
+    def is_closing(self):
+        return self.closed
+
     def write(self, data):
         self.written.append(bytes(data))
         self.buffered += len(data)
