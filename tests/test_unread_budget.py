@@ -41,6 +41,9 @@ class Transport:
     def resume_reading(self):
         self.reading = True
 
+    def is_reading(self):
+        return self.reading
+
     def can_write_eof(self):
         return False  # (drop closes at once: see ClientConnection.drop's lingering close)
 
@@ -177,3 +180,22 @@ def test_a_wake_while_requests_run_comes_after_their_answers():
     ping, get = (1).to_bytes(4, "little"), (1).to_bytes(8, "little") + b"A"
     assert b"".join(transport.written) == ping + get + b"\x00" + b"\x01"
     assert conn.owed() == transport.buffered  # (nothing reserved any more)
+
+
+def test_reading_resumes_after_a_fence_raised_while_writing_was_paused():
+    """(The oracle's: a client read an 8 MiB answer slowly; the request behind it was
+    served while writing was paused, so its fence was up when writing resumed, and
+    reading, stopped for the backlog, was never resumed: the client's next requests
+    were never read.)"""
+    upstream = Deferring()
+    conn, transport = connect(upstream)
+    conn.data_received(encode_handshake(1) + encode_request((Op.ADD, b"a", 1)) + encode_request((Op.DELETE_KEY, b"a")))
+    assert len(upstream.sent) == 1 and not transport.reading  # (the DELETE waits behind the ADD's fence)
+    conn.pause_writing()  # (the transport's buffer is past its high-water mark)
+    conn.wake((1).to_bytes(8, "little"))  # the ADD's answer: the DELETE goes, writing still paused
+    assert len(upstream.sent) == 2 and not transport.reading
+    conn.resume_writing()  # (the DELETE's fence is up: nothing to serve)
+    conn.wake((1).to_bytes(8, "little"))  # the DELETE's answer
+    assert transport.reading
+    conn.data_received(encode_request((Op.GET, b"a")))
+    assert len(upstream.sent) == 3

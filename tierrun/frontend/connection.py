@@ -327,8 +327,9 @@ class ClientConnection(asyncio.Protocol):
             if self.owed() > self._limits.max_unread_bytes:
                 self.drop(f"{self.owed():,} bytes of answers not read, past the limit (--max-unread-bytes) "
                           f"of {self._limits.max_unread_bytes:,}: it is not reading its answers")
-            elif self._backlog:
-                self._resume()
+            elif self._backlog or not self._transport.is_reading():  # type: ignore[union-attr]
+                self._resume()  # (also when nothing is kept: reading may have stopped while
+                # writing was paused, and resume_writing found the fence up)
 
     def _send(self, data: bytes) -> None:
         """An answer the reply gate held: written now (also once the connection is
