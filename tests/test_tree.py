@@ -172,7 +172,7 @@ def test_a_dead_proxy_in_the_tree_stops_the_static_job_with_a_message(tmp_path):
     assert "lost its parent in the store tree (node rank 1's proxy" in logs[2].read_text(), \
         logs[2].read_text()[-3000:]
     # node 4 linked through node 2's relay, which told it why it gave up: no second grace period
-    assert "their relay, the proxy at tcp 127.0.1.3:" in logs[4].read_text(), logs[4].read_text()[-3000:]
+    assert "the relay, the proxy at tcp 127.0.1.3:" in logs[4].read_text(), logs[4].read_text()[-3000:]
     # (nodes 1 to 4 beat through node 1's proxy: whichever is missed first is named)
     assert re.search(r"node rank [1234] \(127\.0\.1\.[2345]\) has not answered", logs[0].read_text())
 

@@ -87,6 +87,6 @@ async def serve_proxy(
         await service.serve(stop)
     finally:
         if links is not None:  # (a lost path to the store ends the subtree's at once, with why)
-            links.close(f"their relay, the proxy at {where}, lost its own link: {lost[0]}" if lost else None)
+            links.close(f"the relay, the proxy at {where}, lost its own link: {lost[0]}" if lost else None)
         link.close()
     return LINK_LOST if lost else 0
