@@ -1,0 +1,222 @@
+"""The tier layer against an older tierrun and torch's server, in the same run: what
+the store host and the busiest node proxy spend per request when requests trickle in
+as they do at a job's start-up (one request per frame, the worst case for a link).
+
+Every tierrun is run from its source tree as real processes through its command line
+(``tierrun store`` and one ``tierrun proxy`` per simulated node, each on its own
+loopback address), so any two commits with those commands compare; torch's server
+takes the same clients directly (flat, as torchrun runs).
+
+Workloads (raw torch-protocol clients, threads of this process):
+  trickle   one proxy, --clients clients, each --ops ADDs to a shared counter with a
+            random 0-20 ms pause before each: every request travels alone.
+  start-up  --nodes proxies x 8 clients; node i starts at a random time within --skew
+            seconds, its ranks 100-300 ms apart (as worker spawn is); each rank: ADD
+            to a count, SET its address, WAIT for rank 0's, GET it, ADD to a second
+            count, and the last one SETs a done key that every rank WAITs for.
+
+CPU is read from /proc (schedstat, ns) before and after each workload, medians of
+--rounds rounds, the trees alternating within a round. Usage:
+
+  git worktree add --detach /tmp/base 0a077af
+  python bench/tier_ab.py --baseline /tmp/base
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import random
+import secrets
+import socket
+import statistics
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE))
+
+from servers import process_cpu_seconds, start_torch  # noqa: E402
+
+from tierrun.client import StoreClient  # noqa: E402
+
+
+def free_port(host: str) -> int:
+    with socket.socket() as s:
+        s.bind((host, 0))
+        return s.getsockname()[1]
+
+
+def wait_listening(host: str, port: int, proc: subprocess.Popen, what: str) -> None:
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise RuntimeError(f"{what} exited with status {proc.returncode}")
+        try:
+            socket.create_connection((host, port), timeout=1).close()
+            return
+        except OSError:
+            time.sleep(0.05)
+    raise RuntimeError(f"{what} did not listen on {host}:{port} within 30 s")
+
+
+class TierrunJob:
+    """A ``tierrun store`` on 127.0.1.1 and ``nodes`` proxies on 127.0.2.x, run from
+    the source tree ``tree``."""
+
+    def __init__(self, tree: Path, nodes: int) -> None:
+        env = dict(os.environ, PYTHONPATH=str(tree), TIERRUN_TOKEN=secrets.token_hex(16))
+        self.tree = tree
+        self.procs: list[subprocess.Popen] = []
+        port = free_port("127.0.1.1")
+        self.store = self._start(env, ["store", "--host", "127.0.1.1", "--port", str(port)],
+                                 "127.0.1.1", port, "the store")
+        self.proxies: list[tuple[subprocess.Popen, tuple[str, int]]] = []
+        for i in range(nodes):
+            host = f"127.0.2.{i + 1}"
+            pport = free_port(host)
+            proc = self._start(env, ["proxy", "--host", host, "--port", str(pport),
+                                     "--upstream", f"127.0.1.1:{port}"], host, pport, f"proxy {i}")
+            self.proxies.append((proc, (host, pport)))
+
+    def _start(self, env: dict, argv: list[str], host: str, port: int, what: str) -> subprocess.Popen:
+        proc = subprocess.Popen([sys.executable, "-m", "tierrun", *argv, "--log-level", "WARNING"],
+                                env=env, cwd=self.tree, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        self.procs.append(proc)
+        wait_listening(host, port, proc, what)
+        return proc
+
+    def cpu(self) -> tuple[float, list[float]]:
+        return (process_cpu_seconds(self.store.pid),
+                [process_cpu_seconds(p.pid) for p, _ in self.proxies])
+
+    def close(self) -> None:
+        for p in self.procs:
+            p.terminate()
+        for p in self.procs:
+            p.wait(timeout=30)
+
+
+def trickle(addresses: list[tuple[str, int]], clients: int, ops: int, seed: int) -> int:
+    key = f"/trickle/{seed}".encode()
+
+    def client(i: int) -> None:
+        rng = random.Random(seed * 1000 + i)
+        with StoreClient(addresses[0], timeout=120) as c:
+            for _ in range(ops):
+                time.sleep(rng.uniform(0, 0.02))
+                c.add(key, 1)
+
+    run_threads([threading.Thread(target=client, args=(i,)) for i in range(clients)])
+    return clients * ops
+
+
+def start_up(addresses: list[tuple[str, int]], skew: float, seed: int) -> int:
+    """Each rank's start-up traffic; returns the number of requests sent."""
+    rng = random.Random(seed)
+    nodes, per = len(addresses), 8
+    world = nodes * per
+    ns = f"/start/{seed}/".encode()
+    starts = [[t + rng.uniform(0.1, 0.3) * r for r in range(per)]
+              for t in (rng.uniform(0, skew) for _ in range(nodes))]
+    t0 = time.monotonic() + 0.2
+
+    def rank(node: int, local: int) -> None:
+        r = node * per + local
+        time.sleep(max(0.0, t0 + starts[node][local] - time.monotonic()))
+        with StoreClient(addresses[node], timeout=120) as c:
+            c.add(ns + b"count", 1)
+            c.set(ns + b"addr/%d" % r, b"127.0.0.1:%d" % (30000 + r))
+            c.wait([ns + b"addr/0"])
+            c.get(ns + b"addr/0")
+            if c.add(ns + b"ready", 1) == world:
+                c.set(ns + b"done", b"1")
+            c.wait([ns + b"done"])
+
+    run_threads([threading.Thread(target=rank, args=(n, lr))
+                 for n in range(nodes) for lr in range(per)])
+    return world * 7
+
+
+def run_threads(threads: list[threading.Thread]) -> None:
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+
+
+def measure_tierrun(tree: Path, workload: str, args: argparse.Namespace, seed: int) -> dict:
+    job = TierrunJob(tree, 1 if workload == "trickle" else args.nodes)
+    try:
+        addresses = [a for _, a in job.proxies]
+        time.sleep(0.5)  # the links are up and idle
+        store0, proxies0 = job.cpu()
+        t = time.monotonic()
+        n = run(workload, addresses, args, seed)
+        wall = time.monotonic() - t
+        store1, proxies1 = job.cpu()
+    finally:
+        job.close()
+    busiest = max(b - a for a, b in zip(proxies0, proxies1))
+    return {"store_us": (store1 - store0) / n * 1e6, "proxy_us": busiest / n * 1e6, "wall": wall}
+
+
+def measure_torch(workload: str, args: argparse.Namespace, seed: int) -> dict:
+    server = start_torch()
+    try:
+        nodes = 1 if workload == "trickle" else args.nodes
+        addresses = [("127.0.0.1", server.port)] * nodes
+        before = server.cpu_seconds()
+        t = time.monotonic()
+        n = run(workload, addresses, args, seed)
+        wall = time.monotonic() - t
+        after = server.cpu_seconds()
+    finally:
+        server.stop()
+    return {"store_us": (after - before) / n * 1e6, "proxy_us": 0.0, "wall": wall}
+
+
+def run(workload: str, addresses: list[tuple[str, int]], args: argparse.Namespace, seed: int) -> int:
+    if workload == "trickle":
+        return trickle(addresses, args.clients, args.ops, seed)
+    return start_up(addresses, args.skew, seed)
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--baseline", type=Path, required=True, help="source tree of the older tierrun")
+    p.add_argument("--rounds", type=int, default=5)
+    p.add_argument("--clients", type=int, default=32)
+    p.add_argument("--ops", type=int, default=100)
+    p.add_argument("--nodes", type=int, default=16)
+    p.add_argument("--skew", type=float, default=1.0)
+    p.add_argument("--workloads", default="trickle,start-up")
+    args = p.parse_args()
+    head = HERE.parent
+    targets = {"torch": None, "tierrun (this tree)": head, f"tierrun ({args.baseline})": args.baseline}
+    for workload in args.workloads.split(","):
+        results: dict[str, list[dict]] = {name: [] for name in targets}
+        for r in range(args.rounds):
+            order = list(targets.items())
+            if r % 2:
+                order.reverse()
+            for name, tree in order:
+                m = measure_torch(workload, args, r) if tree is None else measure_tierrun(tree, workload, args, r)
+                results[name].append(m)
+        print(f"\n{workload}: medians of {args.rounds} rounds (us of CPU per request)")
+        print(f"{'':32} {'store host':>11} {'busiest proxy':>14} {'wall s':>7}")
+        med = {name: {k: statistics.median(m[k] for m in runs) for k in runs[0]}
+               for name, runs in results.items()}
+        for name, m in med.items():
+            print(f"{name:32} {m['store_us']:11.1f} {m['proxy_us']:14.1f} {m['wall']:7.2f}")
+        new, old = med["tierrun (this tree)"], med[f"tierrun ({args.baseline})"]
+        print(f"this tree / baseline: store host {new['store_us'] / old['store_us']:.2f}, "
+              f"busiest proxy {new['proxy_us'] / old['proxy_us']:.2f}; "
+              f"torch / this tree (store host): {med['torch']['store_us'] / new['store_us']:.2f}")
+
+
+if __name__ == "__main__":
+    main()
