@@ -139,6 +139,34 @@ def test_full_scans_of_a_large_store_are_paced():
     assert pacer.credit == 1.0  # (never more than the burst)
 
 
+def test_a_greedy_scanner_does_not_lock_the_others_out():
+    now = [0.0]
+    pacer = ScanPacer(share=0.5, burst=1.0, clock=lambda: now[0])
+    greedy, polite, other, fourth, fifth = (object() for _ in range(5))
+
+    def scan(who: object, seconds: float) -> None:
+        started = pacer.start(PACED_SCAN_KEYS, who)
+        now[0] += seconds
+        pacer.done(started, who)
+
+    for _ in range(4):  # the greedy one empties the bucket (1 - 4 x 0.6 x 0.5 = -0.2)...
+        scan(greedy, 0.6)
+    with pytest.raises(BudgetExceeded, match="this client's among them"):
+        pacer.start(PACED_SCAN_KEYS, greedy)  # ... and is refused,
+    scan(polite, 0.3)  # while one that has not scanned lately still scans, on the overdraft
+    with pytest.raises(BudgetExceeded):
+        pacer.start(PACED_SCAN_KEYS, polite)  # (once: now it owes too)
+    scan(other, 0.6)  # the overdraft: at most one burst past empty ...
+    assert pacer.credit == pytest.approx(-0.2 - 0.15 - 0.3)
+    scan(fourth, 0.8)
+    assert pacer.credit == pytest.approx(-0.65 - 0.4)
+    with pytest.raises(BudgetExceeded):  # ... after which nobody scans until it refills
+        pacer.start(PACED_SCAN_KEYS, fifth)
+    assert pacer.refused == 3
+    now[0] += 100  # debts are paid back at the share's rate, the bucket refilled
+    scan(greedy, 0.1)
+
+
 def test_a_connection_owes_each_request_at_its_largest_answer():
     limits, owed = Limits(), Owed()
     get = owed.sent((Op.GET, b"k"), limits)

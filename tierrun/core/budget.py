@@ -112,13 +112,21 @@ def multi_set_growth(data: dict[bytes, bytes], keys: tuple[bytes, ...],
 class ScanPacer:
     """Keeps full scans of a large store (LIST_KEYS, a namespace's GETNUMKEYS: ~1 us a
     key, during which the store serves no one) to ``share`` of the store's time, in
-    bursts of at most ``burst`` seconds: a token bucket of scan time. A scan while the
-    bucket is empty is refused (BudgetExceeded: its client is closed). So however many
-    clients scan, the store is never busy scanning for much longer than ``burst`` plus
-    one scan (~1 s at the default --max-store-keys), well within a link's heartbeat
-    timeout. Takes the time from ``clock`` (seconds). O(1)."""
+    bursts of at most ``burst`` seconds: a token bucket of scan time. Fair: each
+    scanner (a client connection, or a node's link) also runs a debt of its own scan
+    time, paid back at ``share``; while the bucket is empty, a scanner with no debt (it
+    has not scanned lately) still scans, on an overdraft of at most ``burst`` more,
+    while the one that emptied the bucket is refused (BudgetExceeded: its client is
+    closed). So one greedy scanner cannot lock the others out of LIST_KEYS, and however
+    many clients scan, the store is never busy scanning for much longer than twice
+    ``burst`` plus one scan (~1 s at the default --max-store-keys), well within a
+    link's heartbeat timeout. Takes the time from ``clock`` (seconds). O(1) per scan
+    (the debts are swept, O(scanners), once their table passes ``_SWEEP_AT``)."""
 
-    __slots__ = ("share", "burst", "credit", "_clock", "_last", "scans", "refused")
+    __slots__ = ("share", "burst", "credit", "_clock", "_last", "_debts", "scans", "refused")
+
+    #: Scanners with a debt kept before the paid-up ones are swept out.
+    _SWEEP_AT = 4096
 
     def __init__(self, share: float = SCAN_SHARE, burst: float = SCAN_BURST,
                  clock: Callable[[], float] = time.perf_counter) -> None:
@@ -127,31 +135,45 @@ class ScanPacer:
         self.credit = burst
         self._clock = clock
         self._last = clock()
+        #: id(scanner): (debt in seconds, as of); ids, not the objects: a closed connection is
+        #: not kept alive (an id reused by a later one inherits a debt at most ``burst`` old)
+        self._debts: dict[int, tuple[float, float]] = {}
         self.scans = 0  # paced scans done
         self.refused = 0
 
-    def start(self, keys: int) -> float:
-        """A scan of ``keys`` keys is about to run: when it started (for :meth:`done`), or
-        -1.0 for a scan too small to pace. Raises BudgetExceeded while scans have had
-        their share."""
+    def start(self, keys: int, scanner: object = None) -> float:
+        """``scanner`` is about to scan ``keys`` keys: when it started (for
+        :meth:`done`), or -1.0 for a scan too small to pace. Raises BudgetExceeded
+        while scans have had their share and this scanner has had its own lately."""
         if keys < PACED_SCAN_KEYS:
             return -1.0
         now = self._clock()
         self._refill(now)
-        if self.credit <= 0:
+        if self.credit <= 0 and (self.credit <= -self.burst or self._debt(id(scanner), now) > 0):
             self.refused += 1
             raise BudgetExceeded(
                 f"scans of the store's {keys:,} keys have taken their share of its time ({self.share:.0%}) "
-                "lately, and the store keeps them to it so that its other clients are served; scan less often")
+                "lately, this client's among them, and the store keeps them to it so that its other "
+                "clients are served; scan less often")
         self.scans += 1
         return now
 
-    def done(self, started: float) -> None:
-        """The scan begun at ``started`` is over: charge its time."""
+    def done(self, started: float, scanner: object = None) -> None:
+        """``scanner``'s scan begun at ``started`` is over: charge its time."""
         if started >= 0:
             now = self._clock()
-            self.credit -= now - started
+            took = now - started
+            self.credit -= took
             self._refill(now)
+            debts = self._debts
+            debts[id(scanner)] = (self._debt(id(scanner), now) + took, now)
+            if len(debts) > self._SWEEP_AT:
+                for who in [w for w in debts if self._debt(w, now) <= 0]:
+                    del debts[who]
+
+    def _debt(self, scanner: int, now: float) -> float:
+        debt, since = self._debts.get(scanner, (0.0, now))
+        return max(0.0, debt - (now - since) * self.share)
 
     def _refill(self, now: float) -> None:
         self.credit = min(self.burst, self.credit + (now - self._last) * self.share)

@@ -475,11 +475,11 @@ class StoreCore:
     def _list_keys(self, req: Request, waiter: Waiter) -> bytes:
         data = self._data
         self.budget.reply(8 + 8 * len(data) + self._key_bytes)
-        started = self.pacer.start(len(data))
+        started = self.pacer.start(len(data), waiter)
         try:
             return encode_key_list(data)
         finally:
-            self.pacer.done(started)
+            self.pacer.done(started, waiter)
 
     def _barrier(self, req: Request, waiter: Waiter) -> bytes | None:
         _, key, world_size = req

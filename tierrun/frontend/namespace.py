@@ -40,17 +40,17 @@ class NamespacedUpstream:
         elif op in _KEY_TUPLE:
             req = (op, tuple(p + k for k in req[1]), *req[2:])
         elif op == Op.LIST_KEYS or op == Op.GETNUMKEYS:
-            return self._scan(op)
+            return self._scan(op, waiter)
         return self._core.execute(req, waiter)
 
-    def _scan(self, op: int) -> bytes:
+    def _scan(self, op: int, scanner: Waiter) -> bytes:
         """LIST_KEYS or GETNUMKEYS of the namespace. Raises BudgetExceeded (a
         StoreError) while scans have had their share of the store's time, or for a
         LIST_KEYS whose answer would pass the store's limit (counted before anything
         is copied). O(keys in the store)."""
         core, p = self._core, self._prefix
         keys = core.keys()
-        started = core.pacer.start(len(keys))
+        started = core.pacer.start(len(keys), scanner)
         try:
             mine = [k for k in keys if k.startswith(p)]
             if op == Op.GETNUMKEYS:
@@ -59,7 +59,7 @@ class NamespacedUpstream:
             core.budget.reply(8 + sum(8 + len(k) - n for k in mine))
             return encode_key_list([k[n:] for k in mine])
         finally:
-            core.pacer.done(started)
+            core.pacer.done(started, scanner)
 
     def execute_watching(self, req: Request, waiter: Waiter, watcher: object, how: int = WATCH_READ) -> bytes | None:
         op = req[0]
