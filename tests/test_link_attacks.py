@@ -8,6 +8,7 @@ Short link timings through the environment, as the launcher passes them."""
 from __future__ import annotations
 
 import os
+import signal
 import socket
 import threading
 import time
@@ -34,10 +35,11 @@ def store(*extra: str, **env: str) -> StoreProcess:
     return s
 
 
-def proxy(port: int, **env: str) -> StoreProcess:
+def proxy(port: int, source: str | None = None, **env: str) -> StoreProcess:
     p = StoreProcess(command="proxy", host="127.0.0.1", port=0, controlled=True,
                      env={**os.environ, **TIMING, **env},
-                     extra_args=["--upstream", f"127.0.0.1:{port}", "--connect-timeout", "10"])
+                     extra_args=["--upstream", f"127.0.0.1:{port}", "--connect-timeout", "10"]
+                     + (["--link-source", source] if source else []))
     p.start()
     return p
 
@@ -174,17 +176,19 @@ def _closed(s: socket.socket, timeout: float) -> bool:
 
 def test_link_handshakes_are_bounded_in_time_and_per_source_address():
     """Connections that begin like a link and then trickle a byte every 0.2 s (a
-    slow-loris that never authenticates): at most 3 per source address at once (the
-    4th is closed at once; another address still gets in), and each is closed 1 s after
+    slow-loris that never authenticates): at most 3 per source address at once (a 4th
+    closes the oldest; another address is not affected), and each is closed 1 s after
     it connected, however it trickles. A linked node and a torch client keep going."""
     root = store(TIERRUN_LINK_HANDSHAKE_TIMEOUT="1", TIERRUN_LINK_HANDSHAKES_PER_ADDRESS="3")
     node = proxy(root.port)
     try:
         c, other = client(node.port), StoreClient(("127.0.0.1", root.port))
+        first = _linkish("127.0.1.7", root.port)
+        time.sleep(0.1)  # (accepted in this order)
         attackers = [_linkish("127.0.1.7", root.port) for _ in range(3)]
         t0 = time.monotonic()
-        assert _closed(_linkish("127.0.1.7", root.port), 1.0)  # the 4th from that address
-        wait_for(lambda: "from 127.0.1.7 are still in their handshake" in root.output, 5)
+        assert _closed(first, 1.0)  # the oldest from that address, for the 4th
+        wait_for(lambda: "from 127.0.1.7 in their handshake" in root.output, 5)
         elsewhere = _linkish("127.0.1.8", root.port)
         stop = threading.Event()
 
@@ -208,6 +212,46 @@ def test_link_handshakes_are_bounded_in_time_and_per_source_address():
         assert c.add("n", 1) == 2 and other.add(b"m", 1) == 2
         assert root.stats()["links"] == 1 and node.exited() is None
     finally:
+        node.stop()
+        root.stop()
+
+
+def test_stalled_handshakes_from_a_nodes_address_do_not_keep_its_link_out():
+    """Another process on a node holds every handshake slot of the node's address
+    (connections that never authenticate, renewed as they time out) when the node's
+    link drops: the node's reconnection closes the oldest of them and resumes."""
+    root = store(TIERRUN_LINK_HANDSHAKE_TIMEOUT="30", TIERRUN_LINK_HANDSHAKES_PER_ADDRESS="4")
+    node = proxy(root.port, source="127.0.1.9")
+    try:
+        c = client(node.port)
+        assert c.add("n", 1) == 1
+        squatters = [_linkish("127.0.1.9", root.port) for _ in range(4)]
+        for s in squatters:  # (a frame of 4,000 bytes begins, trickled a byte at a time)
+            s.sendall((4000).to_bytes(4, "little"))
+        stop = threading.Event()
+
+        def trickle():  # (a byte now and then: not silent, never authenticated)
+            while not stop.wait(0.2):
+                for s in squatters:
+                    try:
+                        s.send(b"\x00")
+                    except OSError:
+                        pass
+
+        threading.Thread(target=trickle, daemon=True).start()
+        os.kill(node.pid, signal.SIGSTOP)  # its link goes silent: the store host drops it
+        wait_for(lambda: "nothing heard for" in root.output, 15)
+        os.kill(node.pid, signal.SIGCONT)  # and the node reconnects, from its address
+        assert c.add("n", 1) == 2
+        assert _closed(squatters[0], 5.0)
+        assert "resumed" in node.output and node.exited() is None
+        assert not any(_closed(s, 0.5) for s in squatters[1:])  # (the others wait their deadline)
+        stop.set()
+    finally:
+        try:
+            os.kill(node.pid, signal.SIGCONT)
+        except ProcessLookupError:
+            pass
         node.stop()
         root.stop()
 

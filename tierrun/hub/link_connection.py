@@ -196,7 +196,7 @@ class LinkServerConnection(asyncio.Protocol):
             self._deadline.cancel()
             self._deadline = None
         if self._address is not None:
-            self._server.handshake_over(self._address)
+            self._server.handshake_over(self._address, self)
             self._address = None
 
     def _lone_request(self, session: Session, data: bytes) -> bool:

@@ -23,7 +23,8 @@ What a connection can hold, and for how long:
 - before its session is open (a peer that may not know the token): at most
   ``LinkConfig.handshake_timeout`` seconds, ``HANDSHAKE_MAX_FRAME`` bytes of a frame,
   and no more than ``max_handshakes_per_address`` such connections per source
-  address; every link counts against ``max_connections`` (the front-end that
+  address (a new one evicts the oldest: a process squatting a node's address cannot
+  lock its link out); every link counts against ``max_connections`` (the front-end that
   accepted it counts it against its own too);
 - once open: it is closed when nothing is heard for ``heartbeat_timeout`` (its session
   waits ``grace`` seconds for a resume); its unacknowledged frames are bounded by
@@ -80,7 +81,7 @@ class LinkServer:
         self.sessions: dict[bytes, Session] = {}
         self.connections: set[LinkServerConnection] = set()
         #: Source address -> its connections whose session is not open yet.
-        self.handshaking: dict[str, int] = {}
+        self.handshaking: dict[str, dict[LinkServerConnection, None]] = {}
         #: Largest frame sent (the front-ends' decoders accept no larger).
         self.max_frame = DEFAULT_MAX_FRAME
         self._watchdog: asyncio.TimerHandle | None = None
@@ -107,24 +108,30 @@ class LinkServer:
 
     def admit(self, conn: LinkServerConnection, address: str) -> str | None:
         """Count a new connection from ``address`` (a host); why it is refused, or None.
-        O(1)."""
+        At ``max_handshakes_per_address`` connections from there still in their
+        handshake, the oldest is closed to make room: slow or stalled connections from
+        a node's address (another process there) cannot keep the node's own link out;
+        to do so they would have to outrun its handshake (one round trip) again and
+        again. O(1)."""
         if len(self.connections) >= self.max_connections:
             return f"{len(self.connections)} link connections open (the limit)"
-        n = self.handshaking.get(address, 0)
-        if n >= self.config.max_handshakes_per_address:
-            return (f"{n} link connections from {address} are still in their handshake "
-                    f"(the limit: TIERRUN_LINK_HANDSHAKES_PER_ADDRESS)")
-        self.handshaking[address] = n + 1
+        waiting = self.handshaking.setdefault(address, {})
+        if len(waiting) >= self.config.max_handshakes_per_address:
+            oldest = next(iter(waiting))
+            del waiting[oldest]
+            oldest.abort(f"{len(waiting) + 1} link connections from {address} in their handshake (the limit: "
+                         "TIERRUN_LINK_HANDSHAKES_PER_ADDRESS); this one, the oldest, makes room for a new one")
+        waiting[conn] = None
         self.connections.add(conn)
         return None
 
-    def handshake_over(self, address: str) -> None:
-        """A connection from ``address`` opened its session, or closed before."""
-        n = self.handshaking.get(address, 0) - 1
-        if n > 0:
-            self.handshaking[address] = n
-        else:
-            self.handshaking.pop(address, None)
+    def handshake_over(self, address: str, conn: LinkServerConnection) -> None:
+        """``conn``, from ``address``, opened its session, or closed before."""
+        waiting = self.handshaking.get(address)
+        if waiting is not None:
+            waiting.pop(conn, None)
+            if not waiting:
+                del self.handshaking[address]
 
     def _schedule_watchdog(self, delay: float) -> None:
         self._watchdog = asyncio.get_running_loop().call_later(delay, self._check_heartbeats)

@@ -20,8 +20,8 @@ class LinkConfig:
     #: A link connection that has not opened or resumed its session this long (seconds)
     #: after it was accepted is closed (a peer without the token cannot hold one longer).
     handshake_timeout: float = 5.0
-    #: Most link connections from one address still in their handshake at once; more
-    #: are closed as soon as they are accepted. Job members need one at a time each.
+    #: Most link connections from one address still in their handshake at once; a new
+    #: one past it closes the oldest. Job members need one at a time each.
     max_handshakes_per_address: int = 64
     #: Most bytes of unacknowledged frames one end keeps for one session.
     max_unacked_bytes: int = 256 * 1024 * 1024

@@ -38,6 +38,7 @@ async def serve_proxy(
     connect_timeout: float = 60.0,
     link_config: LinkConfig | None = None,
     link_listen: tuple[str, int] | None = None,
+    link_source: str | None = None,
 ) -> int:
     """Serve until the link is lost past its grace period (returns ``LINK_LOST``) or until stopped
     (0). With ``link_listen`` (host, port), other front-ends may link to this one there
@@ -55,7 +56,7 @@ async def serve_proxy(
 
     own = config.frontend.limits  # (merges hold no more than one request may)
     link = await connect_link(upstream_host, upstream_port, token, on_lost, connect_timeout, link_config,
-                              PlanLimits.of(own))
+                              PlanLimits.of(own), source=link_source)
     # refuse here what the store host would refuse (a request past its limits fails
     # its client alone either way, but here it costs the link nothing)
     limits = own if link.upstream_limits is None else own.within(link.upstream_limits)

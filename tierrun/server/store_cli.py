@@ -141,6 +141,9 @@ def proxy_main(argv: list[str]) -> int:
     p.add_argument("--link-listen", default=None, metavar="HOST:PORT",
                    help="also take other front-ends' links here (a deeper tree: they link to this "
                    "proxy instead of the store host); HOST is an address of this node")
+    p.add_argument("--link-source", default=None, metavar="HOST",
+                   help="the local address the link leaves from (default: the system's choice); "
+                   "the store host counts unauthenticated connections per source address")
     _add_token_fd(p)
     args = parse_store_args(p, argv)
     logging.basicConfig(level=args.log_level.upper(), format="[tierrun proxy] %(levelname)s %(message)s")
@@ -162,7 +165,7 @@ def proxy_main(argv: list[str]) -> int:
     try:
         return run(serve_proxy(_config(args), host.strip("[]"), int(port), token,
                                on_listening=_announcer("proxy"), connect_timeout=args.connect_timeout,
-                               link_config=settings.link, link_listen=link_listen))
+                               link_config=settings.link, link_listen=link_listen, link_source=args.link_source))
     except OSError as e:
         if e.filename:  # (a Unix socket's path)
             print(f"tierrun proxy: cannot listen on the Unix socket {e.filename}: {e.strerror or e}", file=sys.stderr)
