@@ -244,7 +244,8 @@ def test_stalled_handshakes_from_a_nodes_address_do_not_keep_its_link_out():
         os.kill(node.pid, signal.SIGCONT)  # and the node reconnects, from its address
         assert c.add("n", 1) == 2
         assert _closed(squatters[0], 5.0)
-        assert "resumed" in node.output and node.exited() is None
+        wait_for(lambda: "resumed" in node.output, 5)
+        assert node.exited() is None
         assert not any(_closed(s, 0.5) for s in squatters[1:])  # (the others wait their deadline)
         stop.set()
     finally:
