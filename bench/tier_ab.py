@@ -16,9 +16,11 @@ Workloads (raw torch-protocol clients, threads of this process):
             count, and the last one SETs a done key that every rank WAITs for.
 
 CPU is read from /proc (schedstat, ns) before and after each workload, medians of
---rounds rounds, the trees alternating within a round. Usage:
+--rounds rounds, the set-ups alternating within a round. Writes its table to
+docs/benchmarks.md and the raw runs to docs/bench/tier_ab.json. Usage:
 
-  git worktree add --detach /tmp/base 0a077af
+  python bench/tier_ab.py                      # torch's server and this tree
+  git worktree add --detach /tmp/base 0a077af  # and an older tierrun alongside
   python bench/tier_ab.py --baseline /tmp/base
 """
 
@@ -39,6 +41,7 @@ from pathlib import Path
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 
+from report import write_json, write_section  # noqa: E402
 from servers import process_cpu_seconds, start_torch  # noqa: E402
 
 from tierrun.client import StoreClient  # noqa: E402
@@ -187,16 +190,26 @@ def run(workload: str, addresses: list[tuple[str, int]], args: argparse.Namespac
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--baseline", type=Path, required=True, help="source tree of the older tierrun")
+    p.add_argument("--baseline", type=Path, default=None, help="source tree of an older tierrun to compare")
     p.add_argument("--rounds", type=int, default=5)
     p.add_argument("--clients", type=int, default=32)
     p.add_argument("--ops", type=int, default=100)
     p.add_argument("--nodes", type=int, default=16)
     p.add_argument("--skew", type=float, default=1.0)
     p.add_argument("--workloads", default="trickle,start-up")
+    p.add_argument("--no-write", action="store_true", help="print only")
     args = p.parse_args()
-    head = HERE.parent
-    targets = {"torch": None, "tierrun (this tree)": head, f"tierrun ({args.baseline})": args.baseline}
+    this = "tierrun (this tree)"
+    targets: dict[str, Path | None] = {"torch": None, this: HERE.parent}
+    if args.baseline is not None:
+        targets[f"tierrun ({args.baseline.resolve().name})"] = args.baseline.resolve()
+    raw: dict[str, dict[str, list[dict]]] = {}
+    lines = [f"Medians of {args.rounds} rounds, CPU microseconds per request (requests sent by the clients). "
+             f"trickle: one proxy, {args.clients} clients x {args.ops} ADDs, a 0-20 ms pause before each; "
+             f"start-up: {args.nodes} proxies x 8 ranks, nodes over {args.skew:g} s, ranks 0.1-0.3 s apart, "
+             "7 requests each. torch: its server, the clients on it directly.", "",
+             "| workload | set-up | store host us/request | busiest proxy us/request | wall s | torch / store host |",
+             "|---|---|---:|---:|---:|---:|"]
     for workload in args.workloads.split(","):
         results: dict[str, list[dict]] = {name: [] for name in targets}
         for r in range(args.rounds):
@@ -206,16 +219,23 @@ def main() -> None:
             for name, tree in order:
                 m = measure_torch(workload, args, r) if tree is None else measure_tierrun(tree, workload, args, r)
                 results[name].append(m)
+        raw[workload] = results
+        med = {name: {k: statistics.median(m[k] for m in runs) for k in runs[0]} for name, runs in results.items()}
         print(f"\n{workload}: medians of {args.rounds} rounds (us of CPU per request)")
         print(f"{'':32} {'store host':>11} {'busiest proxy':>14} {'wall s':>7}")
-        med = {name: {k: statistics.median(m[k] for m in runs) for k in runs[0]}
-               for name, runs in results.items()}
         for name, m in med.items():
             print(f"{name:32} {m['store_us']:11.1f} {m['proxy_us']:14.1f} {m['wall']:7.2f}")
-        new, old = med["tierrun (this tree)"], med[f"tierrun ({args.baseline})"]
-        print(f"this tree / baseline: store host {new['store_us'] / old['store_us']:.2f}, "
-              f"busiest proxy {new['proxy_us'] / old['proxy_us']:.2f}; "
-              f"torch / this tree (store host): {med['torch']['store_us'] / new['store_us']:.2f}")
+            ratio = "—" if name == "torch" else f"{med['torch']['store_us'] / m['store_us']:.2f}x"
+            proxy = "—" if name == "torch" else f"{m['proxy_us']:.1f}"
+            lines.append(f"| {workload} | {name} | {m['store_us']:.1f} | {proxy} | {m['wall']:.2f} | {ratio} |")
+        for name in targets:
+            if name not in ("torch", this):
+                new, old = med[this], med[name]
+                print(f"this tree / {name}: store host {new['store_us'] / old['store_us']:.2f}, "
+                      f"busiest proxy {new['proxy_us'] / old['proxy_us']:.2f}")
+    if not args.no_write:
+        write_json("tier_ab", {"args": {k: str(v) for k, v in vars(args).items()}, "runs": raw})
+        write_section("tier_ab", "\n".join(lines))
 
 
 if __name__ == "__main__":
