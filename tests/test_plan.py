@@ -13,8 +13,9 @@ from tierrun.protocol import Op
 from tierrun.protocol.replies import encode_bytes
 from tierrun.tier.fanout import answers, split_values, watch_answers
 from tierrun.tier.plan import (
-    FETCH_AFTER_WRITES_MARK, FETCH_MARK, WATCH_MARK, PlanLimits, plan_batch, plan_peeks, request_size,
+    FETCH_AFTER_WRITES_MARK, FETCH_MARK, WATCH_MARK, PlanLimits, plan_batch, request_size,
 )
+from tierrun.tier.readahead import plan_peeks
 
 MiB = 1 << 20
 I64_MAX, I64_MIN = (1 << 63) - 1, -(1 << 63)
@@ -232,3 +233,15 @@ def test_an_append_run_is_planned_in_linear_time():
     plan = plan_batch([("a", b"", (APPEND, b"k", b"x"))] * 20000)
     (u,) = plan.ops
     assert u.fold.value_bytes == 20000 and u.request() == (APPEND, b"k", b"x" * 20000)
+
+
+@pytest.mark.parametrize("req", [(ADD, b"n", 3), (SET, b"k", b"v")], ids=["ADD", "SET"])
+def test_a_batch_of_one_write_is_planned_as_the_same_write_in_a_larger_batch(req):
+    """A lone ADD or SET skips the planner's tables (most batches of a trickling
+    start-up): its op is the one the planner makes of it."""
+    lone = plan_batch([("a", b"", req)])
+    planned = plan_batch([("a", b"", req), ("b", b"", (GET, b"elsewhere"))])
+    u, p = lone.ops[0], planned.ops[0]
+    assert (u.request(), u.waiters, u.writers, u.deltas, u.group, u.pos, u.fold, u.wkey) == (
+        p.request(), p.waiters, p.writers, p.deltas, p.group, p.pos, p.fold, p.wkey)
+    assert len(lone.ops) == 1 and lone.lone and not lone.reads and not lone.fetched and not lone.read_keys

@@ -48,18 +48,20 @@ def encode_plan(plan: Plan, extra: list[bytes], ids: Ids, inflight: dict[int, Up
     most ``max_frame`` bytes: several, in order, when a batch holds more (each is
     executed in turn; a fold never spans two). O(bytes of the entries)."""
     out = Encoded()
+    if not extra and len(plan.ops) == 1:  # (a batch of one plain request: most of a trickle)
+        u = plan.ops[0]
+        if u.watchers is None and not u.members and not u.fetch:
+            new: list[bytes] = []
+            _plain(u, _client_id(u, ids, new, out), ids, inflight, out, new)
+            out.frames = [encode_batch(new)]
+            return out
     frames: list[list[bytes]] = []
     entries = list(extra)
     size = sum(map(len, entries))
     room = max_frame - _FRAME_HEAD
     for u in plan.ops:
-        new: list[bytes] = []
-        cid = ids.of_namespace.get(u.ns)
-        if cid is None:
-            cid = ids.of_namespace[u.ns] = ids.new()
-            new.append(entry_open(cid, u.ns))
-            out.opened += 1
-        u.cid = cid
+        new = []
+        cid = _client_id(u, ids, new, out)
         members = u.members or ()
         if members or u.fetch:  # one WAITS (WATCHES, ...) entry: request ids rid, rid + 1, ...
             u.rid = ids.new()
@@ -83,17 +85,7 @@ def encode_plan(plan: Plan, extra: list[bytes], ids: Ids, inflight: dict[int, Up
             out.watches += 1
             out.ops += 1
         else:
-            req = u.request()
-            if u.waiters:
-                u.rid = ids.new()
-                inflight[u.rid] = u
-                if req[0] not in WAITING_OPS:
-                    out.answered_at_once = u.rid
-            elif u.writers:  # (answered only if refused: see .writes)
-                u.rid = ids.new()
-                out.writes.append((u.rid, req[0], u.writers))
-            new.append(entry_request(cid, u.rid, encode_request(req)))
-            out.ops += 1
+            _plain(u, cid, ids, inflight, out, new)
         added = sum(map(len, new))
         if entries and size + added > room:
             frames.append(entries)
@@ -104,3 +96,29 @@ def encode_plan(plan: Plan, extra: list[bytes], ids: Ids, inflight: dict[int, Up
         frames.append(entries)
     out.frames = [encode_batch(f) for f in frames]
     return out
+
+
+def _client_id(u: UpOp, ids: Ids, new: list[bytes], out: Encoded) -> int:
+    """``u``'s link client id: its namespace's (an OPEN entry in ``new`` for the first)."""
+    cid = ids.of_namespace.get(u.ns)
+    if cid is None:
+        cid = ids.of_namespace[u.ns] = ids.new()
+        new.append(entry_open(cid, u.ns))
+        out.opened += 1
+    u.cid = cid
+    return cid
+
+
+def _plain(u: UpOp, cid: int, ids: Ids, inflight: dict[int, UpOp], out: Encoded, new: list[bytes]) -> None:
+    """A plain request's entry (not a watching read, not WAITs folded in one entry)."""
+    req = u.request()
+    if u.waiters:
+        u.rid = ids.new()
+        inflight[u.rid] = u
+        if req[0] not in WAITING_OPS:
+            out.answered_at_once = u.rid
+    elif u.writers:  # (answered only if refused: see .writes)
+        u.rid = ids.new()
+        out.writes.append((u.rid, req[0], u.writers))
+    new.append(entry_request(cid, u.rid, encode_request(req)))
+    out.ops += 1

@@ -205,6 +205,8 @@ class Plan:
     #: Per namespace, the op whose PEEKS entry the batch's read-ahead joins.
     peek_folds: dict[bytes, UpOp] = field(default_factory=dict)
     counts: MergeCounts = field(default_factory=MergeCounts)
+    #: One ADD or SET, planned without the planner: nothing for the watch cache to note.
+    lone: bool = False
 
     def all_ops(self):
         """Every op, members after the op that carries them."""
@@ -215,7 +217,19 @@ class Plan:
 
 
 def plan_batch(pending: list[tuple[Any, bytes, Request]], limits: PlanLimits = PlanLimits()) -> Plan:
-    """Merge and fold ``pending`` (client, namespace, request) by this module's rule."""
+    """Merge and fold ``pending`` (client, namespace, request) by this module's rule.
+    A batch of one ADD or SET (most batches of a start-up whose requests trickle in) is
+    planned as the planner would plan it, without the planner's tables."""
+    if len(pending) == 1:
+        waiter, ns, req = pending[0]
+        if req[0] == Op.ADD:
+            u = UpOp(req, ns, waiter, 0)
+            u.deltas = [req[2]]
+            return Plan([u], lone=True)
+        if req[0] == Op.SET:
+            u = UpOp(req, ns, None, 0)
+            u.writers = [waiter]
+            return Plan([u], lone=True)
     return _Planner(limits).run(pending)
 
 
@@ -474,27 +488,3 @@ def _same_run(earlier: tuple[Any, bytes, Request], ns: bytes, op: int, key: byte
     answers leave in order. (Runs are cut by any other request on their key.)"""
     req = earlier[2]
     return req[0] == op and earlier[1] == ns and req[1] == key
-
-
-def plan_peeks(plan: Plan, ns: bytes, keys: list[bytes], peeking, limits: PlanLimits = PlanLimits()) -> list[UpOp]:
-    """Read-ahead: a PEEKS op (members folded, ``limits.max_fold`` at most per entry) for
-    each of ``keys`` not read in the batch nor in ``peeking`` already; appended to
-    ``plan.ops``. Returns the new ops (members included)."""
-    new: list[UpOp] = []
-    f = plan.peek_folds.get(ns)
-    for key in keys:
-        k = (ns, key)
-        if k in peeking or k in plan.read_keys:
-            continue
-        u = UpOp((Op.WAIT, (key,)), ns, None, 1 << 62)
-        u.wkey = k
-        u.watchers = []
-        u.fetch = PEEKS
-        new.append(u)
-        if f is not None and len(f.members or ()) + 1 < limits.max_entry_keys:
-            f.members = f.members or []
-            f.members.append(u)
-        else:
-            f = plan.peek_folds[ns] = u
-            plan.ops.append(u)
-    return new

@@ -13,6 +13,10 @@ from __future__ import annotations
 import re
 from collections.abc import Container
 
+from ..link.frames import PEEKS
+from ..protocol import Op
+from .plan import Plan, PlanLimits, UpOp
+
 LOOKAHEAD = 16
 MAX_LOOKAHEAD = 256
 #: Keys (and names) remembered at most (past it, forgotten all at once).
@@ -72,3 +76,27 @@ class ReadAhead:
         m = _TRAILING_NUMBER.search(key)
         if m is not None:
             self._lookahead_of.pop((ns, key[: m.start()]), None)
+
+
+def plan_peeks(plan: Plan, ns: bytes, keys: list[bytes], peeking, limits: PlanLimits = PlanLimits()) -> list[UpOp]:
+    """Read-ahead: a PEEKS op (members folded, ``limits.max_fold`` at most per entry) for
+    each of ``keys`` not read in the batch nor in ``peeking`` already; appended to
+    ``plan.ops``. Returns the new ops (members included)."""
+    new: list[UpOp] = []
+    f = plan.peek_folds.get(ns)
+    for key in keys:
+        k = (ns, key)
+        if k in peeking or k in plan.read_keys:
+            continue
+        u = UpOp((Op.WAIT, (key,)), ns, None, 1 << 62)
+        u.wkey = k
+        u.watchers = []
+        u.fetch = PEEKS
+        new.append(u)
+        if f is not None and len(f.members or ()) + 1 < limits.max_entry_keys:
+            f.members = f.members or []
+            f.members.append(u)
+        else:
+            f = plan.peek_folds[ns] = u
+            plan.ops.append(u)
+    return new

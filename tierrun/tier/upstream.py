@@ -39,10 +39,10 @@ from .hold import HELD_WRITES, HoldPolicy, issuer
 from .pending import PendingBatch
 from .waits_of import WaitsOf
 from .plan import (
-    FETCH_AFTER_WRITES_MARK, FETCH_MARK, PEEK_MARK, WATCH_MARK, Plan, PlanLimits, UpOp, plan_batch, plan_peeks,
+    FETCH_AFTER_WRITES_MARK, FETCH_MARK, PEEK_MARK, WATCH_MARK, Plan, PlanLimits, UpOp, plan_batch,
 )
 from .connection import SessionEnd
-from .readahead import ReadAhead
+from .readahead import ReadAhead, plan_peeks
 from .stats import CoalescingStats
 from .watches import MISSING, WatchCache, answer_from
 from .writes import WritesInFlight, refused_write, write_size
@@ -345,6 +345,8 @@ class LinkUpstream(SessionEnd):
         self.acked()
 
     def _note_plan(self, plan: Plan) -> None:
+        if plan.lone:
+            return
         stats, counts, watches = self.stats, plan.counts, self.watches
         for name, n in vars(counts).items():
             if n:
