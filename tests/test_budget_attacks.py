@@ -333,3 +333,44 @@ def test_unfinished_requests_past_the_budget_close_the_connection_that_passes_it
         n.still_served(bystander)
     finally:
         n.close()
+
+
+@pytest.mark.parametrize("tiered", [False, True], ids=["flat", "tiered"])
+def test_waits_on_many_missing_keys_count_against_the_store_budget(tiered):
+    """A WAIT on 131,072 missing keys is a 2 MiB request, but the store holds a
+    registration per key while it waits (~40 MB at the store host, more through a
+    proxy: a ticket per key): 25 such clients took 1 GB, whatever the store's budgets.
+    Keys waited for count as keys while they are waited for: the WAIT that passes the
+    budget is refused (its client closed), a bystander's WAIT and writes go on."""
+    n = Node(tiered, store_args=("--max-store-keys=300000",))
+    try:
+        bystander = n.torch_client()
+        hogs = []
+        closed = 0
+        for c in range(6):
+            hog = adversary(n.port)
+            send_until_closed(hog, encode_request((Op.WAIT, tuple(b"/%d/%06d" % (c, i) for i in range(128 * 1024)))))
+            hog.settimeout(1)
+            try:
+                if hog.recv(1) == b"":
+                    closed += 1
+            except socket.timeout:
+                pass  # (waiting: within the budget)
+            except ConnectionResetError:
+                closed += 1
+            hogs.append(hog)
+        assert closed >= 4, n.front.output[-3000:]
+        assert "--max-store-keys" in wait_for_log(n.front, "WAIT failed")
+        waiter = dist.TCPStore("127.0.0.1", n.port, is_master=False, timeout=timedelta(seconds=20))
+        woken = threading.Thread(target=waiter.wait, args=(["go"],), daemon=True)
+        woken.start()
+        time.sleep(0.2)
+        bystander.set("go", "1")
+        woken.join(20)
+        assert not woken.is_alive()
+        n.still_served(bystander)
+        assert peak_rss_mb(n.root.pid) < 250
+        for hog in hogs:
+            hog.close()
+    finally:
+        n.close()

@@ -73,6 +73,27 @@ class StoreBudget:
         self.bytes = b
         self.entries = e
 
+    def wait(self, keys: list[bytes]) -> None:
+        """A WAIT (or BARRIER) about to block on ``keys``: the store holds a registration
+        per key while it waits (~300 B in CPython, besides the key), so each counts as a
+        key, and its bytes as a key's, until it is woken or forgotten (:meth:`unwait`).
+        Raises BudgetExceeded (nothing counted) past a budget. O(keys)."""
+        more = sum(map(len, keys))
+        if self.entries + len(keys) > self.max_entries or self.bytes + more > self.max_bytes:
+            self.refused += 1
+            raise BudgetExceeded(
+                f"it would wait on {len(keys):,} missing keys ({more:,} bytes), and the store holds "
+                f"{self.entries:,} keys and waited-for keys ({self.bytes:,} bytes): past its budget "
+                f"(--max-store-keys {self.max_entries:,}, --max-store-bytes {self.max_bytes:,}); keys waited "
+                "for count as keys while they are waited for: wait for fewer keys at a time")
+        self.entries += len(keys)
+        self.bytes += more
+
+    def unwait(self, keys: list[bytes]) -> None:
+        """The wait on ``keys`` counted by :meth:`wait` is over. O(keys)."""
+        self.entries -= len(keys)
+        self.bytes -= sum(map(len, keys))
+
     def value(self, key: bytes, size: int) -> None:
         """A value a write would leave (an APPEND's result): raises BudgetExceeded past
         the value limit."""

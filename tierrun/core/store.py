@@ -143,8 +143,10 @@ class StoreCore:
             # (what _wait does for one missing key, inline: every node's agent WAITs
             # so for its rank assignment, ~10 us less each at the store host)
             self.forget(waiter)
+            keys = [key]
+            self.budget.wait(keys)
             self._waiting.setdefault(key, {})[waiter] = None
-            self._pending[waiter] = [1, [key]]
+            self._pending[waiter] = [1, keys]
             self._watch_on_wake[waiter] = (key, watcher)
             if how == WATCH_READ and key not in self._queues:  # watched as absent while it waits
                 self._watch(key, watcher)
@@ -226,6 +228,7 @@ class StoreCore:
         entry = self._pending.pop(waiter, None)
         if entry is None:
             return
+        self.budget.unwait(entry[1])
         for key in entry[1]:
             waiters = self._waiting.get(key)
             if waiters is not None:
@@ -257,6 +260,9 @@ class StoreCore:
         return bool(queue)
 
     def _block(self, waiter: Waiter, keys: list[bytes]) -> None:
+        """``waiter`` waits on ``keys`` (missing): counted against the store's budgets
+        while it waits (BudgetExceeded past them, nothing registered). O(keys)."""
+        self.budget.wait(keys)
         for key in keys:
             self._waiting.setdefault(key, {})[waiter] = None
         self._pending[waiter] = [len(keys), keys]
@@ -271,6 +277,7 @@ class StoreCore:
             entry[0] -= 1
             if entry[0] == 0:
                 del pending[waiter]
+                self.budget.unwait(entry[1])
                 self._release(waiter)
 
     def _release(self, waiter: Waiter) -> None:
@@ -292,6 +299,7 @@ class StoreCore:
             entry[0] -= 1
             if entry[0] == 0:
                 del self._pending[waiter]
+                self.budget.unwait(entry[1])
                 self._release(waiter)
                 break
         if waiters is not None and not waiters:
@@ -486,13 +494,18 @@ class StoreCore:
         current = self._data.get(key)
         count = 1 if current is None else wrap_i64(parse_counter(current, key) + 1)  # (as torch's count wraps)
         new = str(count).encode()
-        self._grow(key, current, new)
+        if count < world_size:  # (it waits: registered first, so that a refusal changes nothing)
+            self.forget(waiter)
+            self._block(waiter, [key])
+        try:
+            self._grow(key, current, new)
+        except StoreError:
+            self.forget(waiter)
+            raise
         self._data[key] = new
         if key in self._watched:
             self._break_watches(key)
         if count >= world_size:
             self._wake_all(key)
             return STOP_WAITING
-        self.forget(waiter)
-        self._block(waiter, [key])
         return None

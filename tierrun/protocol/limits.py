@@ -23,7 +23,9 @@ class Limits:
     #: holds. A write past it is refused (its client is closed, as torch's server
     #: closes a client whose request fails); the store and every other client go on.
     max_store_bytes: int = 1024 * MiB
-    #: Store-wide budget: keys, plus queues and their queued values. Bounds the memory
+    #: Store-wide budget: keys, plus queues and their queued values, plus the keys WAITs
+    #: and BARRIERs wait for while they wait (a 2 MiB WAIT on 131,072 missing keys held
+    #: ~40 MB before they counted, for as long as it waited). Bounds the memory
     #: the store spends per key besides its bytes (~200 B in CPython), and the time of a
     #: full scan (LIST_KEYS: about 1 s per million keys on a busy core).
     max_store_keys: int = 1024 * 1024
