@@ -298,11 +298,12 @@ def test_long_scans_never_stall_the_store_host_past_the_link_heartbeat_timeout()
 
 
 @pytest.mark.parametrize("tiered", [False, True], ids=["flat", "tiered"])
-def test_unfinished_requests_past_the_budget_close_the_connection_that_passes_it(tiered):
+def test_unfinished_requests_past_the_budget_close_the_one_parked_longest(tiered):
     """Clients that each send most of a large SET and stop (the store host holds what
     came, to finish the request later): their bytes count against one budget per
-    process (--max-unfinished-bytes); the one whose request takes the total past it
-    is closed, with the reason logged; those within it and a bystander are served."""
+    process (--max-unfinished-bytes); when one more takes the total past it, the one
+    parked longest is closed, with the reason logged; the others, and a bystander,
+    are served."""
     limits = ("--max-value-bytes", str(4 * MiB), "--max-request-bytes", str(8 * MiB),
               "--max-reply-bytes", str(5 * MiB), "--max-unread-bytes", str(7 * MiB),
               "--max-unfinished-bytes", str(10 * MiB))
@@ -324,10 +325,10 @@ def test_unfinished_requests_past_the_budget_close_the_connection_that_passes_it
             held.append(sock)
         time.sleep(0.5)
         third = adversary(n.port)
-        send_until_closed(third, part)
-        assert closed_by_server(third)
+        third.sendall(part)
+        assert closed_by_server(held[0])
         assert "--max-unfinished-bytes" in wait_for_log(n.front, "unfinished request")
-        for sock in held:  # (still open: they may finish their requests)
+        for sock in (held[1], third):  # (still open: they may finish their requests)
             sock.sendall(rest + encode_request((Op.PING, 9)))
             assert sock.recv(4, socket.MSG_WAITALL) == b"\t\x00\x00\x00"
         n.still_served(bystander)
@@ -372,5 +373,39 @@ def test_waits_on_many_missing_keys_count_against_the_store_budget(tiered):
         assert peak_rss_mb(n.root.pid) < 250
         for hog in hogs:
             hog.close()
+    finally:
+        n.close()
+
+
+@pytest.mark.parametrize("tiered", [False, True], ids=["flat", "tiered"])
+def test_parked_small_unfinished_requests_do_not_get_a_large_request_closed(tiered):
+    """Clients that each park just under 1 MiB of a request and stop were never closed
+    (only a connection holding over 1 MiB was), so a dozen of them filled the budget of
+    unfinished requests and the next client to send a large value, a well-behaved one,
+    was closed in their place. Past the budget, the requests that have waited longest
+    go: the parked ones, not the one arriving now."""
+    limits = ("--max-value-bytes", str(4 * MiB), "--max-request-bytes", str(8 * MiB),
+              "--max-reply-bytes", str(5 * MiB), "--max-unread-bytes", str(7 * MiB),
+              "--max-unfinished-bytes", str(10 * MiB))
+    n = Node(tiered, limits)
+    try:
+        if n.proxy is not None:  # (the proxy's own budget, as the store host's)
+            n.proxy.stop()
+            n.proxy = StoreProcess(host="127.0.0.1", port=0, command="proxy", env=ENV, controlled=True,
+                                   extra_args=["--upstream", f"127.0.0.1:{n.root.port}", *limits])
+            n.proxy.start()
+            n.front, n.port = n.proxy, n.proxy.port
+        bystander = n.torch_client()
+        parked = []
+        for _ in range(12):  # (12 x ~1 MiB: past the 10 MiB budget, each under 1 MiB)
+            sock = adversary(n.port)
+            sock.sendall(encode_request((Op.SET, b"/parked", b"p" * (4 * MiB)))[: MiB - 4096])
+            parked.append(sock)
+        time.sleep(0.5)
+        bystander.set("large", b"L" * (3 * MiB))
+        assert bystander.get("large") == b"L" * (3 * MiB)
+        wait_for_log(n.front, "unfinished request")
+        assert sum(closed_by_server(sock, timeout=0.2) for sock in parked) >= 2
+        n.still_served(bystander)
     finally:
         n.close()

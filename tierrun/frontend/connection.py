@@ -55,6 +55,8 @@ class ConnectionOwner(Protocol):
     unix_uids: frozenset[int]
     #: Bytes held for unfinished requests, all its connections together.
     unfinished: int
+    #: Its connections holding an unfinished request, the one begun longest ago first.
+    unfinished_since: dict[ClientConnection, None]
 
     def admit(self, conn: ClientConnection) -> bool:
         """Count ``conn`` as a client; False: refused (it is closed at once)."""
@@ -163,7 +165,7 @@ class ClientConnection(asyncio.Protocol):
         except ProtocolError as e:  # (those before it first; reading stops with the stand-in)
             requests = e.requests + [(_INVALID, f"invalid request: {e}")]
         held = self._parser.held
-        if (held or self._unfinished) and not self._account_unfinished(held):
+        if (held or self._unfinished) and not self._account_unfinished(held, bool(requests)):
             return
         if not requests:
             return
@@ -174,19 +176,33 @@ class ClientConnection(asyncio.Protocol):
             return
         self._serve(requests)
 
-    def _account_unfinished(self, held: int) -> bool:
+    def _account_unfinished(self, held: int, completed: bool) -> bool:
         """Count the bytes held for this connection's unfinished request in its
-        front-end's total; past ``limits.max_unfinished_bytes``, close it if it holds
-        more than 1 MiB (False). O(1): only on reads that end inside a request."""
+        front-end's total (``completed``: this read completed a request, so the one
+        unfinished began in it). Past ``limits.max_unfinished_bytes``, close the
+        connections whose unfinished requests began longest ago until the total is
+        within it: those parked mid-request, not the client sending a large request
+        now (closing the one that took the total past the budget let a crowd of
+        parked small ones get every large request refused). False if this one was
+        closed. O(1) per read that begins or ends inside a request, plus O(1) per
+        connection closed."""
         frontend = self._frontend
         frontend.unfinished += held - self._unfinished
+        since = frontend.unfinished_since
+        if not held:
+            since.pop(self, None)
+        elif completed or not self._unfinished:  # (a request begun in this read: the newest)
+            since.pop(self, None)
+            since[self] = None
         self._unfinished = held
-        if held > (1 << 20) and frontend.unfinished > self._limits.max_unfinished_bytes:
-            self.drop(f"its unfinished request holds {held:,} bytes, and this store's unfinished requests "
-                      f"{frontend.unfinished:,}, past the limit (--max-unfinished-bytes) of "
-                      f"{self._limits.max_unfinished_bytes:,}")
-            return False
-        return True
+        limit = self._limits.max_unfinished_bytes
+        while frontend.unfinished > limit and since:
+            oldest = next(iter(since))
+            del since[oldest]
+            oldest.drop(f"its unfinished request holds {oldest._unfinished:,} bytes and began before every "
+                        f"other one this store holds ({frontend.unfinished:,} bytes in all, past the limit "
+                        f"(--max-unfinished-bytes) of {limit:,}): it stopped sending mid-request")
+        return not self.closed
 
     def _behind(self) -> bool:
         """Has the client sent a link upstream requests whose effect or answer a PING's
@@ -353,6 +369,7 @@ class ClientConnection(asyncio.Protocol):
         log.warning("closing connection from %s: %s", self.peer, reason)
         self.closed = True
         self._frontend.unfinished -= self._unfinished  # (what its parser held goes now)
+        self._frontend.unfinished_since.pop(self, None)
         self._unfinished = 0
         self._parser = RequestParser(self._limits)
         transport = self._transport
@@ -403,6 +420,7 @@ class ClientConnection(asyncio.Protocol):
     def connection_lost(self, exc: Exception | None) -> None:
         self.closed = True
         self._frontend.unfinished -= self._unfinished
+        self._frontend.unfinished_since.pop(self, None)
         self._unfinished = 0
         self._upstream.forget(self)
         self._frontend.release(self)

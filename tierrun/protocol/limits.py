@@ -41,10 +41,10 @@ class Limits:
     #: control); past this budget it is closed. At least ``max_reply_bytes`` + 1 MiB.
     max_unread_bytes: int = 144 * MiB
     #: Per front-end process (the store host, a proxy): bytes held for requests being
-    #: received and not complete yet, all connections together. A connection whose
-    #: unfinished request takes the total past it is closed (a client that sends most
-    #: of a large request and stops holds its bytes: one MULTI_SET may be
-    #: ``max_request_bytes``). At least ``max_request_bytes``.
+    #: received and not complete yet, all connections together. Past it, the
+    #: connections whose unfinished requests began longest ago are closed until the
+    #: total is within it (a client that sends most of a large request and stops holds
+    #: its bytes: one MULTI_SET may be ``max_request_bytes``). At least ``max_request_bytes``.
     max_unfinished_bytes: int = 512 * MiB
 
     def within(self, other: Limits) -> Limits:
