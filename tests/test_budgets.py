@@ -11,6 +11,8 @@ from tierrun.core.budget import PACED_SCAN_KEYS, ScanPacer
 from tierrun.frontend.namespace import NamespacedUpstream
 from tierrun.frontend.owed import REQUEST_RESERVE, Owed, largest_answer
 from tierrun.protocol import Limits, Op
+from tierrun.tier.fanout import failure
+from tierrun.tier.plan import UpOp
 from tierrun.tier.writes import WritesInFlight, refused_write
 
 MiB = 1 << 20
@@ -217,6 +219,10 @@ def test_a_proxy_forgets_a_write_once_a_later_answer_came():
     assert writes.answered(4) == (Op.APPEND, [c])
     refused_write(Op.APPEND, [c], b"the value would be too long")
     assert c.dropped == "APPEND failed: the value would be too long" and a.dropped is None
+    refused_write(Op.SET, [b], b"SET failed: past the budget")  # (a relay's reason, from the level above)
+    assert b.dropped == "SET failed: past the budget"  # (not "SET failed: SET failed: ...")
+    u = UpOp((Op.WAIT, (b"k",)), b"", None, 0)
+    assert failure(u, b"WAIT failed: past it") == failure(u, b"past it") == "WAIT failed: past it"
     writes.sent([(5, Op.SET, [a]), (6, Op.SET, [a]), (7, Op.SET, [a]), (8, Op.SET, [a])])
     assert len(writes) == 3 and writes.answered(5) is None  # (at most 3 kept: 5 forgotten)
 
