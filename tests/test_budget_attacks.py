@@ -409,3 +409,61 @@ def test_parked_small_unfinished_requests_do_not_get_a_large_request_closed(tier
         n.still_served(bystander)
     finally:
         n.close()
+
+
+def test_a_scanner_opening_a_connection_per_scan_does_not_lock_other_hosts_scanners_out():
+    """Scans are paced per scanner, and a client connection was a scanner: one that
+    opened a new connection for each LIST_KEYS never owed anything, scanned on the
+    overdraft until it was spent, and every other client's LIST_KEYS was refused (its
+    client closed). A connection's scans now count as its source host's: the greedy
+    host is refused, a client of another host that scans now and then is served."""
+    n = Node(tiered=False)
+    try:
+        with StoreClient(("127.0.0.1", n.root.port)) as c:
+            keys = tuple(b"/scan/%06d" % i for i in range(200_000))
+            for part in (keys[:100_000], keys[100_000:]):
+                c.multi_set(list(part), [b""] * len(part))
+        bystander = n.torch_client()
+        stop = threading.Event()
+        answer = 8 + 200_001 * 8 + len(keys) * 12 + len(b"bystander")
+
+        def list_keys(source: str) -> bool:
+            """One LIST_KEYS on a new connection from ``source``: False if refused."""
+            sock = socket.create_connection(("127.0.0.1", n.root.port), source_address=(source, 0))
+            try:
+                sock.sendall(encode_handshake(1))
+                sock.settimeout(20)
+                assert sock.recv(4, socket.MSG_WAITALL) == b"\x01\x00\x00\x00"
+                sock.sendall(encode_request((Op.LIST_KEYS,)))
+                left = answer
+                while left:
+                    got = len(sock.recv(min(left, 1 << 20)))
+                    if not got:
+                        return False
+                    left -= got
+                return True
+            except (ConnectionResetError, BrokenPipeError):
+                return False
+            finally:
+                sock.close()
+
+        def greedy() -> None:
+            while not stop.is_set():
+                list_keys("127.0.0.1")
+
+        hogs = [threading.Thread(target=greedy, daemon=True) for _ in range(2)]
+        for t in hogs:
+            t.start()
+        time.sleep(3)  # (the bucket, and the overdraft, spent)
+        served = []
+        for _ in range(4):
+            served.append(list_keys("127.0.1.7"))
+            time.sleep(1.5)
+        stop.set()
+        for t in hogs:
+            t.join(30)
+        wait_for_log(n.root, "have taken their share of its time")
+        assert all(served), served
+        n.still_served(bystander)
+    finally:
+        n.close()

@@ -100,7 +100,7 @@ class ClientConnection(asyncio.Protocol):
 
     __slots__ = ("_frontend", "_upstream", "_parser", "_transport", "peer", "closed", "_sniff", "_gate",
                  "_backlog", "_writing_paused", "_owed", "_out", "_limits", "_write_room", "_fence", "_unconfirmed", "_swallow",
-                 "_unfinished")
+                 "_unfinished", "scan_source")
 
     def __init__(self, frontend: ConnectionOwner) -> None:
         self._frontend = frontend
@@ -124,6 +124,9 @@ class ClientConnection(asyncio.Protocol):
         self._unconfirmed = False  # writes went upstream, no later answer came yet
         self._swallow = False  # the fence's answer is _SYNC's: not the client's
         self._unfinished = 0  # bytes its parser holds for a request not complete yet
+        #: Whose scans its scans count as (``core.budget.ScanPacer``): its source host, or
+        #: its Unix user; a client opening a connection per scan is still the same scanner.
+        self.scan_source: str | None = None
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         self._transport = transport  # type: ignore[assignment]
@@ -132,9 +135,11 @@ class ClientConnection(asyncio.Protocol):
         if sock is not None and sock.family in (socket.AF_INET, socket.AF_INET6):
             sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
             self.peer = f"{peer[0]}:{peer[1]}"
+            self.scan_source = peer[0]
         elif sock is not None and sock.family == socket.AF_UNIX:
             pid, uid, _ = struct.unpack("3i", sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, 12))
             self.peer = f"unix pid {pid}"
+            self.scan_source = f"unix uid {uid}"
             allowed = self._frontend.unix_uids
             if uid not in allowed:
                 log.warning("refusing connection from unix pid %d: it runs as uid %d; only uid(s) %s may use "
