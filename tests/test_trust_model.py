@@ -173,6 +173,25 @@ def test_a_socket_a_store_process_cannot_listen_on_is_named_in_its_error(tmp_pat
         taken.close()
 
 
+def test_a_proxy_that_cannot_reach_its_store_host_says_so_once():
+    """`tierrun proxy --upstream HOST` (no port) was answered 'invalid literal for int()';
+    an unreachable store host was named twice ('cannot link to the store host X: cannot
+    connect to the store host X: ...')."""
+    import subprocess
+    import sys
+
+    env = dict(os.environ, **TOKEN)
+    run = lambda *argv: subprocess.run([sys.executable, "-m", "tierrun", "proxy", "--port", "0", *argv],  # noqa: E731
+                                       env=env, capture_output=True, text=True, timeout=60)
+    no_port = run("--upstream", "127.0.1.9")
+    assert no_port.returncode == 2 and "--upstream 127.0.1.9: write HOST:PORT" in no_port.stderr, no_port.stderr
+    port = free_port()
+    down = run("--upstream", f"127.0.1.9:{port}", "--connect-timeout", "1")
+    assert down.returncode == 1 and down.stderr.count("127.0.1.9") == 1, down.stderr
+    assert f"cannot connect to the store host 127.0.1.9:{port} within 1 s" in down.stderr
+    assert "Connection refused. Is it running, and its port open to this node?" in down.stderr
+
+
 @pytest.mark.parametrize("workers", [1, 2])
 def test_round_listeners_close_with_their_round(workers):
     """A new round's namespace listener closes the previous round's: its port takes

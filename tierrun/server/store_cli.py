@@ -156,21 +156,26 @@ def proxy_main(argv: list[str]) -> int:
         print("tierrun proxy: no job token: set TIERRUN_TOKEN or TIERRUN_TOKEN_FILE to the token "
               "the store host was started with", file=sys.stderr)
         return 2
-    host, _, port = args.upstream.rpartition(":")
-    link_listen = None
-    if args.link_listen:
-        lhost, _, lport = args.link_listen.rpartition(":")
-        link_listen = (lhost.strip("[]"), int(lport))
+    host, port = _host_port(p, "--upstream", args.upstream)
+    link_listen = _host_port(p, "--link-listen", args.link_listen) if args.link_listen else None
     try:
-        return run(serve_proxy(_config(args), host.strip("[]"), int(port), token,
+        return run(serve_proxy(_config(args), host, port, token,
                                on_listening=_announcer("proxy"), connect_timeout=args.connect_timeout,
                                link_config=settings.link, link_listen=link_listen, link_source=args.link_source))
-    except ListenError as e:  # (its own sockets: not the store host's fault)
+    except (ListenError, TimeoutError) as e:  # (its own sockets; a store host it could not reach, named)
         print(f"tierrun proxy: {e}", file=sys.stderr)
         return 1
     except Exception as e:  # one line for any start failure (refused, token, timeout)
         print(f"tierrun proxy: cannot link to the store host {args.upstream}: {e}", file=sys.stderr)
         return 1
+
+
+def _host_port(p: argparse.ArgumentParser, flag: str, value: str) -> tuple[str, int]:
+    """``HOST:PORT`` (``[v6]:PORT``) of ``flag``; a usage error (exit 2) otherwise."""
+    host, _, port = value.rpartition(":")
+    if not host or not port.isdigit() or int(port) > 65535:
+        p.error(f"{flag} {value}: write HOST:PORT")
+    return host.strip("[]"), int(port)
 
 
 def store_frontend_main(argv: list[str]) -> int:
