@@ -298,11 +298,12 @@ def test_long_scans_never_stall_the_store_host_past_the_link_heartbeat_timeout()
 
 
 @pytest.mark.parametrize("tiered", [False, True], ids=["flat", "tiered"])
-def test_unfinished_requests_past_the_budget_close_the_connection_that_passes_it(tiered):
+def test_unfinished_requests_past_the_budget_close_the_one_parked_longest(tiered):
     """Clients that each send most of a large SET and stop (the store host holds what
     came, to finish the request later): their bytes count against one budget per
-    process (--max-unfinished-bytes); the one whose request takes the total past it
-    is closed, with the reason logged; those within it and a bystander are served."""
+    process (--max-unfinished-bytes); when one more takes the total past it, the one
+    parked longest is closed, with the reason logged; the others, and a bystander,
+    are served."""
     limits = ("--max-value-bytes", str(4 * MiB), "--max-request-bytes", str(8 * MiB),
               "--max-reply-bytes", str(5 * MiB), "--max-unread-bytes", str(7 * MiB),
               "--max-unfinished-bytes", str(10 * MiB))
@@ -324,12 +325,145 @@ def test_unfinished_requests_past_the_budget_close_the_connection_that_passes_it
             held.append(sock)
         time.sleep(0.5)
         third = adversary(n.port)
-        send_until_closed(third, part)
-        assert closed_by_server(third)
+        third.sendall(part)
+        assert closed_by_server(held[0])
         assert "--max-unfinished-bytes" in wait_for_log(n.front, "unfinished request")
-        for sock in held:  # (still open: they may finish their requests)
+        for sock in (held[1], third):  # (still open: they may finish their requests)
             sock.sendall(rest + encode_request((Op.PING, 9)))
             assert sock.recv(4, socket.MSG_WAITALL) == b"\t\x00\x00\x00"
+        n.still_served(bystander)
+    finally:
+        n.close()
+
+
+@pytest.mark.parametrize("tiered", [False, True], ids=["flat", "tiered"])
+def test_waits_on_many_missing_keys_count_against_the_store_budget(tiered):
+    """A WAIT on 131,072 missing keys is a 2 MiB request, but the store holds a
+    registration per key while it waits (~40 MB at the store host, more through a
+    proxy: a ticket per key): 25 such clients took 1 GB, whatever the store's budgets.
+    Keys waited for count as keys while they are waited for: the WAIT that passes the
+    budget is refused (its client closed), a bystander's WAIT and writes go on."""
+    n = Node(tiered, store_args=("--max-store-keys=300000",))
+    try:
+        bystander = n.torch_client()
+        hogs = []
+        closed = 0
+        for c in range(6):
+            hog = adversary(n.port)
+            send_until_closed(hog, encode_request((Op.WAIT, tuple(b"/%d/%06d" % (c, i) for i in range(128 * 1024)))))
+            hog.settimeout(1)
+            try:
+                if hog.recv(1) == b"":
+                    closed += 1
+            except socket.timeout:
+                pass  # (waiting: within the budget)
+            except ConnectionResetError:
+                closed += 1
+            hogs.append(hog)
+        assert closed >= 4, n.front.output[-3000:]
+        assert "--max-store-keys" in wait_for_log(n.front, "WAIT failed")
+        waiter = dist.TCPStore("127.0.0.1", n.port, is_master=False, timeout=timedelta(seconds=20))
+        woken = threading.Thread(target=waiter.wait, args=(["go"],), daemon=True)
+        woken.start()
+        time.sleep(0.2)
+        bystander.set("go", "1")
+        woken.join(20)
+        assert not woken.is_alive()
+        n.still_served(bystander)
+        assert peak_rss_mb(n.root.pid) < 250
+        for hog in hogs:
+            hog.close()
+    finally:
+        n.close()
+
+
+@pytest.mark.parametrize("tiered", [False, True], ids=["flat", "tiered"])
+def test_parked_small_unfinished_requests_do_not_get_a_large_request_closed(tiered):
+    """Clients that each park just under 1 MiB of a request and stop were never closed
+    (only a connection holding over 1 MiB was), so a dozen of them filled the budget of
+    unfinished requests and the next client to send a large value, a well-behaved one,
+    was closed in their place. Past the budget, the requests that have waited longest
+    go: the parked ones, not the one arriving now."""
+    limits = ("--max-value-bytes", str(4 * MiB), "--max-request-bytes", str(8 * MiB),
+              "--max-reply-bytes", str(5 * MiB), "--max-unread-bytes", str(7 * MiB),
+              "--max-unfinished-bytes", str(10 * MiB))
+    n = Node(tiered, limits)
+    try:
+        if n.proxy is not None:  # (the proxy's own budget, as the store host's)
+            n.proxy.stop()
+            n.proxy = StoreProcess(host="127.0.0.1", port=0, command="proxy", env=ENV, controlled=True,
+                                   extra_args=["--upstream", f"127.0.0.1:{n.root.port}", *limits])
+            n.proxy.start()
+            n.front, n.port = n.proxy, n.proxy.port
+        bystander = n.torch_client()
+        parked = []
+        for _ in range(12):  # (12 x ~1 MiB: past the 10 MiB budget, each under 1 MiB)
+            sock = adversary(n.port)
+            sock.sendall(encode_request((Op.SET, b"/parked", b"p" * (4 * MiB)))[: MiB - 4096])
+            parked.append(sock)
+        time.sleep(0.5)
+        bystander.set("large", b"L" * (3 * MiB))
+        assert bystander.get("large") == b"L" * (3 * MiB)
+        wait_for_log(n.front, "unfinished request")
+        assert sum(closed_by_server(sock, timeout=0.2) for sock in parked) >= 2
+        n.still_served(bystander)
+    finally:
+        n.close()
+
+
+def test_a_scanner_opening_a_connection_per_scan_does_not_lock_other_hosts_scanners_out():
+    """Scans are paced per scanner, and a client connection was a scanner: one that
+    opened a new connection for each LIST_KEYS never owed anything, scanned on the
+    overdraft until it was spent, and every other client's LIST_KEYS was refused (its
+    client closed). A connection's scans now count as its source host's: the greedy
+    host is refused, a client of another host that scans now and then is served."""
+    n = Node(tiered=False)
+    try:
+        with StoreClient(("127.0.0.1", n.root.port)) as c:
+            keys = tuple(b"/scan/%06d" % i for i in range(200_000))
+            for part in (keys[:100_000], keys[100_000:]):
+                c.multi_set(list(part), [b""] * len(part))
+        bystander = n.torch_client()
+        stop = threading.Event()
+        answer = 8 + 200_001 * 8 + len(keys) * 12 + len(b"bystander")
+
+        def list_keys(source: str) -> bool:
+            """One LIST_KEYS on a new connection from ``source``: False if refused."""
+            sock = socket.create_connection(("127.0.0.1", n.root.port), source_address=(source, 0))
+            try:
+                sock.sendall(encode_handshake(1))
+                sock.settimeout(20)
+                assert sock.recv(4, socket.MSG_WAITALL) == b"\x01\x00\x00\x00"
+                sock.sendall(encode_request((Op.LIST_KEYS,)))
+                left = answer
+                while left:
+                    got = len(sock.recv(min(left, 1 << 20)))
+                    if not got:
+                        return False
+                    left -= got
+                return True
+            except (ConnectionResetError, BrokenPipeError):
+                return False
+            finally:
+                sock.close()
+
+        def greedy() -> None:
+            while not stop.is_set():
+                list_keys("127.0.0.1")
+
+        hogs = [threading.Thread(target=greedy, daemon=True) for _ in range(2)]
+        for t in hogs:
+            t.start()
+        time.sleep(3)  # (the bucket, and the overdraft, spent)
+        served = []
+        for _ in range(4):
+            served.append(list_keys("127.0.1.7"))
+            time.sleep(1.5)
+        stop.set()
+        for t in hogs:
+            t.join(30)
+        wait_for_log(n.root, "have taken their share of its time")
+        assert all(served), served
         n.still_served(bystander)
     finally:
         n.close()

@@ -11,6 +11,8 @@ from tierrun.core.budget import PACED_SCAN_KEYS, ScanPacer
 from tierrun.frontend.namespace import NamespacedUpstream
 from tierrun.frontend.owed import REQUEST_RESERVE, Owed, largest_answer
 from tierrun.protocol import Limits, Op
+from tierrun.tier.fanout import failure
+from tierrun.tier.plan import UpOp
 from tierrun.tier.writes import WritesInFlight, refused_write
 
 MiB = 1 << 20
@@ -39,6 +41,9 @@ def totals(core: StoreCore) -> tuple[int, int]:
     held = (sum(len(k) + len(v) for k, v in data.items())
             + sum(len(k) + sum(map(len, q)) for k, q in queues.items()))
     entries = len(data) + len(queues) + sum(map(len, queues.values()))
+    waited = [k for _, keys in core._pending.values() for k in keys]  # (waits count as keys)
+    held += sum(map(len, waited))
+    entries += len(waited)
     assert (core.budget.bytes, core.budget.entries) == (held, entries)
     assert core._key_bytes == sum(map(len, data))
     return held, entries
@@ -71,6 +76,25 @@ def test_the_keys_budget_counts_keys_queues_and_queued_values():
     assert core.execute((Op.DELETE_KEY, b"k"), c) == (1).to_bytes(8, "little")
     core.execute((Op.COMPARE_SET, b"c", b"", b"new"), c)
     totals(core)
+
+
+def test_keys_waited_for_count_as_keys_while_they_are_waited_for():
+    core, a, b = core_of(max_store_keys=6), Client(), Client()
+    core.execute((Op.SET, b"k", b"v"), a)
+    assert core.execute((Op.WAIT, (b"x", b"y", b"x")), a) is None  # (a key twice counts once)
+    assert totals(core) == (4, 3)
+    with pytest.raises(BudgetExceeded, match=r"wait on 4 missing keys .*--max-store-keys 6"):
+        core.execute((Op.WAIT, (b"p", b"q", b"r", b"s")), b)
+    core.execute((Op.BARRIER, b"bar", 9), b)  # (it waits: its key counts twice)
+    assert totals(core) == (11, 5) and core.snapshot()[b"bar"] == b"1"
+    core.forget(b)
+    core.execute((Op.SET, b"x", b"1"), b)
+    core.execute((Op.SET, b"y", b"2"), b)
+    assert a.woken == [b"\x00"] and totals(core) == (10, 4)  # (STOP_WAITING)
+    one = core_of(max_store_keys=1)
+    with pytest.raises(BudgetExceeded):  # (a BARRIER that would wait, refused: nothing changed)
+        one.execute((Op.BARRIER, b"p", 9), b)
+    assert totals(one) == (0, 0) and one.snapshot() == {} and one.num_waiters == 0
 
 
 def test_a_multi_set_is_counted_exactly_and_refused_whole():
@@ -195,6 +219,10 @@ def test_a_proxy_forgets_a_write_once_a_later_answer_came():
     assert writes.answered(4) == (Op.APPEND, [c])
     refused_write(Op.APPEND, [c], b"the value would be too long")
     assert c.dropped == "APPEND failed: the value would be too long" and a.dropped is None
+    refused_write(Op.SET, [b], b"SET failed: past the budget")  # (a relay's reason, from the level above)
+    assert b.dropped == "SET failed: past the budget"  # (not "SET failed: SET failed: ...")
+    u = UpOp((Op.WAIT, (b"k",)), b"", None, 0)
+    assert failure(u, b"WAIT failed: past it") == failure(u, b"past it") == "WAIT failed: past it"
     writes.sent([(5, Op.SET, [a]), (6, Op.SET, [a]), (7, Op.SET, [a]), (8, Op.SET, [a])])
     assert len(writes) == 3 and writes.answered(5) is None  # (at most 3 kept: 5 forgotten)
 

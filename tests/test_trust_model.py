@@ -142,6 +142,56 @@ def test_unix_path_never_deletes_what_is_not_its_socket(tmp_path):
     assert not path.exists()
 
 
+def test_a_socket_a_store_process_cannot_listen_on_is_named_in_its_error(tmp_path):
+    """A new user's mistakes about where to listen: the one line names the socket and
+    the flag to change, not the store host (a proxy said 'cannot link to the store
+    host ...: Address already in use' for its own --port taken, and 'No such file or
+    directory' for a --unix path in a missing directory, which `tierrun store` blamed
+    on '*:0' and --port)."""
+    taken = tcp_listen_socket("127.0.0.1", 0)
+    port = taken.getsockname()[1]
+    missing = str(tmp_path / "no" / "such" / "dir" / "store.sock")
+    try:
+        with StoreProcess(port=0, host="127.0.0.1", env=dict(os.environ, **TOKEN)) as root:
+            upstream = ["--upstream", f"127.0.0.1:{root.port}"]
+            for command, kwargs, extra, expected in [
+                ("store", dict(port=port), [], f"cannot listen on 127.0.0.1:{port}: Address already in use. "
+                 "Pick another --port"),
+                ("store", dict(port=0, unix=missing), [], f"cannot listen on the Unix socket {missing}: No such file"),
+                ("proxy", dict(port=port), upstream, f"cannot listen on 127.0.0.1:{port}: Address already in use. "
+                 "Pick another --port"),
+                ("proxy", dict(port=0, unix=missing), upstream, f"cannot listen on the Unix socket {missing}: No such"),
+                ("proxy", dict(port=0), [*upstream, "--link-listen", f"127.0.0.1:{port}"],
+                 f"cannot listen on 127.0.0.1:{port} (--link-listen): Address already in use"),
+            ]:
+                with pytest.raises(StoreStartError) as e:
+                    StoreProcess(command=command, host="127.0.0.1", env=dict(os.environ, **TOKEN),
+                                 extra_args=extra, start_timeout=20, **kwargs).start()
+                assert expected in str(e.value) and "link to the store host" not in str(e.value), (command, kwargs)
+            assert root.exited() is None
+    finally:
+        taken.close()
+
+
+def test_a_proxy_that_cannot_reach_its_store_host_says_so_once():
+    """`tierrun proxy --upstream HOST` (no port) was answered 'invalid literal for int()';
+    an unreachable store host was named twice ('cannot link to the store host X: cannot
+    connect to the store host X: ...')."""
+    import subprocess
+    import sys
+
+    env = dict(os.environ, **TOKEN)
+    run = lambda *argv: subprocess.run([sys.executable, "-m", "tierrun", "proxy", "--port", "0", *argv],  # noqa: E731
+                                       env=env, capture_output=True, text=True, timeout=60)
+    no_port = run("--upstream", "127.0.1.9")
+    assert no_port.returncode == 2 and "--upstream 127.0.1.9: write HOST:PORT" in no_port.stderr, no_port.stderr
+    port = free_port()
+    down = run("--upstream", f"127.0.1.9:{port}", "--connect-timeout", "1")
+    assert down.returncode == 1 and down.stderr.count("127.0.1.9") == 1, down.stderr
+    assert f"cannot connect to the store host 127.0.1.9:{port} within 1 s" in down.stderr
+    assert "Connection refused. Is it running, and its port open to this node?" in down.stderr
+
+
 @pytest.mark.parametrize("workers", [1, 2])
 def test_round_listeners_close_with_their_round(workers):
     """A new round's namespace listener closes the previous round's: its port takes

@@ -92,6 +92,7 @@ class Owner:
         self.upstream = upstream
         self.limits = limits or Limits()
         self.gate = gate
+        self.unfinished_since = {}
 
     def admit(self, conn):
         return True

@@ -73,6 +73,27 @@ class StoreBudget:
         self.bytes = b
         self.entries = e
 
+    def wait(self, keys: list[bytes]) -> None:
+        """A WAIT (or BARRIER) about to block on ``keys``: the store holds a registration
+        per key while it waits (~300 B in CPython, besides the key), so each counts as a
+        key, and its bytes as a key's, until it is woken or forgotten (:meth:`unwait`).
+        Raises BudgetExceeded (nothing counted) past a budget. O(keys)."""
+        more = sum(map(len, keys))
+        if self.entries + len(keys) > self.max_entries or self.bytes + more > self.max_bytes:
+            self.refused += 1
+            raise BudgetExceeded(
+                f"it would wait on {len(keys):,} missing keys ({more:,} bytes), and the store holds "
+                f"{self.entries:,} keys and waited-for keys ({self.bytes:,} bytes): past its budget "
+                f"(--max-store-keys {self.max_entries:,}, --max-store-bytes {self.max_bytes:,}); keys waited "
+                "for count as keys while they are waited for: wait for fewer keys at a time")
+        self.entries += len(keys)
+        self.bytes += more
+
+    def unwait(self, keys: list[bytes]) -> None:
+        """The wait on ``keys`` counted by :meth:`wait` is over. O(keys)."""
+        self.entries -= len(keys)
+        self.bytes -= sum(map(len, keys))
+
     def value(self, key: bytes, size: int) -> None:
         """A value a write would leave (an APPEND's result): raises BudgetExceeded past
         the value limit."""
@@ -109,12 +130,20 @@ def multi_set_growth(data: dict[bytes, bytes], keys: tuple[bytes, ...],
     return more, entries, key_bytes
 
 
+def scanner_of(waiter: object) -> int | str:
+    """Whose scan time a waiter's scans count as: a client connection's source host (its
+    ``scan_source``: a client that opens a new connection for every scan is still one
+    scanner), else the waiter itself (a node's link client), by id. O(1)."""
+    source = getattr(waiter, "scan_source", None)
+    return source if source is not None else id(waiter)
+
+
 class ScanPacer:
     """Keeps full scans of a large store (LIST_KEYS, a namespace's GETNUMKEYS: ~1 us a
     key, during which the store serves no one) to ``share`` of the store's time, in
     bursts of at most ``burst`` seconds: a token bucket of scan time. Fair: each
-    scanner (a client connection, or a node's link) also runs a debt of its own scan
-    time, paid back at ``share``; while the bucket is empty, a scanner with no debt (it
+    scanner (a client's host, or a node's link: see :func:`scanner_of`) also runs a
+    debt of its own scan time, paid back at ``share``; while the bucket is empty, a scanner with no debt (it
     has not scanned lately) still scans, on an overdraft of at most ``burst`` more,
     while the one that emptied the bucket is refused (BudgetExceeded: its client is
     closed). So one greedy scanner cannot lock the others out of LIST_KEYS, and however
@@ -135,9 +164,9 @@ class ScanPacer:
         self.credit = burst
         self._clock = clock
         self._last = clock()
-        #: id(scanner): (debt in seconds, as of); ids, not the objects: a closed connection is
-        #: not kept alive (an id reused by a later one inherits a debt at most ``burst`` old)
-        self._debts: dict[int, tuple[float, float]] = {}
+        #: scanner_of(scanner): (debt in seconds, as of); ids, not the objects: a closed link
+        #: client is not kept alive (an id reused by a later one inherits a debt at most ``burst`` old)
+        self._debts: dict[int | str, tuple[float, float]] = {}
         self.scans = 0  # paced scans done
         self.refused = 0
 
@@ -149,7 +178,7 @@ class ScanPacer:
             return -1.0
         now = self._clock()
         self._refill(now)
-        if self.credit <= 0 and (self.credit <= -self.burst or self._debt(id(scanner), now) > 0):
+        if self.credit <= 0 and (self.credit <= -self.burst or self._debt(scanner_of(scanner), now) > 0):
             self.refused += 1
             raise BudgetExceeded(
                 f"scans of the store's {keys:,} keys have taken their share of its time ({self.share:.0%}) "
@@ -166,12 +195,13 @@ class ScanPacer:
             self.credit -= took
             self._refill(now)
             debts = self._debts
-            debts[id(scanner)] = (self._debt(id(scanner), now) + took, now)
+            who = scanner_of(scanner)
+            debts[who] = (self._debt(who, now) + took, now)
             if len(debts) > self._SWEEP_AT:
                 for who in [w for w in debts if self._debt(w, now) <= 0]:
                     del debts[who]
 
-    def _debt(self, scanner: int, now: float) -> float:
+    def _debt(self, scanner: int | str, now: float) -> float:
         debt, since = self._debts.get(scanner, (0.0, now))
         return max(0.0, debt - (now - since) * self.share)
 

@@ -143,8 +143,7 @@ class StoreCore:
             # (what _wait does for one missing key, inline: every node's agent WAITs
             # so for its rank assignment, ~10 us less each at the store host)
             self.forget(waiter)
-            self._waiting.setdefault(key, {})[waiter] = None
-            self._pending[waiter] = [1, [key]]
+            self._block(waiter, [key])
             self._watch_on_wake[waiter] = (key, watcher)
             if how == WATCH_READ and key not in self._queues:  # watched as absent while it waits
                 self._watch(key, watcher)
@@ -226,6 +225,7 @@ class StoreCore:
         entry = self._pending.pop(waiter, None)
         if entry is None:
             return
+        self.budget.unwait(entry[1])
         for key in entry[1]:
             waiters = self._waiting.get(key)
             if waiters is not None:
@@ -257,6 +257,7 @@ class StoreCore:
         return bool(queue)
 
     def _block(self, waiter: Waiter, keys: list[bytes]) -> None:
+        self.budget.wait(keys)  # (the keys count while they are waited for; refused: nothing done)
         for key in keys:
             self._waiting.setdefault(key, {})[waiter] = None
         self._pending[waiter] = [len(keys), keys]
@@ -271,10 +272,11 @@ class StoreCore:
             entry[0] -= 1
             if entry[0] == 0:
                 del pending[waiter]
-                self._release(waiter)
+                self._release(waiter, entry[1])
 
-    def _release(self, waiter: Waiter) -> None:
-        """A WAIT has all its keys: answer it (a watching one with its key's state)."""
+    def _release(self, waiter: Waiter, keys: list[bytes]) -> None:
+        """A WAIT has all its ``keys``: answer it (a watching one with its key's state)."""
+        self.budget.unwait(keys)
         watching = self._watch_on_wake.pop(waiter, None) if self._watch_on_wake else None
         if watching is not None:
             key, watcher = watching
@@ -292,7 +294,7 @@ class StoreCore:
             entry[0] -= 1
             if entry[0] == 0:
                 del self._pending[waiter]
-                self._release(waiter)
+                self._release(waiter, entry[1])
                 break
         if waiters is not None and not waiters:
             del self._waiting[key]
@@ -315,12 +317,7 @@ class StoreCore:
 
     def _set(self, req: Request, waiter: Waiter) -> None:
         key, value = req[1], req[2]
-        old = self._data.get(key)
-        if old is None:
-            self.budget.grow(key, len(key) + len(value), 1)
-            self._key_bytes += len(key)
-        else:
-            self.budget.grow(key, len(value) - len(old), 0)
+        self._grow(key, self._data.get(key), value)
         self._data[key] = value
         if key in self._watched:
             self._break_watches(key)
@@ -486,13 +483,18 @@ class StoreCore:
         current = self._data.get(key)
         count = 1 if current is None else wrap_i64(parse_counter(current, key) + 1)  # (as torch's count wraps)
         new = str(count).encode()
-        self._grow(key, current, new)
+        if count < world_size:  # (it waits: registered first, so that a refusal changes nothing)
+            self.forget(waiter)
+            self._block(waiter, [key])
+        try:
+            self._grow(key, current, new)
+        except StoreError:
+            self.forget(waiter)
+            raise
         self._data[key] = new
         if key in self._watched:
             self._break_watches(key)
         if count >= world_size:
             self._wake_all(key)
             return STOP_WAITING
-        self.forget(waiter)
-        self._block(waiter, [key])
         return None

@@ -55,6 +55,8 @@ class ConnectionOwner(Protocol):
     unix_uids: frozenset[int]
     #: Bytes held for unfinished requests, all its connections together.
     unfinished: int
+    #: Its connections holding an unfinished request, the one begun longest ago first.
+    unfinished_since: dict[ClientConnection, None]
 
     def admit(self, conn: ClientConnection) -> bool:
         """Count ``conn`` as a client; False: refused (it is closed at once)."""
@@ -98,7 +100,7 @@ class ClientConnection(asyncio.Protocol):
 
     __slots__ = ("_frontend", "_upstream", "_parser", "_transport", "peer", "closed", "_sniff", "_gate",
                  "_backlog", "_writing_paused", "_owed", "_out", "_limits", "_write_room", "_fence", "_unconfirmed", "_swallow",
-                 "_unfinished")
+                 "_unfinished", "scan_source")
 
     def __init__(self, frontend: ConnectionOwner) -> None:
         self._frontend = frontend
@@ -122,6 +124,9 @@ class ClientConnection(asyncio.Protocol):
         self._unconfirmed = False  # writes went upstream, no later answer came yet
         self._swallow = False  # the fence's answer is _SYNC's: not the client's
         self._unfinished = 0  # bytes its parser holds for a request not complete yet
+        #: Whose scans its scans count as (``core.budget.ScanPacer``): its source host, or
+        #: its Unix user; a client opening a connection per scan is still the same scanner.
+        self.scan_source: str | None = None
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         self._transport = transport  # type: ignore[assignment]
@@ -130,9 +135,11 @@ class ClientConnection(asyncio.Protocol):
         if sock is not None and sock.family in (socket.AF_INET, socket.AF_INET6):
             sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
             self.peer = f"{peer[0]}:{peer[1]}"
+            self.scan_source = peer[0]
         elif sock is not None and sock.family == socket.AF_UNIX:
             pid, uid, _ = struct.unpack("3i", sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, 12))
             self.peer = f"unix pid {pid}"
+            self.scan_source = f"unix uid {uid}"
             allowed = self._frontend.unix_uids
             if uid not in allowed:
                 log.warning("refusing connection from unix pid %d: it runs as uid %d; only uid(s) %s may use "
@@ -163,7 +170,7 @@ class ClientConnection(asyncio.Protocol):
         except ProtocolError as e:  # (those before it first; reading stops with the stand-in)
             requests = e.requests + [(_INVALID, f"invalid request: {e}")]
         held = self._parser.held
-        if (held or self._unfinished) and not self._account_unfinished(held):
+        if (held or self._unfinished) and not self._account_unfinished(held, bool(requests)):
             return
         if not requests:
             return
@@ -174,19 +181,33 @@ class ClientConnection(asyncio.Protocol):
             return
         self._serve(requests)
 
-    def _account_unfinished(self, held: int) -> bool:
+    def _account_unfinished(self, held: int, completed: bool) -> bool:
         """Count the bytes held for this connection's unfinished request in its
-        front-end's total; past ``limits.max_unfinished_bytes``, close it if it holds
-        more than 1 MiB (False). O(1): only on reads that end inside a request."""
+        front-end's total (``completed``: this read completed a request, so the one
+        unfinished began in it). Past ``limits.max_unfinished_bytes``, close the
+        connections whose unfinished requests began longest ago until the total is
+        within it: those parked mid-request, not the client sending a large request
+        now (closing the one that took the total past the budget let a crowd of
+        parked small ones get every large request refused). False if this one was
+        closed. O(1) per read that begins or ends inside a request, plus O(1) per
+        connection closed."""
         frontend = self._frontend
         frontend.unfinished += held - self._unfinished
+        since = frontend.unfinished_since
+        if not held:
+            since.pop(self, None)
+        elif completed or not self._unfinished:  # (a request begun in this read: the newest)
+            since.pop(self, None)
+            since[self] = None
         self._unfinished = held
-        if held > (1 << 20) and frontend.unfinished > self._limits.max_unfinished_bytes:
-            self.drop(f"its unfinished request holds {held:,} bytes, and this store's unfinished requests "
-                      f"{frontend.unfinished:,}, past the limit (--max-unfinished-bytes) of "
-                      f"{self._limits.max_unfinished_bytes:,}")
-            return False
-        return True
+        limit = self._limits.max_unfinished_bytes
+        while frontend.unfinished > limit and since:
+            oldest = next(iter(since))
+            del since[oldest]
+            oldest.drop(f"its unfinished request holds {oldest._unfinished:,} bytes and began before every "
+                        f"other one this store holds ({frontend.unfinished:,} bytes in all, past the limit "
+                        f"(--max-unfinished-bytes) of {limit:,}): it stopped sending mid-request")
+        return not self.closed
 
     def _behind(self) -> bool:
         """Has the client sent a link upstream requests whose effect or answer a PING's
@@ -353,6 +374,7 @@ class ClientConnection(asyncio.Protocol):
         log.warning("closing connection from %s: %s", self.peer, reason)
         self.closed = True
         self._frontend.unfinished -= self._unfinished  # (what its parser held goes now)
+        self._frontend.unfinished_since.pop(self, None)
         self._unfinished = 0
         self._parser = RequestParser(self._limits)
         transport = self._transport
@@ -403,6 +425,7 @@ class ClientConnection(asyncio.Protocol):
     def connection_lost(self, exc: Exception | None) -> None:
         self.closed = True
         self._frontend.unfinished -= self._unfinished
+        self._frontend.unfinished_since.pop(self, None)
         self._unfinished = 0
         self._upstream.forget(self)
         self._frontend.release(self)

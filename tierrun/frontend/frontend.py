@@ -54,6 +54,7 @@ class FrontEnd:
         self.connections: set[ClientConnection] = set()
         self.accepted = 0
         self.unfinished = 0  # bytes held for requests being received (see ClientConnection)
+        self.unfinished_since: dict[ClientConnection, None] = {}  # (their connections, oldest first)
         self.refused = 0
         #: Connections that turned out to be links, still open (counted as connections).
         self.links_open = 0

@@ -24,14 +24,39 @@ KEEPALIVE_IDLE, KEEPALIVE_INTERVAL, KEEPALIVE_COUNT = 30, 10, 3
 _ANY_HOSTS = (None, "", "*", "::")
 
 
+class ListenError(OSError):
+    """A socket this process could not listen on. ``where``: which (``127.0.0.1:29500``,
+    ``the Unix socket /path``), for a person; ``flag``: the option that chose it. Its
+    ``errno`` and ``strerror`` are the system's (or what is wrong at a Unix path)."""
+
+    def __init__(self, error: OSError, where: str, flag: str) -> None:
+        super().__init__(error.errno, error.strerror or str(error))
+        self.where = where
+        self.flag = flag
+
+    def __str__(self) -> str:
+        taken = self.errno == errno.EADDRINUSE and not self.where.startswith("the Unix")
+        return (f"cannot listen on {self.where}: {self.strerror}"
+                + (f". Pick another {self.flag}, or stop whatever uses it." if taken else ""))
+
+
 def tcp_listen_socket(
     host: str | None, port: int, backlog: int = DEFAULT_BACKLOG, reuse_port: bool = False
 ) -> socket.socket:
     """Bind and listen on ``host:port``.
 
     With no host (or ``::``), listen on every address, IPv6 and v4-mapped IPv4 at once,
-    falling back to plain IPv4 where the machine has no IPv6. Raises ``OSError``.
+    falling back to plain IPv4 where the machine has no IPv6. Raises ``ListenError``
+    (naming ``host:port`` and ``--port``).
     """
+    try:
+        return _tcp_listen_socket(host, port, backlog, reuse_port)
+    except OSError as e:
+        where = "*" if host in _ANY_HOSTS else f"[{host}]" if ":" in host else host  # type: ignore[operator]
+        raise ListenError(e, f"{where}:{port}", "--port") from e
+
+
+def _tcp_listen_socket(host: str | None, port: int, backlog: int, reuse_port: bool) -> socket.socket:
     if host in _ANY_HOSTS:
         candidates = [(socket.AF_INET6, ("::", port)), (socket.AF_INET, ("0.0.0.0", port))]
     else:
@@ -91,7 +116,14 @@ def unix_listen_socket(path: str, backlog: int = DEFAULT_BACKLOG) -> tuple[socke
     A file already at ``path`` is replaced only if it is a socket nobody listens on (one
     left by a process that died); anything else raises ``OSError`` saying what is
     there: a regular file (or any other kind) is never deleted, another process's live
-    socket never taken over."""
+    socket never taken over. Raises ``ListenError`` (naming the path and ``--unix``)."""
+    try:
+        return _unix_listen_socket(path, backlog)
+    except OSError as e:
+        raise ListenError(e, f"the Unix socket {path}", "--unix") from e
+
+
+def _unix_listen_socket(path: str, backlog: int) -> tuple[socket.socket, UnixFile]:
     address = unix_address(path)
     sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     try:

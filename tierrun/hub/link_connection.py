@@ -10,7 +10,7 @@ import asyncio
 import logging
 from collections.abc import Callable
 from time import monotonic
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 from ..link import auth
 from ..link.frames import (
@@ -23,14 +23,30 @@ from ..core import StoreError
 from ..protocol import ProtocolError
 from ..protocol.parser import decode_request
 from ..protocol.opcodes import NO_REPLY_OPS, WAITING_OPS
-from .session import SMALL_ANSWER, Session, waiter_for
+from .session import SMALL_ANSWER, Host, Session, waiter_for
 
-if TYPE_CHECKING:
-    from .link_server import LinkServer
 
 log = logging.getLogger("tierrun.store")
 
 _LONE_SIZE = lone_request.size  # (a lone request's bytes start here)
+
+
+class LinkServer(Host, Protocol):
+    """What a connection needs of the server that accepted it
+    (:class:`.link_server.LinkServer`; a protocol, so that neither module imports the
+    other)."""
+
+    connections: set[LinkServerConnection]
+
+    def lease(self) -> float: ...
+
+    def admit(self, conn: LinkServerConnection, address: str) -> str | None: ...
+
+    def handshake_over(self, address: str, conn: LinkServerConnection) -> None: ...
+
+    def attach(self, conn: LinkServerConnection, sid: bytes, fresh: bool, replies_received: int) -> Session: ...
+
+    def detach(self, session: Session) -> None: ...
 
 
 class LinkServerConnection(asyncio.Protocol):

@@ -23,7 +23,9 @@ class Limits:
     #: holds. A write past it is refused (its client is closed, as torch's server
     #: closes a client whose request fails); the store and every other client go on.
     max_store_bytes: int = 1024 * MiB
-    #: Store-wide budget: keys, plus queues and their queued values. Bounds the memory
+    #: Store-wide budget: keys, plus queues and their queued values, plus the keys WAITs
+    #: and BARRIERs wait for while they wait (a 2 MiB WAIT on 131,072 missing keys held
+    #: ~40 MB before they counted, for as long as it waited). Bounds the memory
     #: the store spends per key besides its bytes (~200 B in CPython), and the time of a
     #: full scan (LIST_KEYS: about 1 s per million keys on a busy core).
     max_store_keys: int = 1024 * 1024
@@ -39,10 +41,10 @@ class Limits:
     #: control); past this budget it is closed. At least ``max_reply_bytes`` + 1 MiB.
     max_unread_bytes: int = 144 * MiB
     #: Per front-end process (the store host, a proxy): bytes held for requests being
-    #: received and not complete yet, all connections together. A connection whose
-    #: unfinished request takes the total past it is closed (a client that sends most
-    #: of a large request and stops holds its bytes: one MULTI_SET may be
-    #: ``max_request_bytes``). At least ``max_request_bytes``.
+    #: received and not complete yet, all connections together. Past it, the
+    #: connections whose unfinished requests began longest ago are closed until the
+    #: total is within it (a client that sends most of a large request and stops holds
+    #: its bytes: one MULTI_SET may be ``max_request_bytes``). At least ``max_request_bytes``.
     max_unfinished_bytes: int = 512 * MiB
 
     def within(self, other: Limits) -> Limits:

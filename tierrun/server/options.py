@@ -45,8 +45,9 @@ def store_parser(prog: str, description: str, default_host: str | None, default_
                    "to come, before it is closed; past 1 MiB its requests wait until it reads (default: "
                    "%(default)s, 144 MiB)")
     p.add_argument("--max-unfinished-bytes", type=int, default=d.max_unfinished_bytes,
-                   help="most bytes held for requests being received, all connections together: a connection "
-                   "whose unfinished request takes the total past it is closed (default: %(default)s, 512 MiB)")
+                   help="most bytes held for requests being received, all connections together: past it, the "
+                   "connections whose unfinished requests began longest ago are closed until the total is "
+                   "within it (default: %(default)s, 512 MiB)")
     p.add_argument("--max-connections", type=int, default=FrontEndConfig().max_connections)
     p.add_argument("--control-stdin", action="store_true",
                    help="take commands on stdin (used by the launcher) and stop when stdin closes")

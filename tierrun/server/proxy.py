@@ -15,7 +15,7 @@ import logging
 from collections.abc import Callable
 
 from ..tier import PlanLimits, connect_link
-from ..frontend.listen import describe, tcp_listen_socket
+from ..frontend.listen import ListenError, describe, tcp_listen_socket
 from ..link.config import LinkConfig
 from ..hub.link_server import LinkServer
 from ..hub.reply_gate import break_watches
@@ -68,7 +68,10 @@ async def serve_proxy(
         link.on_watches_broken = break_watches
         links = LinkServer(lambda ns: link.view(ns.decode()), token, link_config, lease=link.lease_left, limits=limits,
                            max_connections=config.frontend.max_connections)
-        sock = tcp_listen_socket(*link_listen, config.backlog)
+        try:
+            sock = tcp_listen_socket(*link_listen, config.backlog)
+        except ListenError as e:
+            raise ListenError(e, f"{e.where} (--link-listen)", "port in --link-listen") from None
         await asyncio.get_running_loop().create_server(
             lambda: links.accept(sniffed=False), sock=sock, backlog=config.backlog)
         where = describe(sock)

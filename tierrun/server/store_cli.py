@@ -13,6 +13,7 @@ import socket
 import sys
 from collections.abc import Callable
 
+from ..frontend.listen import ListenError
 from ..settings import FRONTEND_TOKEN, TOKEN_FILE, Settings, SettingsError, take_frontend_token
 from .control import Event, format_event
 from .eventloop import run
@@ -121,13 +122,11 @@ def store_main(argv: list[str]) -> int:
     try:
         run(serve_root(_config(args), on_listening=_announcer("store"), token=token or None,
                        link_config=settings.link, node_frontend=node))
+    except ListenError as e:  # (names the socket: its address or path, and the flag)
+        print(f"tierrun store: {e}", file=sys.stderr)
+        return 1
     except OSError as e:
-        if e.filename:  # (a Unix socket's path)
-            print(f"tierrun store: cannot listen on the Unix socket {e.filename}: {e.strerror or e}",
-                  file=sys.stderr)
-        else:
-            print(f"tierrun store: cannot listen on {args.host or '*'}:{args.port}: {e.strerror or e}. "
-                  "Pick another --port, or stop whatever uses it.", file=sys.stderr)
+        print(f"tierrun store: {e}", file=sys.stderr)
         return 1
     return 0
 
@@ -157,24 +156,26 @@ def proxy_main(argv: list[str]) -> int:
         print("tierrun proxy: no job token: set TIERRUN_TOKEN or TIERRUN_TOKEN_FILE to the token "
               "the store host was started with", file=sys.stderr)
         return 2
-    host, _, port = args.upstream.rpartition(":")
-    link_listen = None
-    if args.link_listen:
-        lhost, _, lport = args.link_listen.rpartition(":")
-        link_listen = (lhost.strip("[]"), int(lport))
+    host, port = _host_port(p, "--upstream", args.upstream)
+    link_listen = _host_port(p, "--link-listen", args.link_listen) if args.link_listen else None
     try:
-        return run(serve_proxy(_config(args), host.strip("[]"), int(port), token,
+        return run(serve_proxy(_config(args), host, port, token,
                                on_listening=_announcer("proxy"), connect_timeout=args.connect_timeout,
                                link_config=settings.link, link_listen=link_listen, link_source=args.link_source))
-    except OSError as e:
-        if e.filename:  # (a Unix socket's path)
-            print(f"tierrun proxy: cannot listen on the Unix socket {e.filename}: {e.strerror or e}", file=sys.stderr)
-        else:
-            print(f"tierrun proxy: cannot link to the store host {args.upstream}: {e}", file=sys.stderr)
+    except (ListenError, TimeoutError) as e:  # (its own sockets; a store host it could not reach, named)
+        print(f"tierrun proxy: {e}", file=sys.stderr)
         return 1
     except Exception as e:  # one line for any start failure (refused, token, timeout)
         print(f"tierrun proxy: cannot link to the store host {args.upstream}: {e}", file=sys.stderr)
         return 1
+
+
+def _host_port(p: argparse.ArgumentParser, flag: str, value: str) -> tuple[str, int]:
+    """``HOST:PORT`` (``[v6]:PORT``) of ``flag``; a usage error (exit 2) otherwise."""
+    host, _, port = value.rpartition(":")
+    if not host or not port.isdigit() or int(port) > 65535:
+        p.error(f"{flag} {value}: write HOST:PORT")
+    return host.strip("[]"), int(port)
 
 
 def store_frontend_main(argv: list[str]) -> int:

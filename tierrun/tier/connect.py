@@ -28,6 +28,7 @@ async def connect_link(host: str, port: int, token: bytes, on_lost: Callable[[st
             return link
         except (OSError, asyncio.TimeoutError) as e:
             if loop.time() + delay > deadline:
-                raise TimeoutError(f"cannot connect to the store host {host}:{port}: {e}") from None
+                raise TimeoutError(f"cannot connect to the store host {host}:{port} within {timeout:g} s: {e}. Is "
+                                   "it running, and its port open to this node?") from None
             await asyncio.sleep(delay)
             delay = min(delay * 2, 2.0)

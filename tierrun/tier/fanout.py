@@ -52,7 +52,15 @@ def watch_answers(u: UpOp, data: bytes) -> tuple[bool, bytes | None, list[tuple[
 def failure(u: UpOp, reason: bytes) -> str:
     """What a client whose request the store host refused is told (its connection is
     then closed, as torch's server closes it)."""
-    return f"{Op(u.req[0]).name} failed: {reason.decode(errors='replace')}"
+    return failed(u.req[0], reason)
+
+
+def failed(op: int, reason: bytes) -> str:
+    """``SET failed: <reason>``; a reason from a relay (a proxy between this one and
+    the store host) says so already, and is not said twice. O(len(reason))."""
+    why = reason.decode(errors="replace")
+    prefix = f"{Op(op).name} failed: "
+    return why if why.startswith(prefix) else prefix + why
 
 
 def split_values(data: bytes, n: int) -> list[bytes]:

@@ -18,6 +18,7 @@ from collections import deque
 from typing import Any
 
 from ..protocol import Op
+from .fanout import failed
 
 MAX_WRITES = 64 * 1024
 
@@ -70,7 +71,7 @@ def refused_write(op: int, writers: list[Any], reason: bytes) -> None:
     own clients in turn (``hub.session.WriteTicket``). A link client itself (``relay``:
     a write sent with no request id, which nobody below can be told of) is not closed:
     the store host logged it. O(writers)."""
-    why = f"{Op(op).name} failed: {reason.decode(errors='replace')}"
+    why = failed(op, reason)
     for w in writers:
         if not getattr(w, "relay", False):
             w.drop(why)
