@@ -74,7 +74,7 @@ from servers import process_cpu_seconds, start_torch
 from wireup_report import report, wakeup_floor_us
 from wireup_sim import RUN_ID, Plan, node_address, sim_child
 
-from tierrun.rendezvous.job_store import TreePlace
+from tierrun.rendezvous.tree import TreePlace
 from tierrun.server import StoreProcess
 
 SETUPS = ("torch", "tierrun-flat", "tiered", "tree", "tree-proxies", "tree-10ms")

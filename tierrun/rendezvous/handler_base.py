@@ -232,6 +232,8 @@ class StoreRendezvousHandler(RendezvousHandler):
             if self.job.tree is not None and self.job.tree.parent is not None:
                 advice = (f"Its parent node (node rank {self.job.tree.parent}) stopped or died; "
                           "restart the job once every node is up again.")
+            elif self.job.parent is not None:
+                advice = "Its parent in the store tree stopped or died; restart this node to rejoin the job."
             else:
                 advice = ("Restart the job when the store host (the --rdzv_endpoint or "
                           "--master_addr node) is up again.")

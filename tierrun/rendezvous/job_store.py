@@ -19,8 +19,8 @@ import os
 import secrets
 import signal
 import socket
+import threading
 import time
-from dataclasses import dataclass
 from datetime import timedelta
 
 from torch.distributed import TCPStore
@@ -31,6 +31,7 @@ from ..link.frames import LinkError
 from ..server import LINK_LOST, HostedFrontEnd, StoreProcess, StoreStartError
 from ..settings import Settings, store_process_env
 from ..tier.lookup import read_over_link
+from .tree import TreePlace
 
 log = logging.getLogger("tierrun.rendezvous")
 
@@ -51,7 +52,8 @@ class JobStore:
                  host_fallback: str = "port_in_use", node: str | None = None, public_clients: bool = False,
                  host_hint: str | None = None, connect_timeout: float | None = None,
                  unreachable_hint: str | None = None,
-                 port_setting: str = "--master_port or --rdzv_endpoint HOST:PORT") -> None:
+                 port_setting: str = "--master_port or --rdzv_endpoint HOST:PORT",
+                 link_addr: str | None = None) -> None:
         """``token``: the job token (tiered when given), which the store processes this
         agent starts get through a pipe, not their environment (none of them inherits a
         secret variable); ``link_config``: the link timings of the store processes it
@@ -68,7 +70,9 @@ class JobStore:
         to answer (default: ``timeout``, which stays every store operation's timeout);
         ``unreachable_hint``: what to do, ending the message of a node that gave up;
         ``port_setting``: the setting that gives the store's port, as a host that cannot
-        start its store names it."""
+        start its store names it; ``link_addr``: every proxy this node starts takes other
+        nodes' links on this address (an elastic job's tree, whose relays change from round
+        to round: ``relink``)."""
         if host_fallback not in ("any", "port_in_use", "never"):
             raise ValueError(f"host_fallback={host_fallback!r}")
         self.host = host
@@ -84,6 +88,12 @@ class JobStore:
         self.token = token.encode() if isinstance(token, str) else token
         self.store_workers = store_workers
         self.tree = tree if token is not None else None
+        self.link_addr = link_addr if token is not None else None
+        #: Where this node's proxy links instead of the store host ("host:port", and how
+        #: messages name it): its parent in an elastic round's tree (``relink``).
+        self.parent: tuple[str, str] | None = None
+        #: Proxies this node replaced that still relay other nodes' links (``retire``).
+        self._retiring: list[StoreProcess] = []
         self.link_config = link_config
         self.node = f"node {node or socket.gethostname()}"
         #: What this node's store traffic goes through, as messages name it.
@@ -107,11 +117,16 @@ class JobStore:
             tree = self.tree
             upstream = f"{self.host}:{self.port}"
             extra = []
+            self.upstream_name = f"the job's store host {upstream}"
             if tree is not None and tree.parent is not None:
                 upstream = self._parent_address(tree)
                 self.upstream_name = f"its parent in the store tree (node rank {tree.parent}'s proxy, {upstream})"
+            elif self.parent is not None:
+                upstream, self.upstream_name = self.parent
             if tree is not None and tree.has_children:
                 extra = ["--link-listen", f"{_bracket(tree.addr)}:0"]
+            elif self.link_addr is not None:
+                extra = ["--link-listen", f"{_bracket(self.link_addr)}:0"]
             proxy = StoreProcess(
                 host=PROXY_HOST, port=0, unix=f"@tierrun-proxy-{os.getpid()}-{secrets.token_hex(4)}",
                 controlled=True, command="proxy", env=store_process_env(), token=self.token,
@@ -224,12 +239,48 @@ class JobStore:
 
     def restart_proxy(self) -> None:
         """Replace a dead proxy with a new one (a new link session: what the old one's
-        clients had pending at the store host expires with that session). Clients of the
-        old proxy, this agent's included, must reconnect: ``client`` gives a new one.
-        Blocks and raises like ``start``."""
+        clients had pending at the store host expires with that session), linked to the
+        store host in an elastic job's tree (its parent may be what killed it). Clients
+        of the old proxy, this agent's included, must reconnect: ``client`` gives a new
+        one. Blocks and raises like ``start``."""
         self.proxy = None
         self._client = None
+        self.parent = None
         self.start()
+
+    def relink(self, parent: tuple[str, str] | None) -> StoreProcess:
+        """Start a new node proxy linked to ``parent`` ("host:port" of a parent proxy and
+        how messages name it; None: the store host), on a fresh link session, and make it
+        this node's: ``client``, ``agent_address`` and ``worker_endpoint`` use it from
+        now on. Returns the proxy it replaces, still running, for ``retire``. Call it only
+        while this node has nothing in flight through the old proxy (its workers stopped,
+        its agent's round watch moved or stopped). Blocks while the new proxy starts;
+        raises ``RendezvousConnectionError`` like ``start`` and then leaves the old proxy
+        in place."""
+        old, old_parent, old_name, old_client = self.proxy, self.parent, self.upstream_name, self._client
+        assert isinstance(old, StoreProcess) and self.tiered
+        self.proxy, self._client, self.parent = None, None, parent
+        try:
+            self.start()
+        except BaseException:
+            self.proxy, self.parent, self.upstream_name, self._client = old, old_parent, old_name, old_client
+            raise
+        return old
+
+    def retire(self, proc: StoreProcess) -> None:
+        """Stop a proxy ``relink`` replaced once no other node's proxy links to it any
+        more (they move as they re-form; at most the link grace period), in a thread of
+        its own: the requests of its subtree still on their way through it are answered
+        on the path they took. Returns at once."""
+        self._retiring.append(proc)
+
+        def run() -> None:
+            self._drain(proc, "replaced")
+            proc.stop()
+            if proc in self._retiring:
+                self._retiring.remove(proc)
+
+        threading.Thread(target=run, name="tierrun-retire-proxy", daemon=True).start()
 
     def _store_args(self) -> list[str]:
         """Front-end processes for the workers' connections: flat only (tiered, workers
@@ -319,7 +370,7 @@ class JobStore:
             previous[0].close_namespace(previous[1])
         return endpoint
 
-    def _drain(self, proc: StoreProcess) -> None:
+    def _drain(self, proc: StoreProcess, what: str | None = None) -> None:
         """Keep a store process that other nodes link to (the store host, a relay of the
         tree) up until their links have closed (they close them as they leave), at most
         the link grace period: a node's path to the store must not end before the node
@@ -333,7 +384,9 @@ class JobStore:
             except StoreStartError:
                 return
             if time.monotonic() > deadline:
-                log.warning("stopping the store %s with other nodes still linked to it (after %g s)",
+                what = what or ("host" if proc is self.root else "relay")
+                log.warning("%s: stopping the %s store %s with other nodes still linked to it (after %g s); "
+                            "they re-link when they re-form", self.node, what,
                             "host" if proc is self.root else "relay", self.link_config.grace)
                 return
             time.sleep(0.05)
@@ -343,6 +396,10 @@ class JobStore:
         if self._watch is not None:
             self._watch.close()
             self._watch = None
+        for proc in list(self._retiring):  # (before the store host: they link to it)
+            self._drain(proc, "replaced")
+            proc.stop()
+        self._retiring.clear()
         served = (("node proxy", self.proxy), ("store host", self.root))
         for _, proc in served:
             if isinstance(proc, StoreProcess):
@@ -366,51 +423,6 @@ def token_from(config: dict, settings: Settings) -> bytes | None:
         raise ValueError("tiered wire-up needs a job token: give every node the same secret, in a file "
                          "named by TIERRUN_TOKEN_FILE (or in TIERRUN_TOKEN)")
     return token
-
-
-@dataclass(frozen=True)
-class TreePlace:
-    """This node's place in a tree of node proxies (``--store-fanout F``, static jobs).
-
-    Node 0, the store host, serves its own node's agent and workers from its store
-    (its node front-end, with no link: one of its F) and takes no children: its workers
-    are one hop from the store, and it relays no other node's requests (relaying 64
-    nodes' at 512x8, fanout 8, cost node 0 as much CPU again as its store:
-    ``bench/wireup.py``). Nodes 1..N-1 take places 0..N-2 of a tree: places 0..F-2 link
-    to the store host, place q >= F-1 to the proxy in place (q - F + 1) // F, which
-    takes links on ``addr`` and publishes where under ``key``. So every proxy, the
-    store host's core included, has at most F links. O(1).
-    """
-
-    rank: int
-    nodes: int
-    fanout: int
-    #: This node's address, where its proxy takes its children's links.
-    addr: str
-    run_id: str
-
-    @property
-    def parent(self) -> int | None:
-        top = self.fanout - 1  # places linked to the store host (node 0's front-end is its F-th)
-        place = self.rank - 1
-        return None if place < top else (place - top) // self.fanout + 1
-
-    @property
-    def has_children(self) -> bool:
-        """Some node's place is this node's first child's: F - 1 + F * place."""
-        return self.rank > 0 and self.fanout - 1 + self.fanout * (self.rank - 1) < self.nodes - 1
-
-    def key(self, rank: int) -> str:
-        return f"tierrun/{self.run_id}/tree/{rank}"
-
-
-def store_fanout_from(config: dict) -> int:
-    """``--rdzv_conf store_fanout=F`` (set by ``--store-fanout F``); 0: no tree.
-    Raises ValueError."""
-    f = int(config.get("store_fanout", 0))
-    if f < 0 or f == 1:
-        raise ValueError(f"store_fanout={f}: write 0 (no tree) or 2 or more")
-    return f
 
 
 def public_clients_from(config: dict) -> bool:
