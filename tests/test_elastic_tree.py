@@ -15,7 +15,7 @@ from tierrun.rendezvous.tree import RoundTree
 
 NODES = 6
 TREE_LINE = re.compile(r"store tree of round (\d+): node (\S+) \(node rank (\d+)\) links to (.*?); "
-                       r"(?:node ranks ([\d, ]+) link to its proxy|no node links to it)")
+                       r"(?:node ranks? ([\d, ]+) links? to its proxy|no node links to it)")
 
 
 def tree_lines(log) -> dict[int, tuple[str, int, int | None, list[int]]]:
@@ -55,7 +55,7 @@ def test_a_relay_killed_mid_job_the_survivors_reform_their_tree_and_finish(tmp_p
     their proxies move to the new round's tree, and every final ADD is counted once."""
     port = free_port()
     logs = [tmp_path / f"node{k}.log" for k in range(NODES)]
-    env = {"TIERRUN_TOKEN": "elastic-tree-token"}
+    env = {"TIERRUN_TOKEN": "elastic-tree-token", "TIERRUN_LOG_LEVEL": "INFO"}
     start = time.monotonic()
     procs = [tierrun("--nnodes", f"3:{NODES}", "--nproc_per_node", 1, "--max_restarts", 3,
                      "--monitor_interval", "0.5", "--rdzv_endpoint", f"127.0.1.1:{port}", "--rdzv_id", "etree",
@@ -97,5 +97,13 @@ def test_a_relay_killed_mid_job_the_survivors_reform_their_tree_and_finish(tmp_p
     for k, (_, rank, parent, kids) in placed.items():
         assert (parent, kids) == (tree.parent(rank), tree.children(rank)), (k, placed)
     assert any(parent is not None for _, _, parent, _ in placed.values())  # (a tree, not flat)
+    # what a person reads: the dead node named, its children saying why they re-form, nothing else
+    dead = f"127.0.1.{victim + 1}"
+    for k in survivors:
+        for line in logs[k].read_text().splitlines():
+            if "WARNING" in line:
+                assert (f"node {dead} has not answered for 3 s" in line
+                        or f"lost its parent in the store tree (node rank {first[victim][1]}'s proxy" in line), line
+        assert "cannot publish this node's record" not in logs[k].read_text()
     assert time.monotonic() - killed < 60, time.monotonic() - killed
     print(f"wall {time.monotonic() - start:.1f} s, {time.monotonic() - killed:.1f} s after the kill")

@@ -114,7 +114,7 @@ class TreeRounds(StoreRendezvousHandler):
             self.job.client().set(self._k(r, f"tree/{rank}"), where)
         log.info("store tree of round %d: node %s (node rank %d) links to %s; %s", r, self.node_addr, rank,
                  self.job.upstream_name,
-                 f"node ranks {', '.join(map(str, children))} link to its proxy" if children else "no node links to it")
+                 _linked(children))
 
     def _parent_address(self, r: int, parent: int) -> str | None:
         """Where the proxy of node rank ``parent`` takes links in round ``r``, once it
@@ -173,6 +173,14 @@ class TreeRounds(StoreRendezvousHandler):
                     "the store host", self.node_addr, self.job.upstream_name,
                     "its proxy gave up on it" if proxy.exited() is not None else "the link is in doubt")
         return True
+
+
+def _linked(children: list[int]) -> str:
+    if not children:
+        return "no node links to it"
+    if len(children) == 1:
+        return f"node rank {children[0]} links to its proxy"
+    return f"node ranks {', '.join(map(str, children))} link to its proxy"
 
 
 def _bracket(addr: str) -> str:
