@@ -107,3 +107,90 @@ def test_a_relay_killed_mid_job_the_survivors_reform_their_tree_and_finish(tmp_p
         assert "cannot publish this node's record" not in logs[k].read_text()
     assert time.monotonic() - killed < 60, time.monotonic() - killed
     print(f"wall {time.monotonic() - start:.1f} s, {time.monotonic() - killed:.1f} s after the kill")
+
+
+def _tree_handlers(port: int, nodes: int, run_id: str):
+    from torch.distributed.elastic.rendezvous import RendezvousParameters
+
+    from tierrun.rendezvous.elastic import create_handler
+    from tierrun.settings import Settings
+
+    return [create_handler(RendezvousParameters(
+        "tierrun", f"127.0.1.1:{port}", run_id, nodes, nodes, local_addr=f"127.0.1.{k + 1}",
+        tiered="1", store_fanout="2", last_call_timeout="1", join_timeout="20", progress="off"),
+        Settings.from_env()) for k in range(nodes)]
+
+
+def _rendezvous_all(handlers):
+    import threading
+
+    infos: list = [None] * len(handlers)
+    errors: list = []
+
+    def run(i):
+        try:
+            infos[i] = handlers[i].next_rendezvous()
+        except Exception as e:  # (reported below)
+            errors.append(e)
+
+    threads = [threading.Thread(target=run, args=(i,), daemon=True) for i in range(len(handlers))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(60)
+    assert not errors and None not in infos, errors
+    return infos
+
+
+def _eventually(condition, what: str, timeout: float = 20.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not condition():
+        assert time.monotonic() < deadline, what
+        time.sleep(0.1)
+
+
+def test_every_round_rebuilds_the_tree_the_store_host_keeps_fanout_links_and_workers_see_their_round(monkeypatch):
+    """4 nodes, fanout 2, the tierrun handlers driven as torch's agent drives them, twice
+    (a re-formation: every node re-joins). Each time the store host ends with one link
+    (its own front-end is the other of its 2), the nodes below move under their parent,
+    the proxies they left stop, and a worker endpoint serves only its round's keys."""
+    import torch.distributed as dist
+    from datetime import timedelta
+
+    monkeypatch.setenv("TIERRUN_TOKEN", "elastic-tree-handlers")
+    handlers = _tree_handlers(free_port(), 4, "tree-handlers")
+    root = None
+
+    def worker(info) -> dist.TCPStore:
+        endpoint = info.bootstrap_store_info
+        return dist.TCPStore(endpoint.master_addr, endpoint.master_port, is_master=False,
+                             timeout=timedelta(seconds=10))
+
+    try:
+        replaced = []
+        for round_ in range(2):
+            before = [h.job.proxy for h in handlers]
+            infos = _rendezvous_all(handlers)
+            assert sorted(i.rank for i in infos) == [0, 1, 2, 3]
+            root = next(h.job.root for h in handlers if h.job.root is not None)
+            below = [h for h in handlers if h.job.root is None]
+            assert sum(h.job.parent is None for h in below) == 1  # (fanout 2: one node at the top)
+            assert all(h.job.proxy.exited() is None for h in below)
+            replaced += [p for p, h in zip(before, handlers) if p is not None and p is not h.job.proxy]
+            _eventually(lambda: root.stats()["links"] == 1, f"round {round_}: {root.stats()['links']} links")
+            top = next(h for h in below if h.job.parent is None)
+            assert top.job.proxy.stats()["links"] == 2
+            # the agents' store and the workers' round, through the tree
+            infos[0].store.set(f"agents-{round_}", "seen")
+            assert {i.store.get(f"agents-{round_}") for i in infos} == {b"seen"}
+            workers = [worker(i) for i in infos]
+            workers[0].set("mine", f"round {round_}")
+            assert {w.get("mine") for w in workers} == {f"round {round_}".encode()}
+            assert sorted(w.add("ranks", 1) for w in workers) == [1, 2, 3, 4]  # once each
+            assert not workers[-1].check([f"round-{round_ - 1}-only"])
+            workers[-1].set(f"round-{round_}-only", "x")
+        assert replaced, "no proxy moved"
+        _eventually(lambda: all(p.exited() is not None for p in replaced), "a replaced proxy still runs")
+    finally:
+        for h in sorted(handlers, key=lambda h: h.job.root is not None):  # the store host last
+            h.shutdown()

@@ -34,6 +34,7 @@ from torch.distributed.elastic.rendezvous import RendezvousConnectionError
 from ..server import StoreProcess
 from .handler_base import StoreRendezvousHandler
 from .job_store import JobStore
+from .sockets import bracket
 from .tree import RoundTree, store_fanout_from
 
 log = logging.getLogger("tierrun.rendezvous")
@@ -110,7 +111,7 @@ class TreeRounds(StoreRendezvousHandler):
         assert isinstance(proxy, StoreProcess) and self.job.link_addr is not None
         children = tree.children(rank)
         if children:
-            where = f"{_bracket(self.job.link_addr)}:{proxy.link_port}"
+            where = f"{bracket(self.job.link_addr)}:{proxy.link_port}"
             self.job.client().set(self._k(r, f"tree/{rank}"), where)
         log.info("store tree of round %d: node %s (node rank %d) links to %s; %s", r, self.node_addr, rank,
                  self.job.upstream_name,
@@ -181,7 +182,3 @@ def _linked(children: list[int]) -> str:
     if len(children) == 1:
         return f"node rank {children[0]} links to its proxy"
     return f"node ranks {', '.join(map(str, children))} link to its proxy"
-
-
-def _bracket(addr: str) -> str:
-    return f"[{addr}]" if ":" in addr else addr

@@ -12,7 +12,6 @@ the agent does (they watch its stdin pipe).
 
 from __future__ import annotations
 
-import errno
 import json
 import logging
 import os
@@ -31,6 +30,9 @@ from ..link.frames import LinkError
 from ..server import LINK_LOST, HostedFrontEnd, StoreProcess, StoreStartError
 from ..settings import Settings, store_process_env
 from ..tier.lookup import read_over_link
+from .sockets import (
+    await_listener, bracket, closed_by_peer, last_line, port_in_use, watch_connection,
+)
 from .tree import TreePlace
 
 log = logging.getLogger("tierrun.rendezvous")
@@ -115,39 +117,42 @@ class JobStore:
                 self.proxy = HostedFrontEnd(self.root)
         if self.tiered and self.proxy is None:
             tree = self.tree
-            upstream = f"{self.host}:{self.port}"
-            extra = []
-            self.upstream_name = f"the job's store host {upstream}"
+            upstream = f"{self.host}:{self.port}", f"the job's store host {self.host}:{self.port}"
             if tree is not None and tree.parent is not None:
-                upstream = self._parent_address(tree)
-                self.upstream_name = f"its parent in the store tree (node rank {tree.parent}'s proxy, {upstream})"
+                address = self._parent_address(tree)
+                upstream = address, f"its parent in the store tree (node rank {tree.parent}'s proxy, {address})"
             elif self.parent is not None:
-                upstream, self.upstream_name = self.parent
-            if tree is not None and tree.has_children:
-                extra = ["--link-listen", f"{_bracket(tree.addr)}:0"]
-            elif self.link_addr is not None:
-                extra = ["--link-listen", f"{_bracket(self.link_addr)}:0"]
-            proxy = StoreProcess(
-                host=PROXY_HOST, port=0, unix=f"@tierrun-proxy-{os.getpid()}-{secrets.token_hex(4)}",
-                controlled=True, command="proxy", env=store_process_env(), token=self.token,
-                extra_args=["--upstream", upstream,
-                            "--connect-timeout", str(self.connect_timeout), *extra],
-                start_timeout=self.connect_timeout + 10,
-            )
-            try:
-                proxy.start()
-            except StoreStartError as e:
-                if any(why in str(e) for why in TOKEN_REFUSED):
-                    raise RendezvousConnectionError(self._token_refused(upstream)) from None
-                if "cannot connect to the store host" in str(e) and upstream == f"{self.host}:{self.port}":
-                    raise RendezvousConnectionError(self.unreachable()) from None
-                raise RendezvousConnectionError(
-                    f"this node's store proxy could not link to {upstream} "
-                    f"({'the store host' if upstream.endswith(f':{self.port}') else 'its parent node in the store tree'}): {e}"
-                ) from e
-            self.proxy = proxy
+                upstream = self.parent
+            self.proxy = proxy = self._start_proxy(*upstream, self.connect_timeout)
+            self.upstream_name = upstream[1]
             if tree is not None and tree.has_children:  # tell the children where to link
-                self.client().set(tree.key(tree.rank), f"{_bracket(tree.addr)}:{proxy.link_port}")
+                self.client().set(tree.key(tree.rank), f"{bracket(tree.addr)}:{proxy.link_port}")
+
+    def _start_proxy(self, upstream: str, name: str, connect_timeout: float) -> StoreProcess:
+        """Start a node proxy linked to ``upstream`` (named ``name`` in messages), taking
+        other nodes' links if this node relays (a static tree's place) or may relay (an
+        elastic tree). Raises ``RendezvousConnectionError`` saying what to do."""
+        tree, extra = self.tree, []
+        if tree is not None and tree.has_children:
+            extra = ["--link-listen", f"{bracket(tree.addr)}:0"]
+        elif self.link_addr is not None:
+            extra = ["--link-listen", f"{bracket(self.link_addr)}:0"]
+        proxy = StoreProcess(
+            host=PROXY_HOST, port=0, unix=f"@tierrun-proxy-{os.getpid()}-{secrets.token_hex(4)}",
+            controlled=True, command="proxy", env=store_process_env(), token=self.token,
+            extra_args=["--upstream", upstream, "--connect-timeout", str(connect_timeout), *extra],
+            start_timeout=connect_timeout + 10,
+        )
+        try:
+            proxy.start()
+        except StoreStartError as e:
+            if any(why in str(e) for why in TOKEN_REFUSED):
+                raise RendezvousConnectionError(self._token_refused(upstream)) from None
+            if "cannot connect to the store host" in str(e) and upstream == f"{self.host}:{self.port}":
+                raise RendezvousConnectionError(self.unreachable()) from None
+            raise RendezvousConnectionError(
+                f"{self.node}: its store proxy could not link to {name}: {last_line(str(e))}") from e
+        return proxy
 
     def _token_refused(self, upstream: str) -> str:
         """What to say when ``upstream`` refused this node's job token."""
@@ -210,7 +215,7 @@ class JobStore:
             return proxy.last_error() or f"this node's store proxy exited ({proxy.exited()})"
         if self.root is not None and self.root.exited() is not None:
             return f"the store process on this node exited with status {self.root.exited()}"
-        if self._watch is not None and _closed_by_peer(self._watch):
+        if self._watch is not None and closed_by_peer(self._watch):
             return "the store host closed this node's connection"
         return None
 
@@ -254,17 +259,18 @@ class JobStore:
         this node's: ``client``, ``agent_address`` and ``worker_endpoint`` use it from
         now on. Returns the proxy it replaces, still running, for ``retire``. Call it only
         while this node has nothing in flight through the old proxy (its workers stopped,
-        its agent's round watch moved or stopped). Blocks while the new proxy starts;
-        raises ``RendezvousConnectionError`` like ``start`` and then leaves the old proxy
-        in place."""
-        old, old_parent, old_name, old_client = self.proxy, self.parent, self.upstream_name, self._client
+        its agent's round watch moved or stopped). Blocks while the new proxy starts (a
+        parent gets the link timeout to answer, the store host ``connect_timeout``);
+        raises ``RendezvousConnectionError`` like ``start``, leaving the old proxy in place."""
+        old = self.proxy
         assert isinstance(old, StoreProcess) and self.tiered
-        self.proxy, self._client, self.parent = None, None, parent
-        try:
-            self.start()
-        except BaseException:
-            self.proxy, self.parent, self.upstream_name, self._client = old, old_parent, old_name, old_client
-            raise
+        if parent is None:
+            new = self._start_proxy(f"{self.host}:{self.port}", f"the job's store host {self.host}:{self.port}",
+                                    self.connect_timeout)
+        else:
+            new = self._start_proxy(*parent, self.link_config.heartbeat_timeout)
+        self.proxy, self._client, self.parent = new, None, parent
+        self.upstream_name = parent[1] if parent is not None else f"the job's store host {self.host}:{self.port}"
         return old
 
     def retire(self, proc: StoreProcess) -> None:
@@ -301,8 +307,8 @@ class JobStore:
         try:
             self.port = proc.start()
         except StoreStartError as e:
-            taken = self.port != 0 and _port_in_use(self.port)
-            why = f"port {self.port} is taken" if taken else _last_line(str(e))
+            taken = self.port != 0 and port_in_use(self.port)
+            why = f"port {self.port} is taken" if taken else last_line(str(e))
             if self.host_fallback == "any" or (self.host_fallback == "port_in_use" and taken):
                 log.log(logging.INFO if taken else logging.WARNING,
                         "this node could not host the job's store (%s); joining as a client of "
@@ -340,7 +346,7 @@ class JobStore:
             host, port = self.client_address
             if self.proxy is None and self.root is None:  # flat, on a node without the store
                 # (torch's client would wait in silence, then print C++ stack traces)
-                if not _await_listener(host, port, self.connect_timeout):
+                if not await_listener(host, port, self.connect_timeout):
                     raise RendezvousConnectionError(self.unreachable())
             try:
                 self._client = TCPStore(host, port, is_master=False, timeout=self.timeout,
@@ -353,7 +359,7 @@ class JobStore:
                     "the port is open."
                 ) from e
             if self.proxy is None and self.root is None:  # flat, on a node without the store
-                self._watch = _watch_connection(host, port, self.timeout.total_seconds())
+                self._watch = watch_connection(host, port, self.timeout.total_seconds())
         return self._client
 
     def worker_endpoint(self, namespace: str) -> tuple[str, int] | None:
@@ -438,57 +444,3 @@ def store_workers_from(config: dict) -> int:
     if n < 1:
         raise ValueError(f"store_workers={n}: write 1 or more")
     return n
-
-
-def _bracket(addr: str) -> str:
-    return f"[{addr}]" if ":" in addr else addr
-
-
-def _await_listener(host: str, port: int, timeout: float) -> bool:
-    """Whether something accepts connections on ``host:port`` within ``timeout``
-    seconds: tries every 0.1 s to 1 s (backing off), with Python's sockets (quiet)."""
-    deadline = time.monotonic() + timeout
-    delay = 0.1
-    while True:
-        try:
-            socket.create_connection((host, port), max(min(deadline - time.monotonic(), 5.0), 0.1)).close()
-            return True
-        except OSError:
-            if time.monotonic() + delay > deadline:
-                return False
-            time.sleep(delay)
-            delay = min(2 * delay, 1.0)
-
-
-def _watch_connection(host: str, port: int, timeout: float) -> socket.socket | None:
-    try:
-        sock = socket.create_connection((host, port), timeout)
-    except OSError:
-        return None  # the rendezvous itself reports an unreachable store
-    sock.setblocking(False)
-    return sock
-
-
-def _closed_by_peer(sock: socket.socket) -> bool:
-    try:
-        return sock.recv(1, socket.MSG_PEEK) == b""
-    except BlockingIOError:
-        return False
-    except OSError:
-        return True
-
-
-def _last_line(text: str) -> str:
-    lines = [line.strip() for line in text.strip().splitlines() if line.strip()]
-    return lines[-1] if lines else "no output"
-
-
-def _port_in_use(port: int) -> bool:
-    s = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-    try:
-        s.bind(("0.0.0.0", port))
-        return False
-    except OSError as e:
-        return e.errno == errno.EADDRINUSE
-    finally:
-        s.close()
