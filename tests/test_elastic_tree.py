@@ -6,12 +6,18 @@ simulated nodes on 127.0.1.x."""
 from __future__ import annotations
 
 import re
+import threading
 import time
+from datetime import timedelta
 
 import pytest
+import torch.distributed as dist
+from torch.distributed.elastic.rendezvous import RendezvousParameters
 
 from launch import SCRIPTS, finish, free_port, kill_tree, results, tierrun
+from tierrun.rendezvous.elastic import create_handler
 from tierrun.rendezvous.tree import RoundTree
+from tierrun.settings import Settings
 
 NODES = 6
 TREE_LINE = re.compile(r"store tree of round (\d+): node (\S+) \(node rank (\d+)\) links to (.*?); "
@@ -110,11 +116,6 @@ def test_a_relay_killed_mid_job_the_survivors_reform_their_tree_and_finish(tmp_p
 
 
 def _tree_handlers(port: int, nodes: int, run_id: str):
-    from torch.distributed.elastic.rendezvous import RendezvousParameters
-
-    from tierrun.rendezvous.elastic import create_handler
-    from tierrun.settings import Settings
-
     return [create_handler(RendezvousParameters(
         "tierrun", f"127.0.1.1:{port}", run_id, nodes, nodes, local_addr=f"127.0.1.{k + 1}",
         tiered="1", store_fanout="2", last_call_timeout="1", join_timeout="20", progress="off"),
@@ -122,8 +123,6 @@ def _tree_handlers(port: int, nodes: int, run_id: str):
 
 
 def _rendezvous_all(handlers):
-    import threading
-
     infos: list = [None] * len(handlers)
     errors: list = []
 
@@ -154,9 +153,6 @@ def test_every_round_rebuilds_the_tree_the_store_host_keeps_fanout_links_and_wor
     (a re-formation: every node re-joins). Each time the store host ends with one link
     (its own front-end is the other of its 2), the nodes below move under their parent,
     the proxies they left stop, and a worker endpoint serves only its round's keys."""
-    import torch.distributed as dist
-    from datetime import timedelta
-
     monkeypatch.setenv("TIERRUN_TOKEN", "elastic-tree-handlers")
     handlers = _tree_handlers(free_port(), 4, "tree-handlers")
     root = None
@@ -191,6 +187,12 @@ def test_every_round_rebuilds_the_tree_the_store_host_keeps_fanout_links_and_wor
             workers[-1].set(f"round-{round_}-only", "x")
         assert replaced, "no proxy moved"
         _eventually(lambda: all(p.exited() is not None for p in replaced), "a replaced proxy still runs")
-    finally:
-        for h in sorted(handlers, key=lambda h: h.job.root is not None):  # the store host last
-            h.shutdown()
+    finally:  # as agents do, at once (a relay waits for the nodes linked to it), the store host last
+        leaving = [threading.Thread(target=h.shutdown) for h in handlers if h.job.root is None]
+        for t in leaving:
+            t.start()
+        for t in leaving:
+            t.join(30)
+        for h in handlers:
+            if h.job.root is not None:
+                h.shutdown()

@@ -44,6 +44,9 @@ log = logging.getLogger("tierrun.rendezvous")
 PARENT_PATIENCE = 1.0
 #: Seconds between two looks at that link (one stats request to the node's proxy).
 PARENT_CHECK_INTERVAL = 0.5
+#: Seconds a moving node waits for its stopped heartbeat's last request, before the
+#: proxy it went through is retired (longer: that request is stuck on a dead path).
+RETIRE_SETTLE = 2.0
 
 
 class _RoundOver(Exception):
@@ -89,6 +92,7 @@ class TreeRounds(StoreRendezvousHandler):
         log.info("node %s re-forms through the store host: its store proxy no longer links to %s",
                  self.node_addr, left)
         self._rewatch()
+        self._settle_stopped_beats(RETIRE_SETTLE)
         self.job.retire(old)
 
     def _take_place(self, r: int, rank: int, members: int, layout: str) -> None:
@@ -150,6 +154,7 @@ class TreeRounds(StoreRendezvousHandler):
                         "to the store host for the round", self.node_addr, name, r, e)
             return
         self._rewatch()  # (before the old proxy goes: the watchers see no gap in the beats)
+        self._settle_stopped_beats(RETIRE_SETTLE)
         self.job.retire(old)
 
     def _parent_lost(self) -> bool:
@@ -164,7 +169,8 @@ class TreeRounds(StoreRendezvousHandler):
         now = time.monotonic()
         if proxy.exited() is None and now - self._doubt_checked >= PARENT_CHECK_INTERVAL:
             self._doubt_checked = now
-            if self.job.link_in_doubt(self.job.link_config.heartbeat_interval):
+            # (silent for the link's own timeout, or reconnecting: a slow parent is no lost one)
+            if self.job.link_in_doubt(self.job.link_config.heartbeat_timeout / 2):
                 self._doubt_since = self._doubt_since or now
             else:
                 self._doubt_since = None

@@ -61,6 +61,7 @@ class StoreRendezvousHandler(RendezvousHandler):
         self._lock = threading.Lock()  # state the watch threads set
         self._watcher: StoreClient | None = None
         self._heartbeat: liveness.Heartbeat | None = None
+        self._stopped_beats: list[liveness.Heartbeat] = []  # (see _settle_stopped_beats)
         #: Workers on this node, from the launcher: lets a round tell torch's agent that
         #: every node runs as many (None: unknown, torch's store-based path).
         self._local_world_size = int(config["local_world_size"]) if "local_world_size" in config else None
@@ -177,7 +178,16 @@ class StoreRendezvousHandler(RendezvousHandler):
                 self._heartbeat.leave()
             else:
                 self._heartbeat.stop()
+                self._stopped_beats = [b for b in self._stopped_beats if not b.join(0)] + [self._heartbeat]
             self._heartbeat = None
+
+    def _settle_stopped_beats(self, timeout: float) -> None:
+        """Wait up to ``timeout`` seconds for the heartbeats stopped so far to end, their
+        last request answered (before the proxy they used goes away)."""
+        deadline = time.monotonic() + timeout
+        for beat in self._stopped_beats:
+            beat.join(max(deadline - time.monotonic(), 0.0))
+        self._stopped_beats.clear()
 
     @contextlib.contextmanager
     def _progress(self, title: str, poll: Callable[[StoreClient], Arrivals]) -> Iterator[None]:

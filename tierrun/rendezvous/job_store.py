@@ -149,7 +149,7 @@ class JobStore:
             if any(why in str(e) for why in TOKEN_REFUSED):
                 raise RendezvousConnectionError(self._token_refused(upstream)) from None
             if "cannot connect to the store host" in str(e) and upstream == f"{self.host}:{self.port}":
-                raise RendezvousConnectionError(self.unreachable()) from None
+                raise RendezvousConnectionError(self.unreachable(connect_timeout)) from None
             raise RendezvousConnectionError(
                 f"{self.node}: its store proxy could not link to {name}: {last_line(str(e))}") from e
         return proxy
@@ -162,12 +162,14 @@ class JobStore:
                 "contents on every node (or that TIERRUN_TOKEN is the same); with no secret, the "
                 "token is derived from --rdzv_id and the store endpoint, which must then be the same.")
 
-    def unreachable(self) -> str:
+    def unreachable(self, after: float | None = None) -> str:
         """What a node that does not host the store says when the store host has not
-        answered within ``connect_timeout``: one line, with what to do."""
+        answered within ``after`` seconds (default ``connect_timeout``): one line, with
+        what to do."""
         hint = self.unreachable_hint or ("Check that the store host (node rank 0 / the --rdzv_endpoint "
                                          "host) is running and that the port is open.")
-        return f"{self.node}: no store at {self.host}:{self.port} after {self.connect_timeout:.0f} s; {hint}"
+        after = self.connect_timeout if after is None else after
+        return f"{self.node}: no store at {self.host}:{self.port} after {after:.0f} s; {hint}"
 
     def ready(self) -> bool:
         """``start`` and ``client`` have nothing left to do (they return at once)."""
@@ -260,13 +262,14 @@ class JobStore:
         now on. Returns the proxy it replaces, still running, for ``retire``. Call it only
         while this node has nothing in flight through the old proxy (its workers stopped,
         its agent's round watch moved or stopped). Blocks while the new proxy starts (a
-        parent gets the link timeout to answer, the store host ``connect_timeout``);
-        raises ``RendezvousConnectionError`` like ``start``, leaving the old proxy in place."""
+        parent gets the link timeout to answer, the store host, up until now, the link
+        grace period); raises ``RendezvousConnectionError`` like ``start``, leaving the old
+        proxy in place."""
         old = self.proxy
         assert isinstance(old, StoreProcess) and self.tiered
         if parent is None:
             new = self._start_proxy(f"{self.host}:{self.port}", f"the job's store host {self.host}:{self.port}",
-                                    self.connect_timeout)
+                                    self.link_config.grace)
         else:
             new = self._start_proxy(*parent, self.link_config.heartbeat_timeout)
         self.proxy, self._client, self.parent = new, None, parent
