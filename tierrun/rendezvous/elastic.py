@@ -354,8 +354,13 @@ class ElasticRendezvousHandler(TreeRounds):
 
     def num_nodes_waiting(self) -> int:
         """Raises ``RendezvousConnectionError`` once the store host is lost. A node whose
-        proxy died gets a new one and answers 1: it restarts its workers and rejoins."""
-        if self.replace_dead_proxy() or self._parent_lost():
+        proxy died gets a new one and answers 1: it restarts its workers and rejoins. So
+        does a node whose parent in the store tree was lost, with a proxy linked to the
+        store host (its workers' requests on the lost path fail)."""
+        if self.replace_dead_proxy():
+            return 1
+        if self._parent_lost():  # (its heartbeat went through that parent: link it at once)
+            self._go_flat()
             return 1
         self.check_store_host()
         with self._lock:

@@ -40,13 +40,10 @@ from .tree import RoundTree, store_fanout_from
 log = logging.getLogger("tierrun.rendezvous")
 
 #: Seconds a child's link to its parent may stay in doubt (reconnecting, or silent for
-#: two link heartbeats) before the node re-forms the job through the store host.
-PARENT_PATIENCE = 1.0
+#: the link timeout) before the node re-forms the job through the store host.
+PARENT_PATIENCE = 0.5
 #: Seconds between two looks at that link (one stats request to the node's proxy).
-PARENT_CHECK_INTERVAL = 0.5
-#: Seconds a moving node waits for its stopped heartbeat's last request, before the
-#: proxy it went through is retired (longer: that request is stuck on a dead path).
-RETIRE_SETTLE = 2.0
+PARENT_CHECK_INTERVAL = 0.25
 
 
 class _RoundOver(Exception):
@@ -92,8 +89,7 @@ class TreeRounds(StoreRendezvousHandler):
         log.info("node %s re-forms through the store host: its store proxy no longer links to %s",
                  self.node_addr, left)
         self._rewatch()
-        self._settle_stopped_beats(RETIRE_SETTLE)
-        self.job.retire(old)
+        self.job.retire(old, self._stopped_beats_ended())
 
     def _take_place(self, r: int, rank: int, members: int, layout: str) -> None:
         """Once round ``r`` has closed: move this node's proxy under its parent in the
@@ -154,8 +150,7 @@ class TreeRounds(StoreRendezvousHandler):
                         "to the store host for the round", self.node_addr, name, r, e)
             return
         self._rewatch()  # (before the old proxy goes: the watchers see no gap in the beats)
-        self._settle_stopped_beats(RETIRE_SETTLE)
-        self.job.retire(old)
+        self.job.retire(old, self._stopped_beats_ended())
 
     def _parent_lost(self) -> bool:
         """This node's proxy links to a parent whose link has been in doubt for

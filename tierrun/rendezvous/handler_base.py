@@ -181,13 +181,11 @@ class StoreRendezvousHandler(RendezvousHandler):
                 self._stopped_beats = [b for b in self._stopped_beats if not b.join(0)] + [self._heartbeat]
             self._heartbeat = None
 
-    def _settle_stopped_beats(self, timeout: float) -> None:
-        """Wait up to ``timeout`` seconds for the heartbeats stopped so far to end, their
-        last request answered (before the proxy they used goes away)."""
-        deadline = time.monotonic() + timeout
-        for beat in self._stopped_beats:
-            beat.join(max(deadline - time.monotonic(), 0.0))
-        self._stopped_beats.clear()
+    def _stopped_beats_ended(self) -> Callable[[], bool]:
+        """Whether the heartbeats stopped so far have ended, their last request answered
+        (asked before the proxy they used goes away): a test that does not block."""
+        beats, self._stopped_beats = self._stopped_beats, []
+        return lambda: all(beat.join(0) for beat in beats)
 
     @contextlib.contextmanager
     def _progress(self, title: str, poll: Callable[[StoreClient], Arrivals]) -> Iterator[None]:

@@ -20,6 +20,7 @@ import signal
 import socket
 import threading
 import time
+from collections.abc import Callable
 from datetime import timedelta
 
 from torch.distributed import TCPStore
@@ -276,15 +277,17 @@ class JobStore:
         self.upstream_name = parent[1] if parent is not None else f"the job's store host {self.host}:{self.port}"
         return old
 
-    def retire(self, proc: StoreProcess) -> None:
-        """Stop a proxy ``relink`` replaced once no other node's proxy links to it any
-        more (they move as they re-form; at most the link grace period), in a thread of
-        its own: the requests of its subtree still on their way through it are answered
-        on the path they took. Returns at once."""
+    def retire(self, proc: StoreProcess, idle: Callable[[], bool] = lambda: True) -> None:
+        """Stop a proxy ``relink`` replaced once this node is done with it (``idle()``:
+        its own last requests through it answered) and no other node's proxy links to it
+        any more (they move as they re-form), at most the link grace period; at once if
+        it lost its own link (the nodes below then re-form through the store host). In
+        a thread of its own: the requests still on their way through it are answered on
+        the path they took. Returns at once."""
         self._retiring.append(proc)
 
         def run() -> None:
-            self._drain(proc, "replaced")
+            self._drain(proc, idle)
             proc.stop()
             if proc in self._retiring:
                 self._retiring.remove(proc)
@@ -379,24 +382,29 @@ class JobStore:
             previous[0].close_namespace(previous[1])
         return endpoint
 
-    def _drain(self, proc: StoreProcess, what: str | None = None) -> None:
+    def _drain(self, proc: StoreProcess, replaced: Callable[[], bool] | None = None) -> None:
         """Keep a store process that other nodes link to (the store host, a relay of the
         tree) up until their links have closed (they close them as they leave), at most
         the link grace period: a node's path to the store must not end before the node
-        is done with it (its report, its last words to the watchers). Blocks; one stats
-        request every 50 ms."""
+        is done with it (its report, its last words to the watchers). A ``replaced``
+        proxy (``retire``: the function says whether this node is done with it) that has
+        lost its own link is not kept: the path through it is cut, and its end tells the
+        nodes below to re-form now. Blocks; one stats request every 50 ms."""
         deadline = time.monotonic() + self.link_config.grace
         while proc.exited() is None:
             try:
-                if not proc.stats(timeout=2.0).get("links"):
-                    return
+                stats = proc.stats(timeout=2.0)
             except StoreStartError:
                 return
+            if replaced is not None and stats.get("upstream_silence_s", 0.0) < 0:
+                return
+            if not stats.get("links") and (replaced is None or replaced()):
+                return
             if time.monotonic() > deadline:
-                what = what or ("host" if proc is self.root else "relay")
-                log.warning("%s: stopping the %s store %s with other nodes still linked to it (after %g s); "
-                            "they re-link when they re-form", self.node, what,
-                            "host" if proc is self.root else "relay", self.link_config.grace)
+                what = "its replaced store proxy" if replaced else \
+                    f"the store {'host' if proc is self.root else 'relay'}"
+                log.warning("%s: stopping %s with other nodes still linked to it (after %g s)",
+                            self.node, what, self.link_config.grace)
                 return
             time.sleep(0.05)
 
@@ -406,7 +414,7 @@ class JobStore:
             self._watch.close()
             self._watch = None
         for proc in list(self._retiring):  # (before the store host: they link to it)
-            self._drain(proc, "replaced")
+            self._drain(proc, lambda: True)
             proc.stop()
         self._retiring.clear()
         served = (("node proxy", self.proxy), ("store host", self.root))
