@@ -77,10 +77,10 @@ class TreeRounds(StoreRendezvousHandler):
     # -- the tree ---------------------------------------------------------------------
 
     def _go_flat(self) -> None:
-        """Before joining a round: link this node's proxy to the store host if it links to
-        a parent (which may be dead, or move in the new round). Blocks while the new
-        proxy starts; raises ``RendezvousConnectionError`` if the store host is
-        unreachable."""
+        """Before joining a round, or once its parent is lost: link this node's proxy to
+        the store host if it links to a parent (which may be dead, or move in the new
+        round), and move the round watch onto it. Blocks while the new proxy starts;
+        raises ``RendezvousConnectionError`` if the store host is unreachable."""
         self._doubt_since = None
         if self.job.parent is None:
             return
@@ -99,8 +99,8 @@ class TreeRounds(StoreRendezvousHandler):
         leaves this node linked to the store host for the round, which is correct, only
         wider. Blocks up to the store timeout."""
         fanout, host_rank = (int(v) for v in layout.split(","))
-        if fanout == 0 or not self.job.tiered or rank == host_rank:
-            return
+        if fanout == 0 or rank == host_rank or not isinstance(self.job.proxy, StoreProcess):
+            return  # (the store host's node front-end is in its store process)
         tree = RoundTree(members, fanout, host_rank)
         parent = tree.parent(rank)
         if parent is not None:

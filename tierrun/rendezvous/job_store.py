@@ -403,8 +403,9 @@ class JobStore:
             if time.monotonic() > deadline:
                 what = "its replaced store proxy" if replaced else \
                     f"the store {'host' if proc is self.root else 'relay'}"
-                log.warning("%s: stopping %s with other nodes still linked to it (after %g s)",
-                            self.node, what, self.link_config.grace)
+                why = (f"{stats['links']} other node(s) still linked to it" if stats.get("links") else
+                       "a request of this node's still unanswered through it")
+                log.warning("%s: stopping %s with %s (after %g s)", self.node, what, why, self.link_config.grace)
                 return
             time.sleep(0.05)
 
