@@ -211,3 +211,35 @@ def test_every_round_rebuilds_the_tree_the_store_host_keeps_fanout_links_and_wor
         for h in handlers:
             if h.job.root is not None:
                 h.shutdown()
+
+
+def test_the_store_host_dies_every_node_of_the_tree_stops_naming_it(tmp_path):
+    """4 nodes, elastic 2:4, tree of fanout 2 (a top relay with two leaves): the store
+    host is killed. The top relay loses its own link; the leaves lose their path through
+    it and try the store host themselves. Every node stops, non-zero, naming the store
+    host, within the link timeout and grace period (here 2 s and 4 s): no hang."""
+    port = free_port()
+    logs = [tmp_path / f"node{k}.log" for k in range(4)]
+    env = {"TIERRUN_TOKEN": "elastic-tree-token", "TIERRUN_LINK_GRACE": "4", "TIERRUN_LINK_TIMEOUT": "2"}
+    procs = [tierrun("--nnodes", "2:4", "--nproc_per_node", 1, "--max_restarts", 3, "--monitor_interval", "0.1",
+                     "--rdzv_endpoint", f"127.0.1.1:{port}", "--rdzv_id", "etree-host", "--tiered",
+                     "--store-fanout", 2, "--local_addr", f"127.0.1.{k + 1}", SCRIPTS / "heartbeat_worker.py",
+                     "--want", 5, log=logs[k], env=env) for k in range(4)]
+    try:
+        deadline = time.monotonic() + 90
+        while len([r for r in results(*logs, tag="UP") if r["world"] == "4"]) < 4:
+            assert time.monotonic() < deadline, logs[0].read_text()[-3000:]
+            time.sleep(0.2)
+        kill_tree(procs[0].pid)
+        killed = time.monotonic()
+        codes = finish(procs[1:], timeout=60)
+    finally:
+        finish(procs, 1)
+    elapsed = time.monotonic() - killed
+    assert all(c != 0 for c in codes), (codes, [log.read_text()[-2000:] for log in logs[1:]])
+    assert elapsed < 30, elapsed
+    for log in logs[1:]:
+        error = [line for line in log.read_text().splitlines() if line.startswith("tierrun: error:")]
+        assert error and f"127.0.1.1:{port}" in error[-1], log.read_text()[-3000:]
+        assert "Restart the job when the store host" in error[-1]
+        assert not any(line.startswith("Traceback") for line in log.read_text().splitlines())  # (the agent's)

@@ -45,7 +45,7 @@ import threading
 import time
 from datetime import timedelta
 
-from torch.distributed import PrefixStore
+from torch.distributed import DistError, PrefixStore
 from torch.distributed.elastic.rendezvous import (
     RendezvousClosedError,
     RendezvousConnectionError,
@@ -114,6 +114,13 @@ class ElasticRendezvousHandler(TreeRounds):
         return "tierrun"
 
     def next_rendezvous(self) -> RendezvousInfo:
+        try:
+            return self._next_rendezvous()
+        except DistError:  # (torch's client: a lost store is said in one line, not a stack trace)
+            self.blame_lost_store()
+            raise
+
+    def _next_rendezvous(self) -> RendezvousInfo:
         # (the proxy's death also fails this node's workers, and torch's agent restarts
         # failed workers, calling this, without asking num_nodes_waiting first)
         self.replace_dead_proxy()

@@ -250,6 +250,16 @@ class StoreRendezvousHandler(RendezvousHandler):
                 f"go on without its store; this node's workers were stopped. {advice}"
             )
 
+    def blame_lost_store(self, within: float = 3.0) -> None:
+        """After a store request failed: raise ``check_store_host``'s error if this node
+        lost the job's store, waiting up to ``within`` seconds for its proxy to finish
+        exiting (it closes its clients' connections first); else return, and the caller
+        raises the request's own error."""
+        deadline = time.monotonic() + within
+        while self.job.lost() is None and self.job.proxy_failure() is None and time.monotonic() < deadline:
+            time.sleep(0.1)
+        self.check_store_host()
+
     def replace_dead_proxy(self) -> bool:
         """If this node's store proxy died on its own (killed, crashed: not because the
         store host was lost), start a new one and return True: the caller must then have

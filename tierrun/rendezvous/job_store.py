@@ -269,8 +269,17 @@ class JobStore:
         old = self.proxy
         assert isinstance(old, StoreProcess) and self.tiered
         if parent is None:
-            new = self._start_proxy(f"{self.host}:{self.port}", f"the job's store host {self.host}:{self.port}",
-                                    self.link_config.grace)
+            try:
+                new = self._start_proxy(f"{self.host}:{self.port}", f"the job's store host {self.host}:{self.port}",
+                                        self.link_config.grace)
+            except RendezvousConnectionError as e:
+                why = "it did not answer" if str(e) == self.unreachable(self.link_config.grace) else \
+                    str(e).removeprefix(self.node + ": ")
+                raise RendezvousConnectionError(
+                    f"{self.node} could not link its store proxy to the job's store host {self.host}:{self.port} "
+                    f"within {self.link_config.grace:.0f} s while re-forming (it linked to {self.upstream_name}): "
+                    f"{why}. The job cannot go on without its store; this node's workers were stopped. Restart "
+                    "the job when the store host is up again.") from e
         else:
             new = self._start_proxy(*parent, self.link_config.heartbeat_timeout)
         self.proxy, self._client, self.parent = new, None, parent
