@@ -34,6 +34,25 @@ def tree_lines(log) -> dict[int, tuple[str, int, int | None, list[int]]]:
     return rounds
 
 
+def start_nodes(count: int, logs: list, *flags: object, env: dict | None = None) -> list:
+    """``count`` tierrun nodes on 127.0.1.1.. (``flags``: all but --local_addr, the
+    script last). The store host (127.0.1.1) first, the others once it listens: nodes
+    that retry connecting to a loopback port nobody listens on yet can connect a socket
+    to itself on that very port (TCP self-connect), which the store host then finds taken."""
+    env = {"TIERRUN_TOKEN": "elastic-tree-token", "TIERRUN_LOG_LEVEL": "INFO", **(env or {})}
+    script = [i for i, f in enumerate(flags) if str(f).endswith(".py")][0]
+
+    def argv(k: int) -> tuple:
+        return (*flags[:script], "--local_addr", f"127.0.1.{k + 1}", *flags[script:])
+
+    procs = [tierrun(*argv(0), log=logs[0], env=env)]
+    deadline = time.monotonic() + 60
+    while "this node hosts the job's store" not in logs[0].read_text():
+        assert time.monotonic() < deadline and procs[0].poll() is None, logs[0].read_text()[-3000:]
+        time.sleep(0.05)
+    return procs + [tierrun(*argv(k), log=logs[k], env=env) for k in range(1, count)]
+
+
 def _subtree(tree: RoundTree, rank: int) -> list[int]:
     """``rank`` and every rank below it."""
     ranks = [rank]
@@ -72,13 +91,10 @@ def test_a_relay_killed_mid_job_the_survivors_reform_their_tree_and_finish(tmp_p
     round's tree, and every ADD of the final round is counted once."""
     port = free_port()
     logs = [tmp_path / f"node{k}.log" for k in range(NODES)]
-    env = {"TIERRUN_TOKEN": "elastic-tree-token", "TIERRUN_LOG_LEVEL": "INFO"}
     start = time.monotonic()
-    procs = [tierrun("--nnodes", f"3:{NODES}", "--nproc_per_node", 1, "--max_restarts", 3,
-                     "--monitor_interval", "0.1", "--rdzv_endpoint", f"127.0.1.1:{port}", "--rdzv_id", "etree",
-                     "--tiered", "--store-fanout", 2, "--local_addr", f"127.0.1.{k + 1}",
-                     SCRIPTS / "tree_worker.py", "--want", NODES - 1, log=logs[k], env=env)
-             for k in range(NODES)]
+    procs = start_nodes(NODES, logs, "--nnodes", f"3:{NODES}", "--nproc_per_node", 1, "--max_restarts", 3,
+                        "--monitor_interval", "0.1", "--rdzv_endpoint", f"127.0.1.1:{port}", "--rdzv_id", "etree",
+                        "--tiered", "--store-fanout", 2, SCRIPTS / "tree_worker.py", "--want", NODES - 1)
     try:
         deadline = time.monotonic() + 90
         while len([r for r in results(*logs, tag="UP") if r["world"] == str(NODES)]) < NODES:
@@ -170,6 +186,7 @@ def test_every_round_rebuilds_the_tree_the_store_host_keeps_fanout_links_and_wor
     the proxies they left stop, and a worker endpoint serves only its round's keys."""
     monkeypatch.setenv("TIERRUN_TOKEN", "elastic-tree-handlers")
     handlers = _tree_handlers(free_port(), 4, "tree-handlers")
+    handlers[0].job.start()  # (the store host listening first: see start_nodes)
     root = None
 
     def worker(info) -> dist.TCPStore:
@@ -220,11 +237,10 @@ def test_the_store_host_dies_every_node_of_the_tree_stops_naming_it(tmp_path):
     host, within the link timeout and grace period (here 2 s and 4 s): no hang."""
     port = free_port()
     logs = [tmp_path / f"node{k}.log" for k in range(4)]
-    env = {"TIERRUN_TOKEN": "elastic-tree-token", "TIERRUN_LINK_GRACE": "4", "TIERRUN_LINK_TIMEOUT": "2"}
-    procs = [tierrun("--nnodes", "2:4", "--nproc_per_node", 1, "--max_restarts", 3, "--monitor_interval", "0.1",
-                     "--rdzv_endpoint", f"127.0.1.1:{port}", "--rdzv_id", "etree-host", "--tiered",
-                     "--store-fanout", 2, "--local_addr", f"127.0.1.{k + 1}", SCRIPTS / "heartbeat_worker.py",
-                     "--want", 5, log=logs[k], env=env) for k in range(4)]
+    procs = start_nodes(4, logs, "--nnodes", "2:4", "--nproc_per_node", 1, "--max_restarts", 3,
+                        "--monitor_interval", "0.1", "--rdzv_endpoint", f"127.0.1.1:{port}", "--rdzv_id", "etree-host",
+                        "--tiered", "--store-fanout", 2, SCRIPTS / "heartbeat_worker.py", "--want", 5,
+                        env={"TIERRUN_LINK_GRACE": "4", "TIERRUN_LINK_TIMEOUT": "2"})
     try:
         deadline = time.monotonic() + 90
         while len([r for r in results(*logs, tag="UP") if r["world"] == "4"]) < 4:
