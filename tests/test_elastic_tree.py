@@ -179,15 +179,21 @@ def _eventually(condition, what: str, timeout: float = 20.0) -> None:
         time.sleep(0.1)
 
 
-def test_every_round_rebuilds_the_tree_the_store_host_keeps_fanout_links_and_workers_see_their_round(monkeypatch):
-    """4 nodes, fanout 2, the tierrun handlers driven as torch's agent drives them, twice
-    (a re-formation: every node re-joins). Each time the store host ends with one link
-    (its own front-end is the other of its 2), the nodes below move under their parent,
-    the proxies they left stop, and a worker endpoint serves only its round's keys."""
+def test_every_round_rebuilds_the_tree_the_store_host_keeps_fanout_links_and_workers_see_their_round(
+        monkeypatch, caplog):
+    """6 nodes, fanout 2, the tierrun handlers driven as torch's agent drives them, twice
+    (a re-formation: every node re-joins, the nodes below the top going through the
+    store host, a relay among them whose old proxy still carries its children until they
+    have moved). Each time every proxy holds the links its place in the round's tree
+    gives it, the store host one (its own front-end is the other of its 2), the proxies
+    left behind stop without a warning, ADDs through the tree count once, and a worker
+    endpoint serves only its round's keys."""
     monkeypatch.setenv("TIERRUN_TOKEN", "elastic-tree-handlers")
-    handlers = _tree_handlers(free_port(), 4, "tree-handlers")
+    nodes = 6
+    handlers = _tree_handlers(free_port(), nodes, "tree-handlers")
     handlers[0].job.start()  # (the store host listening first: see start_nodes)
-    root = None
+    root = handlers[0].job.root
+    assert root is not None
 
     def worker(info) -> dist.TCPStore:
         endpoint = info.bootstrap_store_info
@@ -199,26 +205,32 @@ def test_every_round_rebuilds_the_tree_the_store_host_keeps_fanout_links_and_wor
         for round_ in range(2):
             before = [h.job.proxy for h in handlers]
             infos = _rendezvous_all(handlers)
-            assert sorted(i.rank for i in infos) == [0, 1, 2, 3]
-            root = next(h.job.root for h in handlers if h.job.root is not None)
-            below = [h for h in handlers if h.job.root is None]
-            assert sum(h.job.parent is None for h in below) == 1  # (fanout 2: one node at the top)
-            assert all(h.job.proxy.exited() is None for h in below)
+            assert sorted(i.rank for i in infos) == list(range(nodes))
+            tree = RoundTree(nodes, 2, infos[0].rank)
+            for h, info in zip(handlers[1:], infos[1:]):
+                assert h.job.proxy.exited() is None
+                parent = tree.parent(info.rank)
+                assert (h.job.parent is None) == (parent is None)
+                if parent is not None:
+                    assert f"node rank {parent}'s proxy" in h.job.upstream_name
+                kids = len(tree.children(info.rank))
+                _eventually(lambda: h.job.proxy.stats()["links"] == kids, f"round {round_}: rank {info.rank}")
             replaced += [p for p, h in zip(before, handlers) if p is not None and p is not h.job.proxy]
             _eventually(lambda: root.stats()["links"] == 1, f"round {round_}: {root.stats()['links']} links")
-            top = next(h for h in below if h.job.parent is None)
-            assert top.job.proxy.stats()["links"] == 2
             # the agents' store and the workers' round, through the tree
-            infos[0].store.set(f"agents-{round_}", "seen")
+            infos[-1].store.set(f"agents-{round_}", "seen")
             assert {i.store.get(f"agents-{round_}") for i in infos} == {b"seen"}
             workers = [worker(i) for i in infos]
             workers[0].set("mine", f"round {round_}")
             assert {w.get("mine") for w in workers} == {f"round {round_}".encode()}
-            assert sorted(w.add("ranks", 1) for w in workers) == [1, 2, 3, 4]  # once each
+            assert sorted(w.add("ranks", 1) for w in workers) == list(range(1, nodes + 1))  # once each
             assert not workers[-1].check([f"round-{round_ - 1}-only"])
             workers[-1].set(f"round-{round_}-only", "x")
-        assert replaced, "no proxy moved"
+        # round 1: the 4 nodes below the top left their round-0 proxies (for one linked to
+        # the store host, then one under their parent)
+        assert len(replaced) == 4, replaced
         _eventually(lambda: all(p.exited() is not None for p in replaced), "a replaced proxy still runs")
+        assert not [r for r in caplog.records if r.levelno >= 30 and r.name.startswith("tierrun")], caplog.text
     finally:  # as agents do, at once (a relay waits for the nodes linked to it), the store host last
         leaving = [threading.Thread(target=h.shutdown) for h in handlers if h.job.root is None]
         for t in leaving:
