@@ -11,8 +11,8 @@ these set-ups, in the same run, each with the traffic of agents that can run it:
                 own components, FrontEnd + LinkUpstream, inside the simulator
                 processes); --agents as above
   tree          tiered, front-ends stacked in the launcher's tree (--store-fanout F,
-                rendezvous.job_store.TreePlace), tierrun's agents (only the parallel
-                backend runs a tree): every relay (a node whose front-end takes
+                rendezvous.tree.TreePlace), tierrun's parallel agents (the elastic
+                backend's per-round trees are not simulated): every relay (a node whose front-end takes
                 children's links) is a real ``tierrun proxy`` process, measured from
                 /proc; leaves stay in the simulator processes
   tree-proxies  the tree with every node but node 0 a real ``tierrun proxy`` process
@@ -74,7 +74,7 @@ from servers import process_cpu_seconds, start_torch
 from wireup_report import report, wakeup_floor_us
 from wireup_sim import RUN_ID, Plan, node_address, sim_child
 
-from tierrun.rendezvous.job_store import TreePlace
+from tierrun.rendezvous.tree import TreePlace
 from tierrun.server import StoreProcess
 
 SETUPS = ("torch", "tierrun-flat", "tiered", "tree", "tree-proxies", "tree-10ms")

@@ -26,7 +26,7 @@ from report import raise_fd_limit
 from tierrun.protocol import Op
 from tierrun.protocol.opcodes import NO_REPLY_OPS, VALIDATION_MAGIC
 from tierrun.protocol.requests import encode_request
-from tierrun.rendezvous.job_store import TreePlace
+from tierrun.rendezvous.tree import TreePlace
 from tierrun.rendezvous.liveness import until
 
 _u32 = struct.Struct("<I").unpack_from

@@ -55,8 +55,10 @@ def test_tiered_flag_spellings(monkeypatch):
         (["--standalone", "--nnodes", "2"], "drop --standalone"),
         (["--rdzv_backend", "parallel", "--nnodes", "2", "--node_rank", "2"], "outside 0..1"),
         (["--store-workers", "0"], "write 1 or more"),
-        (["--store-fanout", "4", "--tiered"], "add --rdzv_backend parallel"),
-        (["--rdzv_backend", "parallel", "--nnodes", "4", "--store-fanout", "4"], "and --tiered"),
+        (["--rdzv_backend", "tierrun-etcd", "--rdzv_endpoint", "h:2379", "--store-fanout", "4", "--tiered"],
+         "not --rdzv_backend tierrun-etcd: use tierrun"),
+        (["--rdzv_backend", "parallel", "--nnodes", "4", "--store-fanout", "4"], "add --tiered"),
+        (["--nnodes", "2:4", "--store-fanout", "4"], "add --tiered"),
         (["--store-fanout", "1"], "write 2 or more"),
         (["--rdzv_backend", "torch-c10d", "--store_workers", "2"], "needs a tierrun rendezvous backend"),
     ],
@@ -64,6 +66,12 @@ def test_tiered_flag_spellings(monkeypatch):
 def test_contradictions_say_what_to_write(argv, message):
     with pytest.raises(UsageError, match=message):
         parse(*argv)
+
+
+def test_store_fanout_on_the_elastic_backend_and_its_c10d_alias():
+    for backend in ("tierrun", "c10d"):
+        args = parse("--rdzv_backend", backend, "--nnodes", "2:4", "--tiered", "--store-fanout", "2")
+        assert args.rdzv_backend == "tierrun" and args.store_fanout == 2
 
 
 def test_cli_error_is_one_line_and_exit_code_2():

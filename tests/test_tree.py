@@ -17,7 +17,7 @@ import torch.distributed as dist
 
 from launch import SCRIPTS, children, finish, free_port, results, tierrun
 from test_launcher import check_world, served_by_store_host
-from tierrun.rendezvous.job_store import TreePlace
+from tierrun.rendezvous.tree import TreePlace
 from tierrun.server import StoreProcess
 
 ENV = dict(os.environ, TIERRUN_TOKEN="tree-test")

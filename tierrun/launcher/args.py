@@ -82,10 +82,11 @@ def build_parser() -> argparse.ArgumentParser:
         action=env,
         type=int,
         default=0,
-        help="Tiered static jobs (--rdzv_backend parallel): stack the node proxies in a tree "
-        "with at most F links per proxy, so the store host sees F links instead of one per "
-        "node. A node with children takes their links on its --local_addr (or its host "
-        "name's address). Default 0: every proxy links to the store host.",
+        help="With --tiered (backends parallel and tierrun/c10d): stack the node proxies in a "
+        "tree with at most F links per proxy, so the store host sees F links instead of one per "
+        "node; an elastic job builds each round's tree from its members. A node with children "
+        "takes their links on its --local_addr (or its host name's address). Default 0: every "
+        "proxy links to the store host.",
     )
     parser.add_argument(
         "--progress",
@@ -164,11 +165,13 @@ def normalise(args: argparse.Namespace) -> argparse.Namespace:
     if args.store_fanout:
         if args.store_fanout < 2:
             raise UsageError(f"--store-fanout {args.store_fanout}: write 2 or more (or 0: no tree)")
-        if args.rdzv_backend != "parallel" or not args.tiered:
+        if args.rdzv_backend not in ("parallel", "tierrun"):
             raise UsageError(
-                "--store-fanout needs node ranks known in advance and node proxies: add "
-                "--rdzv_backend parallel (with --node_rank) and --tiered"
+                f"--store-fanout needs a backend that builds a tree of node proxies, not --rdzv_backend "
+                f"{backend}: use tierrun (elastic; c10d maps to it) or parallel (fixed nodes)"
             )
+        if not args.tiered:
+            raise UsageError("--store-fanout stacks the node proxies of tiered wire-up in a tree: add --tiered")
     if args.max_restarts < 0:
         raise UsageError(f"--max_restarts {args.max_restarts} is negative: write 0 or more")
     return args

@@ -76,8 +76,11 @@ class JobReporting:
             handler.shutdown_hooks.append(self.before_shutdown)
 
     def board(self) -> JobBoard | None:
-        if self._board is None and self.handler is not None and self.handler.job is not None:
-            self._board = JobBoard(self.handler.job.agent_address, self.run_id, timeout=5.0)
+        if self.handler is not None and self.handler.job is not None:
+            if self._board is None:
+                self._board = JobBoard(self.handler.job.agent_address, self.run_id, timeout=5.0)
+            elif self.handler.job.proxy is not None:  # (replaced since, maybe; not stopped)
+                self._board.move_to(self.handler.job.agent_address)
         return self._board
 
     def before_shutdown(self) -> None:

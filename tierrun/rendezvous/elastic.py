@@ -45,7 +45,7 @@ import threading
 import time
 from datetime import timedelta
 
-from torch.distributed import PrefixStore
+from torch.distributed import DistError, PrefixStore
 from torch.distributed.elastic.rendezvous import (
     RendezvousClosedError,
     RendezvousConnectionError,
@@ -63,10 +63,11 @@ from torch.distributed.elastic.rendezvous.utils import (
 from ..client import StoreClient, StoreClientError
 from ..report.progress import Arrivals
 from ..settings import Settings
-from .handler_base import StoreRendezvousHandler
 from . import liveness
 from .conf import conf_bool, conf_float
+from .elastic_tree import TreeRounds
 from .job_store import JobStore, public_clients_from, store_workers_from, token_from
+from .tree import store_fanout_from
 from .messages import join_timeout_message
 
 log = logging.getLogger("tierrun.rendezvous")
@@ -77,8 +78,9 @@ DEFAULT_LAST_CALL_TIMEOUT = 30.0
 _JOB_CLOSED = "job-closed"
 
 
-class ElasticRendezvousHandler(StoreRendezvousHandler):
-    """Elastic rendezvous on tierrun's store.
+class ElasticRendezvousHandler(TreeRounds):
+    """Elastic rendezvous on tierrun's store (with ``--store-fanout``, each round's tree
+    of node proxies: ``elastic_tree``).
 
     ``next_rendezvous`` blocks until a round closes with this node as a member; raises
     ``RendezvousTimeoutError`` if fewer than ``min_nodes`` arrive within
@@ -112,9 +114,18 @@ class ElasticRendezvousHandler(StoreRendezvousHandler):
         return "tierrun"
 
     def next_rendezvous(self) -> RendezvousInfo:
+        try:
+            return self._next_rendezvous()
+        except DistError:  # (torch's client: a lost store is said in one line, not a stack trace)
+            self.blame_lost_store()
+            raise
+
+    def _next_rendezvous(self) -> RendezvousInfo:
         # (the proxy's death also fails this node's workers, and torch's agent restarts
         # failed workers, calling this, without asking num_nodes_waiting first)
         self.replace_dead_proxy()
+        if self._fanout:  # (torch's agent has stopped this node's workers)
+            self._go_flat()
         store = self.connect()
         if self.is_closed():
             raise RendezvousClosedError(f"rendezvous '{self.run_id}' is closed: the job has ended")
@@ -126,14 +137,19 @@ class ElasticRendezvousHandler(StoreRendezvousHandler):
             if joined is not None:
                 break
             r += 1  # arrived after the close: wait in the next round
-        index, rank, n, endpoint, identical = joined
+        index, rank, n, endpoint, identical, layout = joined
         self._use_local_rank_assignment(identical)
         with self._lock:
             self._round = r
             self._index = index
             self._rank = rank
             self._members = n
-        self._watch_members(store, r, index, rank, n)
+        self._watch_members(r, index, rank, n)
+        if layout is not None:
+            self._take_place(r, rank, n, layout)
+        if endpoint is None:  # tiered: on this node's proxy, once it is the round's
+            endpoint = self.job.worker_endpoint(f"{self.run_id}/workers/{r}")
+            store = self.job.client()
         self._log_round(r, rank, n)
         return RendezvousInfo(
             PrefixStore(self._k(r, "agents"), store),
@@ -144,17 +160,21 @@ class ElasticRendezvousHandler(StoreRendezvousHandler):
 
     def _join(self, store, r: int, deadline: float):
         """Join round r. None if it closed without us; else (arrival index, rank, members,
-        worker endpoint, whether every member runs as many workers)."""
+        worker endpoint (None: tiered, opened once the node's proxy is the round's),
+        whether every member runs as many workers, the round's ``tree`` key or None)."""
         index = int(store.add(self._k(r, "joined"), 1))
         me = {"addr": self.node_addr, "prev_rank": self._rank, "prev_round": self._round,
-              "prev_index": self._index, "pid": os.getpid(), "workers": self._local_world_size}
+              "prev_index": self._index, "pid": os.getpid(), "workers": self._local_world_size,
+              "host": self.job.root is not None, "fanout": self._fanout}
         store.set(self._k(r, f"node/{index}"), json.dumps(me))
         if index == 1 and r > 0:
             store.set(self._k(r - 1, "changed"), "joined")  # the running members restart
         store.append(self._k(r, "arrivals"), f"{self.node_addr}\n")
-        endpoint = self.job.worker_endpoint(f"{self.run_id}/workers/{r}")
-        if endpoint is not None and not self.job.tiered:  # flat: the host publishes it
-            store.set(self._k(r, "worker_port"), str(endpoint[1]))
+        endpoint = None
+        if not self.job.tiered:  # flat: the host publishes it
+            endpoint = self.job.worker_endpoint(f"{self.run_id}/workers/{r}")
+            if endpoint is not None:
+                store.set(self._k(r, "worker_port"), str(endpoint[1]))
         if index == self._max:
             self._close(store, r, self._max)
         elif index == self._min:
@@ -179,12 +199,14 @@ class ElasticRendezvousHandler(StoreRendezvousHandler):
         keys = [self._k(r, f"rank/{index}"), self._k(r, "identical")]
         if not self.job.tiered:
             keys.append(self._k(r, "worker_port"))
+        elif self._fanout:
+            keys.append(self._k(r, "tree"))
         store.wait(keys, self.job.timeout)
         values = store.multi_get(keys)
         if not self.job.tiered:
             endpoint = (self.job.host, int(values[2]))
-        assert endpoint is not None
-        return index, int(values[0]), n, endpoint, values[1] == b"1"
+        layout = values[2].decode() if self.job.tiered and self._fanout else None
+        return index, int(values[0]), n, endpoint, values[1] == b"1", layout
 
     def _arrivals(self, client: StoreClient, r: int) -> Arrivals:
         """From ``r/arrivals``, not the descriptors: the store's MULTI_GET waits for
@@ -217,7 +239,23 @@ class ElasticRendezvousHandler(StoreRendezvousHandler):
         workers = {m.get("workers") for m in members}
         keys.append(self._k(r, "identical"))
         values.append("1" if len(workers) == 1 and None not in workers else "0")
+        keys.append(self._k(r, "tree"))
+        values.append(self._round_tree(r, members, order))
         store.multi_set(keys, values)
+
+    def _round_tree(self, r: int, members: list[dict], order: list[int]) -> str:
+        """The round's ``tree`` key, "F,HOST_RANK": the fanout of its tree of node proxies
+        (0: none, unless every member runs with one; the smallest if they differ) and the
+        rank of the member hosting the store (-1: none)."""
+        fanouts = [m.get("fanout", 0) for m in members]
+        fanout = min(fanouts)
+        if len(set(fanouts)) > 1:
+            log.warning("rendezvous '%s' round %d: the members' --store-fanout differ (%s); the round's tree %s. "
+                        "Give every node the same --store-fanout.", self.run_id, r,
+                        ", ".join(f"{m['addr']}: {f}" for m, f in zip(members, fanouts)),
+                        f"has fanout {fanout}" if fanout else "is flat")
+        host = next((rank for rank, j in enumerate(order) if members[j].get("host")), -1)
+        return f"{fanout},{host}"
 
     def _last_call_then_close(self, store, r: int) -> None:
         """Close round r when the last call ends, or sooner: as soon as every member of
@@ -272,7 +310,18 @@ class ElasticRendezvousHandler(StoreRendezvousHandler):
             arrived = ["(unknown: the store did not answer)"]
         return join_timeout_message(self.run_id, self.node_addr, self._join_timeout, arrived, self._min, self._max)
 
-    def _watch_members(self, store, r: int, index: int, rank: int, n: int) -> None:
+    def _rewatch(self) -> None:
+        """Restart the current round's watch on this node's current proxy (it moved)."""
+        with self._lock:
+            r, index, rank, n = self._round, self._index, self._rank, self._members
+        if r >= 0 and self._heartbeat is not None:
+            self._watch_members(r, index, rank, n)
+
+    def _round_changed(self, r: int) -> bool:
+        with self._lock:
+            return r in self._waiting_seen
+
+    def _watch_members(self, r: int, index: int, rank: int, n: int) -> None:
         """While round r runs: wait for ``r/changed`` (a node joined round r+1, or a member
         died or left), and beat; the first ranks watch every member (``liveness``)."""
 
@@ -312,8 +361,13 @@ class ElasticRendezvousHandler(StoreRendezvousHandler):
 
     def num_nodes_waiting(self) -> int:
         """Raises ``RendezvousConnectionError`` once the store host is lost. A node whose
-        proxy died gets a new one and answers 1: it restarts its workers and rejoins."""
+        proxy died gets a new one and answers 1: it restarts its workers and rejoins. So
+        does a node whose parent in the store tree was lost, with a proxy linked to the
+        store host (its workers' requests on the lost path fail)."""
         if self.replace_dead_proxy():
+            return 1
+        if self._parent_lost():  # (its heartbeat went through that parent: link it at once)
+            self._go_flat()
             return 1
         self.check_store_host()
         with self._lock:
@@ -401,11 +455,14 @@ def create_handler(params: RendezvousParameters, settings: Settings) -> Rendezvo
     # the store host, join_timeout: a node nobody hosts the store for gives up then)
     timeout = timedelta(seconds=max(join_timeout, 60))
     is_host = conf_bool(params, "is_host")
+    # (in a tree, any member may relay others in some round: every proxy takes links)
+    link_addr = (params.local_addr or socket.gethostname()) if store_fanout_from(params.config) else None
     job = JobStore(host, port, hosting=_hosts_store(host, params.local_addr) if is_host is None else is_host,
                    timeout=timeout, connect_timeout=join_timeout, unreachable_hint=_unreachable_hint(host, is_host),
                    token=token_from(params.config, settings),
                    store_workers=store_workers_from(params.config), link_config=settings.link,
                    public_clients=public_clients_from(params.config),
-                   host_fallback="any" if is_host is None else "never", node=params.local_addr)
+                   host_fallback="any" if is_host is None else "never", node=params.local_addr,
+                   link_addr=link_addr)
     return ElasticRendezvousHandler(job, params.run_id, params.min_nodes, params.max_nodes,
                                     join_timeout, last_call, params.local_addr, params.config)

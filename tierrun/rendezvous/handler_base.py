@@ -61,6 +61,7 @@ class StoreRendezvousHandler(RendezvousHandler):
         self._lock = threading.Lock()  # state the watch threads set
         self._watcher: StoreClient | None = None
         self._heartbeat: liveness.Heartbeat | None = None
+        self._stopped_beats: list[liveness.Heartbeat] = []  # (see _settle_stopped_beats)
         #: Workers on this node, from the launcher: lets a round tell torch's agent that
         #: every node runs as many (None: unknown, torch's store-based path).
         self._local_world_size = int(config["local_world_size"]) if "local_world_size" in config else None
@@ -177,7 +178,14 @@ class StoreRendezvousHandler(RendezvousHandler):
                 self._heartbeat.leave()
             else:
                 self._heartbeat.stop()
+                self._stopped_beats = [b for b in self._stopped_beats if not b.join(0)] + [self._heartbeat]
             self._heartbeat = None
+
+    def _stopped_beats_ended(self) -> Callable[[], bool]:
+        """Whether the heartbeats stopped so far have ended, their last request answered
+        (asked before the proxy they used goes away): a test that does not block."""
+        beats, self._stopped_beats = self._stopped_beats, []
+        return lambda: all(beat.join(0) for beat in beats)
 
     @contextlib.contextmanager
     def _progress(self, title: str, poll: Callable[[StoreClient], Arrivals]) -> Iterator[None]:
@@ -232,6 +240,8 @@ class StoreRendezvousHandler(RendezvousHandler):
             if self.job.tree is not None and self.job.tree.parent is not None:
                 advice = (f"Its parent node (node rank {self.job.tree.parent}) stopped or died; "
                           "restart the job once every node is up again.")
+            elif self.job.parent is not None:
+                advice = "Its parent in the store tree stopped or died; restart this node to rejoin the job."
             else:
                 advice = ("Restart the job when the store host (the --rdzv_endpoint or "
                           "--master_addr node) is up again.")
@@ -239,6 +249,16 @@ class StoreRendezvousHandler(RendezvousHandler):
                 f"node {self.node_addr} lost {self.job.upstream_name}: {reason}. The job cannot "
                 f"go on without its store; this node's workers were stopped. {advice}"
             )
+
+    def blame_lost_store(self, within: float = 3.0) -> None:
+        """After a store request failed: raise ``check_store_host``'s error if this node
+        lost the job's store, waiting up to ``within`` seconds for its proxy to finish
+        exiting (it closes its clients' connections first); else return, and the caller
+        raises the request's own error."""
+        deadline = time.monotonic() + within
+        while self.job.lost() is None and self.job.proxy_failure() is None and time.monotonic() < deadline:
+            time.sleep(0.1)
+        self.check_store_host()
 
     def replace_dead_proxy(self) -> bool:
         """If this node's store proxy died on its own (killed, crashed: not because the

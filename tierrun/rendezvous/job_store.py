@@ -12,15 +12,15 @@ the agent does (they watch its stdin pipe).
 
 from __future__ import annotations
 
-import errno
 import json
 import logging
 import os
 import secrets
 import signal
 import socket
+import threading
 import time
-from dataclasses import dataclass
+from collections.abc import Callable
 from datetime import timedelta
 
 from torch.distributed import TCPStore
@@ -31,6 +31,10 @@ from ..link.frames import LinkError
 from ..server import LINK_LOST, HostedFrontEnd, StoreProcess, StoreStartError
 from ..settings import Settings, store_process_env
 from ..tier.lookup import read_over_link
+from .sockets import (
+    await_listener, bracket, closed_by_peer, last_line, port_in_use, watch_connection,
+)
+from .tree import TreePlace
 
 log = logging.getLogger("tierrun.rendezvous")
 
@@ -51,7 +55,8 @@ class JobStore:
                  host_fallback: str = "port_in_use", node: str | None = None, public_clients: bool = False,
                  host_hint: str | None = None, connect_timeout: float | None = None,
                  unreachable_hint: str | None = None,
-                 port_setting: str = "--master_port or --rdzv_endpoint HOST:PORT") -> None:
+                 port_setting: str = "--master_port or --rdzv_endpoint HOST:PORT",
+                 link_addr: str | None = None) -> None:
         """``token``: the job token (tiered when given), which the store processes this
         agent starts get through a pipe, not their environment (none of them inherits a
         secret variable); ``link_config``: the link timings of the store processes it
@@ -68,7 +73,9 @@ class JobStore:
         to answer (default: ``timeout``, which stays every store operation's timeout);
         ``unreachable_hint``: what to do, ending the message of a node that gave up;
         ``port_setting``: the setting that gives the store's port, as a host that cannot
-        start its store names it."""
+        start its store names it; ``link_addr``: every proxy this node starts takes other
+        nodes' links on this address (an elastic job's tree, whose relays change from round
+        to round: ``relink``)."""
         if host_fallback not in ("any", "port_in_use", "never"):
             raise ValueError(f"host_fallback={host_fallback!r}")
         self.host = host
@@ -84,6 +91,12 @@ class JobStore:
         self.token = token.encode() if isinstance(token, str) else token
         self.store_workers = store_workers
         self.tree = tree if token is not None else None
+        self.link_addr = link_addr if token is not None else None
+        #: Where this node's proxy links instead of the store host ("host:port", and how
+        #: messages name it): its parent in an elastic round's tree (``relink``).
+        self.parent: tuple[str, str] | None = None
+        #: Proxies this node replaced that still relay other nodes' links (``retire``).
+        self._retiring: list[StoreProcess] = []
         self.link_config = link_config
         self.node = f"node {node or socket.gethostname()}"
         #: What this node's store traffic goes through, as messages name it.
@@ -105,34 +118,42 @@ class JobStore:
                 self.proxy = HostedFrontEnd(self.root)
         if self.tiered and self.proxy is None:
             tree = self.tree
-            upstream = f"{self.host}:{self.port}"
-            extra = []
+            upstream = f"{self.host}:{self.port}", f"the job's store host {self.host}:{self.port}"
             if tree is not None and tree.parent is not None:
-                upstream = self._parent_address(tree)
-                self.upstream_name = f"its parent in the store tree (node rank {tree.parent}'s proxy, {upstream})"
-            if tree is not None and tree.has_children:
-                extra = ["--link-listen", f"{_bracket(tree.addr)}:0"]
-            proxy = StoreProcess(
-                host=PROXY_HOST, port=0, unix=f"@tierrun-proxy-{os.getpid()}-{secrets.token_hex(4)}",
-                controlled=True, command="proxy", env=store_process_env(), token=self.token,
-                extra_args=["--upstream", upstream,
-                            "--connect-timeout", str(self.connect_timeout), *extra],
-                start_timeout=self.connect_timeout + 10,
-            )
-            try:
-                proxy.start()
-            except StoreStartError as e:
-                if any(why in str(e) for why in TOKEN_REFUSED):
-                    raise RendezvousConnectionError(self._token_refused(upstream)) from None
-                if "cannot connect to the store host" in str(e) and upstream == f"{self.host}:{self.port}":
-                    raise RendezvousConnectionError(self.unreachable()) from None
-                raise RendezvousConnectionError(
-                    f"this node's store proxy could not link to {upstream} "
-                    f"({'the store host' if upstream.endswith(f':{self.port}') else 'its parent node in the store tree'}): {e}"
-                ) from e
-            self.proxy = proxy
+                address = self._parent_address(tree)
+                upstream = address, f"its parent in the store tree (node rank {tree.parent}'s proxy, {address})"
+            elif self.parent is not None:
+                upstream = self.parent
+            self.proxy = proxy = self._start_proxy(*upstream, self.connect_timeout)
+            self.upstream_name = upstream[1]
             if tree is not None and tree.has_children:  # tell the children where to link
-                self.client().set(tree.key(tree.rank), f"{_bracket(tree.addr)}:{proxy.link_port}")
+                self.client().set(tree.key(tree.rank), f"{bracket(tree.addr)}:{proxy.link_port}")
+
+    def _start_proxy(self, upstream: str, name: str, connect_timeout: float) -> StoreProcess:
+        """Start a node proxy linked to ``upstream`` (named ``name`` in messages), taking
+        other nodes' links if this node relays (a static tree's place) or may relay (an
+        elastic tree). Raises ``RendezvousConnectionError`` saying what to do."""
+        tree, extra = self.tree, []
+        if tree is not None and tree.has_children:
+            extra = ["--link-listen", f"{bracket(tree.addr)}:0"]
+        elif self.link_addr is not None:
+            extra = ["--link-listen", f"{bracket(self.link_addr)}:0"]
+        proxy = StoreProcess(
+            host=PROXY_HOST, port=0, unix=f"@tierrun-proxy-{os.getpid()}-{secrets.token_hex(4)}",
+            controlled=True, command="proxy", env=store_process_env(), token=self.token,
+            extra_args=["--upstream", upstream, "--connect-timeout", str(connect_timeout), *extra],
+            start_timeout=connect_timeout + 10,
+        )
+        try:
+            proxy.start()
+        except StoreStartError as e:
+            if any(why in str(e) for why in TOKEN_REFUSED):
+                raise RendezvousConnectionError(self._token_refused(upstream)) from None
+            if "cannot connect to the store host" in str(e) and upstream == f"{self.host}:{self.port}":
+                raise RendezvousConnectionError(self.unreachable(connect_timeout)) from None
+            raise RendezvousConnectionError(
+                f"{self.node}: its store proxy could not link to {name}: {last_line(str(e))}") from e
+        return proxy
 
     def _token_refused(self, upstream: str) -> str:
         """What to say when ``upstream`` refused this node's job token."""
@@ -142,12 +163,14 @@ class JobStore:
                 "contents on every node (or that TIERRUN_TOKEN is the same); with no secret, the "
                 "token is derived from --rdzv_id and the store endpoint, which must then be the same.")
 
-    def unreachable(self) -> str:
+    def unreachable(self, after: float | None = None) -> str:
         """What a node that does not host the store says when the store host has not
-        answered within ``connect_timeout``: one line, with what to do."""
+        answered within ``after`` seconds (default ``connect_timeout``): one line, with
+        what to do."""
         hint = self.unreachable_hint or ("Check that the store host (node rank 0 / the --rdzv_endpoint "
                                          "host) is running and that the port is open.")
-        return f"{self.node}: no store at {self.host}:{self.port} after {self.connect_timeout:.0f} s; {hint}"
+        after = self.connect_timeout if after is None else after
+        return f"{self.node}: no store at {self.host}:{self.port} after {after:.0f} s; {hint}"
 
     def ready(self) -> bool:
         """``start`` and ``client`` have nothing left to do (they return at once)."""
@@ -195,7 +218,7 @@ class JobStore:
             return proxy.last_error() or f"this node's store proxy exited ({proxy.exited()})"
         if self.root is not None and self.root.exited() is not None:
             return f"the store process on this node exited with status {self.root.exited()}"
-        if self._watch is not None and _closed_by_peer(self._watch):
+        if self._watch is not None and closed_by_peer(self._watch):
             return "the store host closed this node's connection"
         return None
 
@@ -224,12 +247,61 @@ class JobStore:
 
     def restart_proxy(self) -> None:
         """Replace a dead proxy with a new one (a new link session: what the old one's
-        clients had pending at the store host expires with that session). Clients of the
-        old proxy, this agent's included, must reconnect: ``client`` gives a new one.
-        Blocks and raises like ``start``."""
+        clients had pending at the store host expires with that session), linked to the
+        store host in an elastic job's tree (its parent may be what killed it). Clients
+        of the old proxy, this agent's included, must reconnect: ``client`` gives a new
+        one. Blocks and raises like ``start``."""
         self.proxy = None
         self._client = None
+        self.parent = None
         self.start()
+
+    def relink(self, parent: tuple[str, str] | None) -> StoreProcess:
+        """Start a new node proxy linked to ``parent`` ("host:port" of a parent proxy and
+        how messages name it; None: the store host), on a fresh link session, and make it
+        this node's: ``client``, ``agent_address`` and ``worker_endpoint`` use it from
+        now on. Returns the proxy it replaces, still running, for ``retire``. Call it only
+        while this node has nothing in flight through the old proxy (its workers stopped,
+        its agent's round watch moved or stopped). Blocks while the new proxy starts (a
+        parent gets the link timeout to answer, the store host, up until now, the link
+        grace period); raises ``RendezvousConnectionError`` like ``start``, leaving the old
+        proxy in place."""
+        old = self.proxy
+        assert isinstance(old, StoreProcess) and self.tiered
+        if parent is None:
+            try:
+                new = self._start_proxy(f"{self.host}:{self.port}", f"the job's store host {self.host}:{self.port}",
+                                        self.link_config.grace)
+            except RendezvousConnectionError as e:
+                why = "it did not answer" if str(e) == self.unreachable(self.link_config.grace) else \
+                    str(e).removeprefix(self.node + ": ")
+                raise RendezvousConnectionError(
+                    f"{self.node} could not link its store proxy to the job's store host {self.host}:{self.port} "
+                    f"within {self.link_config.grace:.0f} s while re-forming (it linked to {self.upstream_name}): "
+                    f"{why}. The job cannot go on without its store; this node's workers were stopped. Restart "
+                    "the job when the store host is up again.") from e
+        else:
+            new = self._start_proxy(*parent, self.link_config.heartbeat_timeout)
+        self.proxy, self._client, self.parent = new, None, parent
+        self.upstream_name = parent[1] if parent is not None else f"the job's store host {self.host}:{self.port}"
+        return old
+
+    def retire(self, proc: StoreProcess, idle: Callable[[], bool] = lambda: True) -> None:
+        """Stop a proxy ``relink`` replaced once this node is done with it (``idle()``:
+        its own last requests through it answered) and no other node's proxy links to it
+        any more (they move as they re-form), at most the link grace period; at once if
+        it lost its own link (the nodes below then re-form through the store host). In
+        a thread of its own: the requests still on their way through it are answered on
+        the path they took. Returns at once."""
+        self._retiring.append(proc)
+
+        def run() -> None:
+            self._drain(proc, idle)
+            proc.stop()
+            if proc in self._retiring:
+                self._retiring.remove(proc)
+
+        threading.Thread(target=run, name="tierrun-retire-proxy", daemon=True).start()
 
     def _store_args(self) -> list[str]:
         """Front-end processes for the workers' connections: flat only (tiered, workers
@@ -250,8 +322,8 @@ class JobStore:
         try:
             self.port = proc.start()
         except StoreStartError as e:
-            taken = self.port != 0 and _port_in_use(self.port)
-            why = f"port {self.port} is taken" if taken else _last_line(str(e))
+            taken = self.port != 0 and port_in_use(self.port)
+            why = f"port {self.port} is taken" if taken else last_line(str(e))
             if self.host_fallback == "any" or (self.host_fallback == "port_in_use" and taken):
                 log.log(logging.INFO if taken else logging.WARNING,
                         "this node could not host the job's store (%s); joining as a client of "
@@ -289,7 +361,7 @@ class JobStore:
             host, port = self.client_address
             if self.proxy is None and self.root is None:  # flat, on a node without the store
                 # (torch's client would wait in silence, then print C++ stack traces)
-                if not _await_listener(host, port, self.connect_timeout):
+                if not await_listener(host, port, self.connect_timeout):
                     raise RendezvousConnectionError(self.unreachable())
             try:
                 self._client = TCPStore(host, port, is_master=False, timeout=self.timeout,
@@ -302,7 +374,7 @@ class JobStore:
                     "the port is open."
                 ) from e
             if self.proxy is None and self.root is None:  # flat, on a node without the store
-                self._watch = _watch_connection(host, port, self.timeout.total_seconds())
+                self._watch = watch_connection(host, port, self.timeout.total_seconds())
         return self._client
 
     def worker_endpoint(self, namespace: str) -> tuple[str, int] | None:
@@ -319,22 +391,30 @@ class JobStore:
             previous[0].close_namespace(previous[1])
         return endpoint
 
-    def _drain(self, proc: StoreProcess) -> None:
+    def _drain(self, proc: StoreProcess, replaced: Callable[[], bool] | None = None) -> None:
         """Keep a store process that other nodes link to (the store host, a relay of the
         tree) up until their links have closed (they close them as they leave), at most
         the link grace period: a node's path to the store must not end before the node
-        is done with it (its report, its last words to the watchers). Blocks; one stats
-        request every 50 ms."""
+        is done with it (its report, its last words to the watchers). A ``replaced``
+        proxy (``retire``: the function says whether this node is done with it) that has
+        lost its own link is not kept: the path through it is cut, and its end tells the
+        nodes below to re-form now. Blocks; one stats request every 50 ms."""
         deadline = time.monotonic() + self.link_config.grace
         while proc.exited() is None:
             try:
-                if not proc.stats(timeout=2.0).get("links"):
-                    return
+                stats = proc.stats(timeout=2.0)
             except StoreStartError:
                 return
+            if replaced is not None and stats.get("upstream_silence_s", 0.0) < 0:
+                return
+            if not stats.get("links") and (replaced is None or replaced()):
+                return
             if time.monotonic() > deadline:
-                log.warning("stopping the store %s with other nodes still linked to it (after %g s)",
-                            "host" if proc is self.root else "relay", self.link_config.grace)
+                what = "its replaced store proxy" if replaced else \
+                    f"the store {'host' if proc is self.root else 'relay'}"
+                why = (f"{stats['links']} other node(s) still linked to it" if stats.get("links") else
+                       "a request of this node's still unanswered through it")
+                log.warning("%s: stopping %s with %s (after %g s)", self.node, what, why, self.link_config.grace)
                 return
             time.sleep(0.05)
 
@@ -343,6 +423,10 @@ class JobStore:
         if self._watch is not None:
             self._watch.close()
             self._watch = None
+        for proc in list(self._retiring):  # (before the store host: they link to it)
+            self._drain(proc, lambda: True)
+            proc.stop()
+        self._retiring.clear()
         served = (("node proxy", self.proxy), ("store host", self.root))
         for _, proc in served:
             if isinstance(proc, StoreProcess):
@@ -368,51 +452,6 @@ def token_from(config: dict, settings: Settings) -> bytes | None:
     return token
 
 
-@dataclass(frozen=True)
-class TreePlace:
-    """This node's place in a tree of node proxies (``--store-fanout F``, static jobs).
-
-    Node 0, the store host, serves its own node's agent and workers from its store
-    (its node front-end, with no link: one of its F) and takes no children: its workers
-    are one hop from the store, and it relays no other node's requests (relaying 64
-    nodes' at 512x8, fanout 8, cost node 0 as much CPU again as its store:
-    ``bench/wireup.py``). Nodes 1..N-1 take places 0..N-2 of a tree: places 0..F-2 link
-    to the store host, place q >= F-1 to the proxy in place (q - F + 1) // F, which
-    takes links on ``addr`` and publishes where under ``key``. So every proxy, the
-    store host's core included, has at most F links. O(1).
-    """
-
-    rank: int
-    nodes: int
-    fanout: int
-    #: This node's address, where its proxy takes its children's links.
-    addr: str
-    run_id: str
-
-    @property
-    def parent(self) -> int | None:
-        top = self.fanout - 1  # places linked to the store host (node 0's front-end is its F-th)
-        place = self.rank - 1
-        return None if place < top else (place - top) // self.fanout + 1
-
-    @property
-    def has_children(self) -> bool:
-        """Some node's place is this node's first child's: F - 1 + F * place."""
-        return self.rank > 0 and self.fanout - 1 + self.fanout * (self.rank - 1) < self.nodes - 1
-
-    def key(self, rank: int) -> str:
-        return f"tierrun/{self.run_id}/tree/{rank}"
-
-
-def store_fanout_from(config: dict) -> int:
-    """``--rdzv_conf store_fanout=F`` (set by ``--store-fanout F``); 0: no tree.
-    Raises ValueError."""
-    f = int(config.get("store_fanout", 0))
-    if f < 0 or f == 1:
-        raise ValueError(f"store_fanout={f}: write 0 (no tree) or 2 or more")
-    return f
-
-
 def public_clients_from(config: dict) -> bool:
     """``--rdzv_conf store_public_clients=true``: a tiered job's store host serves
     torch-protocol clients on its public port too (default: node links only)."""
@@ -426,57 +465,3 @@ def store_workers_from(config: dict) -> int:
     if n < 1:
         raise ValueError(f"store_workers={n}: write 1 or more")
     return n
-
-
-def _bracket(addr: str) -> str:
-    return f"[{addr}]" if ":" in addr else addr
-
-
-def _await_listener(host: str, port: int, timeout: float) -> bool:
-    """Whether something accepts connections on ``host:port`` within ``timeout``
-    seconds: tries every 0.1 s to 1 s (backing off), with Python's sockets (quiet)."""
-    deadline = time.monotonic() + timeout
-    delay = 0.1
-    while True:
-        try:
-            socket.create_connection((host, port), max(min(deadline - time.monotonic(), 5.0), 0.1)).close()
-            return True
-        except OSError:
-            if time.monotonic() + delay > deadline:
-                return False
-            time.sleep(delay)
-            delay = min(2 * delay, 1.0)
-
-
-def _watch_connection(host: str, port: int, timeout: float) -> socket.socket | None:
-    try:
-        sock = socket.create_connection((host, port), timeout)
-    except OSError:
-        return None  # the rendezvous itself reports an unreachable store
-    sock.setblocking(False)
-    return sock
-
-
-def _closed_by_peer(sock: socket.socket) -> bool:
-    try:
-        return sock.recv(1, socket.MSG_PEEK) == b""
-    except BlockingIOError:
-        return False
-    except OSError:
-        return True
-
-
-def _last_line(text: str) -> str:
-    lines = [line.strip() for line in text.strip().splitlines() if line.strip()]
-    return lines[-1] if lines else "no output"
-
-
-def _port_in_use(port: int) -> bool:
-    s = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-    try:
-        s.bind(("0.0.0.0", port))
-        return False
-    except OSError as e:
-        return e.errno == errno.EADDRINUSE
-    finally:
-        s.close()

@@ -101,6 +101,12 @@ class Heartbeat:
     def stop(self) -> None:
         self._stop.set()
 
+    def join(self, timeout: float) -> bool:
+        """After ``stop``: wait up to ``timeout`` seconds for the thread to end (its last
+        request answered); whether it did."""
+        self._thread.join(timeout)
+        return not self._thread.is_alive()
+
     def leave(self, timeout: float = 5.0) -> None:
         """Stop, and tell the watchers this member left in order: its counter becomes
         ``LEFT`` (one SET, on a connection of its own; blocks until it is sent, at most

@@ -37,9 +37,8 @@ from ..report.progress import Arrivals
 from ..settings import Settings
 from . import liveness
 from .handler_base import JobStoppedError, StoreRendezvousHandler
-from .job_store import (
-    JobStore, TreePlace, public_clients_from, store_fanout_from, store_workers_from, token_from,
-)
+from .job_store import JobStore, public_clients_from, store_workers_from, token_from
+from .tree import TreePlace, store_fanout_from
 
 log = logging.getLogger("tierrun.rendezvous")
 

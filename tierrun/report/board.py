@@ -120,6 +120,16 @@ class JobBoard:
             raw = store.multi_get([f"{self._base}/node/{n}".encode() for n in nodes])
         return [NodeRecord.from_json(r) for r in raw]
 
+    def move_to(self, address: tuple[str, int] | str) -> None:
+        """Use ``address`` from now on (this node's store proxy was replaced: its tree
+        parent changed, or it died); what was published stays published."""
+        with self._lock:
+            if address != self._address:
+                if self._client is not None:
+                    self._client.close()
+                    self._client = None
+                self._address = address
+
     def close(self) -> None:
         with self._lock:
             if self._client is not None:

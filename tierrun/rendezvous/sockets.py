@@ -1,0 +1,63 @@
+"""Socket helpers of a node's view of the job's store (``job_store``): addresses as
+links name them, and what a node that does not host the store checks with Python's
+own sockets (quietly: torch's client prints C++ stack traces)."""
+
+from __future__ import annotations
+
+import errno
+import socket
+import time
+
+
+def bracket(addr: str) -> str:
+    return f"[{addr}]" if ":" in addr else addr
+
+
+def await_listener(host: str, port: int, timeout: float) -> bool:
+    """Whether something accepts connections on ``host:port`` within ``timeout``
+    seconds: tries every 0.1 s to 1 s (backing off), with Python's sockets (quiet)."""
+    deadline = time.monotonic() + timeout
+    delay = 0.1
+    while True:
+        try:
+            socket.create_connection((host, port), max(min(deadline - time.monotonic(), 5.0), 0.1)).close()
+            return True
+        except OSError:
+            if time.monotonic() + delay > deadline:
+                return False
+            time.sleep(delay)
+            delay = min(2 * delay, 1.0)
+
+
+def watch_connection(host: str, port: int, timeout: float) -> socket.socket | None:
+    try:
+        sock = socket.create_connection((host, port), timeout)
+    except OSError:
+        return None  # the rendezvous itself reports an unreachable store
+    sock.setblocking(False)
+    return sock
+
+
+def closed_by_peer(sock: socket.socket) -> bool:
+    try:
+        return sock.recv(1, socket.MSG_PEEK) == b""
+    except BlockingIOError:
+        return False
+    except OSError:
+        return True
+
+
+def last_line(text: str) -> str:
+    lines = [line.strip() for line in text.strip().splitlines() if line.strip()]
+    return lines[-1] if lines else "no output"
+
+
+def port_in_use(port: int) -> bool:
+    s = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    try:
+        s.bind(("0.0.0.0", port))
+        return False
+    except OSError as e:
+        return e.errno == errno.EADDRINUSE
+    finally:
+        s.close()
