@@ -13,6 +13,19 @@ def bracket(addr: str) -> str:
     return f"[{addr}]" if ":" in addr else addr
 
 
+def connect(host: str, port: int, timeout: float) -> socket.socket:
+    """A TCP connection to ``host:port``, never one to itself: connecting on the store
+    host's own machine to a port nobody listens on yet can, once in tens of thousands
+    of tries, pick that very port as its source (TCP's simultaneous open): it then
+    "connects" to itself and holds the port the store is about to listen on. Raises
+    ConnectionRefusedError for that, as for nobody listening."""
+    sock = socket.create_connection((host, port), timeout)
+    if sock.getsockname() == sock.getpeername():
+        sock.close()
+        raise ConnectionRefusedError(errno.ECONNREFUSED, f"nothing listens on {host}:{port} yet")
+    return sock
+
+
 def await_listener(host: str, port: int, timeout: float) -> bool:
     """Whether something accepts connections on ``host:port`` within ``timeout``
     seconds: tries every 0.1 s to 1 s (backing off), with Python's sockets (quiet)."""
@@ -20,7 +33,7 @@ def await_listener(host: str, port: int, timeout: float) -> bool:
     delay = 0.1
     while True:
         try:
-            socket.create_connection((host, port), max(min(deadline - time.monotonic(), 5.0), 0.1)).close()
+            connect(host, port, max(min(deadline - time.monotonic(), 5.0), 0.1)).close()
             return True
         except OSError:
             if time.monotonic() + delay > deadline:
@@ -31,7 +44,7 @@ def await_listener(host: str, port: int, timeout: float) -> bool:
 
 def watch_connection(host: str, port: int, timeout: float) -> socket.socket | None:
     try:
-        sock = socket.create_connection((host, port), timeout)
+        sock = connect(host, port, timeout)
     except OSError:
         return None  # the rendezvous itself reports an unreachable store
     sock.setblocking(False)

@@ -374,6 +374,9 @@ async def open_connection(link: SessionEnd, timeout: float) -> None:
     local = None if link.source is None else (link.source, 0)
     transport, conn = await asyncio.wait_for(
         loop.create_connection(link.connection, *link.address, local_addr=local), timeout)
+    if transport.get_extra_info("sockname") == transport.get_extra_info("peername"):
+        transport.abort()  # (a TCP simultaneous open with itself: see rendezvous.sockets.connect)
+        raise ConnectionRefusedError(f"nothing listens on {link.address[0]}:{link.address[1]} yet")
     try:
         await asyncio.wait_for(asyncio.shield(conn.established), timeout)
     except BaseException:

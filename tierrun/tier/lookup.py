@@ -36,6 +36,8 @@ def read_over_link(address: tuple[str, int], token: bytes, key: bytes, timeout: 
     deadline = time.monotonic() + timeout
     with socket.create_connection(address, timeout=timeout,
                                   source_address=None if source is None else (source, 0)) as sock:
+        if sock.getsockname() == sock.getpeername():  # (see rendezvous.sockets.connect)
+            raise ConnectionRefusedError(f"nothing listens on {address[0]}:{address[1]} yet")
         sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
         handshake = ClientHandshake(token, secrets.token_bytes(SESSION_ID_BYTES), True, Ledger(1 << 20, 1 << 30))
         decoder = FrameDecoder(handshake.max_frame)
