@@ -467,3 +467,24 @@ def test_a_scanner_opening_a_connection_per_scan_does_not_lock_other_hosts_scann
         n.still_served(bystander)
     finally:
         n.close()
+
+
+def test_one_key_waits_past_the_budget_through_a_proxy_close_their_client_not_the_nodes_link():
+    """A proxy sends one-key WAITs up together (a WAITS entry); one refused there (the
+    keys budget) fails its client alone: the node's session goes on."""
+    n = Node(tiered=True, store_args=("--max-store-keys=1000",))
+    try:
+        bystander = n.torch_client()
+        hog = adversary(n.port)
+        send_until_closed(hog, b"".join(encode_request((Op.WAIT, (b"/w/%d" % i,))) for i in range(3000)))
+        assert closed_by_server(hog)
+        assert "--max-store-keys" in wait_for_log(n.front, "WAIT failed")
+        n.still_served(bystander)
+        hog.close()  # (its WAITs are forgotten once its connection is gone)
+        wait_for_log(n.front, "WAIT failed")
+        deadline = time.monotonic() + 10
+        while n.root.stats()["store_entries"] > 1 and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert n.root.stats()["store_entries"] == 1
+    finally:
+        n.close()
