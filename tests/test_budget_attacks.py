@@ -488,3 +488,46 @@ def test_one_key_waits_past_the_budget_through_a_proxy_close_their_client_not_th
         assert n.root.stats()["store_entries"] == 1
     finally:
         n.close()
+
+
+@pytest.mark.parametrize("tiered", [False, True], ids=["flat", "tiered"])
+def test_clients_that_never_read_large_answers_are_held_to_one_budget_together(tiered):
+    """Each client's unread answers are held to --max-unread-bytes, but nothing held
+    them all together: 6 clients each sending one MULTI_GET of 16 values of 8 MiB and
+    never reading made the store host hold 6 x 128 MiB (1 GB, growing with every
+    client). Answers not read, all connections of a process together, are held to
+    --max-unread-total-bytes: past it, the connections that stopped reading longest
+    ago are closed at once (what they hold freed); a client that reads gets its large
+    answer, a bystander is served."""
+    limits = ("--max-value-bytes", str(4 * MiB), "--max-request-bytes", str(8 * MiB),
+              "--max-reply-bytes", str(40 * MiB), "--max-unread-bytes", str(48 * MiB),
+              "--max-unfinished-bytes", str(16 * MiB), "--max-unread-total-bytes", str(100 * MiB))
+    n = Node(tiered, limits)
+    try:
+        if n.proxy is not None:  # (the proxy's own budget, as the store host's)
+            n.proxy.stop()
+            n.proxy = StoreProcess(host="127.0.0.1", port=0, command="proxy", env=ENV, controlled=True,
+                                   extra_args=["--upstream", f"127.0.0.1:{n.root.port}", *limits])
+            n.proxy.start()
+            n.front, n.port = n.proxy, n.proxy.port
+        bystander = n.torch_client()
+        for i in range(8):
+            bystander.set(f"v{i}", bytes([65 + i]) * (4 * MiB - 64))
+        assert bystander.check(["v7"])
+        multi_get = encode_request((Op.MULTI_GET, tuple(b"/v%d" % i for i in range(8))))  # (a 32 MiB answer)
+        before = peak_rss_mb(n.front.pid)
+        hogs = []
+        for _ in range(8):
+            hog = adversary(n.port, rcvbuf=4096)
+            hog.sendall(multi_get)
+            hogs.append(hog)
+            time.sleep(0.3)
+        assert peak_rss_mb(n.front.pid) < before + 100 + 40 + 40  # (the budget, an answer, slack)
+        assert closed_by_server(hogs[0], timeout=5)  # (the one that stopped reading first)
+        assert "--max-unread-total-bytes" in wait_for_log(n.front, "not reading")
+        assert bystander.multi_get([f"v{i}" for i in range(8)])[7] == b"H" * (4 * MiB - 64)
+        n.still_served(bystander)
+        for hog in hogs:
+            hog.close()
+    finally:
+        n.close()

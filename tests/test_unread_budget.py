@@ -93,6 +93,8 @@ class Owner:
         self.limits = limits or Limits()
         self.gate = gate
         self.unfinished_since = {}
+        self.unread = 0
+        self.unread_since = {}
 
     def admit(self, conn):
         return True

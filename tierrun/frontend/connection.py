@@ -57,6 +57,11 @@ class ConnectionOwner(Protocol):
     unfinished: int
     #: Its connections holding an unfinished request, the one begun longest ago first.
     unfinished_since: dict[ClientConnection, None]
+    #: Bytes of answers its clients have not read (those of connections whose writing
+    #: is paused: at most what they held when paused, plus what was written since).
+    unread: int
+    #: Those connections, the one paused longest ago first.
+    unread_since: dict[ClientConnection, None]
 
     def admit(self, conn: ClientConnection) -> bool:
         """Count ``conn`` as a client; False: refused (it is closed at once)."""
@@ -100,7 +105,7 @@ class ClientConnection(asyncio.Protocol):
 
     __slots__ = ("_frontend", "_upstream", "_parser", "_transport", "peer", "closed", "_sniff", "_gate",
                  "_backlog", "_writing_paused", "_owed", "_out", "_limits", "_write_room", "_fence", "_unconfirmed", "_swallow",
-                 "_unfinished", "scan_source")
+                 "_unfinished", "scan_source", "_unread")
 
     def __init__(self, frontend: ConnectionOwner) -> None:
         self._frontend = frontend
@@ -127,6 +132,7 @@ class ClientConnection(asyncio.Protocol):
         #: Whose scans its scans count as (``core.budget.ScanPacer``): its source host, or
         #: its Unix user; a client opening a connection per scan is still the same scanner.
         self.scan_source: str | None = None
+        self._unread = 0  # what it counts in its front-end's ``unread`` (see _park)
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         self._transport = transport  # type: ignore[assignment]
@@ -230,6 +236,8 @@ class ClientConnection(asyncio.Protocol):
         i = 0
         try:
             for i, req in enumerate(requests):
+                if self.closed:  # (closed meanwhile: past the budget of unread answers, see _park)
+                    return
                 if room < 0:
                     self._write(out)
                     out.clear()
@@ -308,7 +316,42 @@ class ClientConnection(asyncio.Protocol):
                 gate.emit(self._send, data)
                 return
             assert self._transport is not None
-            self._transport.write(data)
+            paused = self._writing_paused
+            self._transport.write(data)  # (past the buffer's high-water mark: pause_writing, now)
+            if paused:
+                self._park(len(data))
+
+    def _park(self, more: int) -> None:
+        """``more`` bytes of answers wait in the socket's buffer of this connection while
+        its writing is paused (its client is not reading them, or not yet): counted in
+        its front-end's total of unread answers. Past ``limits.max_unread_total_bytes``,
+        the connections paused longest ago are closed at once, freeing what they hold:
+        clients that read get their answers; the one that stopped reading first goes.
+        O(1), plus O(1) per connection closed."""
+        frontend = self._frontend
+        self._unread += more
+        frontend.unread += more
+        since = frontend.unread_since
+        if self not in since:
+            since[self] = None
+        limit = self._limits.max_unread_total_bytes
+        while frontend.unread > limit and since:
+            oldest = next(iter(since))
+            held = oldest._unpark()
+            log.warning("closing connection from %s: %s bytes of answers not read, the client that stopped "
+                        "reading longest ago of this store's, whose unread answers (%s bytes with them) pass the "
+                        "limit (--max-unread-total-bytes) of %s: it is not reading its answers", oldest.peer,
+                        f"{held:,}", f"{frontend.unread + held:,}", f"{limit:,}")
+            oldest.closed = True
+            assert oldest._transport is not None
+            oldest._transport.abort()  # (not a lingering close: its answers would stay)
+
+    def _unpark(self) -> int:
+        """Not counted as unread any more (reading again, or closed): what it counted."""
+        held, self._unread = self._unread, 0
+        self._frontend.unread -= held
+        self._frontend.unread_since.pop(self, None)
+        return held
 
     def wake(self, reply: bytes) -> None:
         """A deferred answer (a WAIT woken, any answer through a link): written after the
@@ -360,7 +403,10 @@ class ClientConnection(asyncio.Protocol):
         transport = self._transport
         assert transport is not None
         if not transport.is_closing():
+            paused = self._writing_paused
             transport.write(data)
+            if paused:
+                self._park(len(data))
             if not self.closed:
                 if self._backlog:
                     self._resume()
@@ -399,9 +445,11 @@ class ClientConnection(asyncio.Protocol):
         assert self._transport is not None
         self._writing_paused = True
         self._transport.pause_reading()
+        self._park(self._transport.get_write_buffer_size())
 
     def resume_writing(self) -> None:
         self._writing_paused = False
+        self._unpark()
         self._resume()
 
     def room_again(self) -> None:
@@ -427,6 +475,7 @@ class ClientConnection(asyncio.Protocol):
         self._frontend.unfinished -= self._unfinished
         self._frontend.unfinished_since.pop(self, None)
         self._unfinished = 0
+        self._unpark()
         self._upstream.forget(self)
         self._frontend.release(self)
 
