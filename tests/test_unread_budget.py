@@ -86,6 +86,7 @@ class Gate:
 
 class Owner:
     link_acceptor = None
+    links_only = False
     unfinished = 0
 
     def __init__(self, upstream, limits=None, gate=None):

@@ -156,6 +156,8 @@ class ClientConnection(asyncio.Protocol):
         if not self._frontend.admit(self):
             self.closed = True
             transport.abort()
+        elif self._frontend.links_only:  # (a link's handshake from the start: its deadline, its cap)
+            self._become_link(None)
 
     def data_received(self, data: bytes) -> None:
         if self.closed:  # (dropped: what it still sends is read and discarded, see drop)
@@ -164,12 +166,6 @@ class ClientConnection(asyncio.Protocol):
             self._sniff = False
             if data[0] == LINK_MAGIC:
                 self._become_link(data[1:])
-                return
-            if self._frontend.links_only:
-                self.drop("a torch-protocol client, refused: this tiered job's store host takes only node "
-                          "links on this port (its agents and workers use their node's store front-end); "
-                          "allow such clients with --rdzv_conf store_public_clients=true (`tierrun store`: "
-                          "without --links-only)")
                 return
         try:
             requests = self._parser.feed(data)
@@ -300,7 +296,7 @@ class ClientConnection(asyncio.Protocol):
         if out:
             self._write(out)
 
-    def _become_link(self, rest: bytes) -> None:
+    def _become_link(self, rest: bytes | None) -> None:
         acceptor = self._frontend.link_acceptor
         assert acceptor is not None and self._transport is not None
         release = self._frontend.became_link(self)
