@@ -40,6 +40,11 @@ _INVALID = -1
 REPLY_BUFFER = 1 << 20
 #: Seconds a dropped client's connection is still read (and discarded) before it is closed.
 LINGER = 10.0
+#: Seconds a connection's writing must have been paused (its client not reading) before
+#: it may be closed for the front-end's total of unread answers: clients that read, at
+#: 1 Gb/s, take the largest answer in ~1 s, and many answering at once must not be
+#: closed for a burst (the total may pass its budget by what is written meanwhile).
+UNREAD_GRACE = 2.0
 
 
 class ConnectionOwner(Protocol):
@@ -105,7 +110,7 @@ class ClientConnection(asyncio.Protocol):
 
     __slots__ = ("_frontend", "_upstream", "_parser", "_transport", "peer", "closed", "_sniff", "_gate",
                  "_backlog", "_writing_paused", "_owed", "_out", "_limits", "_write_room", "_fence", "_unconfirmed", "_swallow",
-                 "_unfinished", "scan_source", "_unread")
+                 "_unfinished", "scan_source", "_unread", "_paused_at")
 
     def __init__(self, frontend: ConnectionOwner) -> None:
         self._frontend = frontend
@@ -133,6 +138,7 @@ class ClientConnection(asyncio.Protocol):
         #: its Unix user; a client opening a connection per scan is still the same scanner.
         self.scan_source: str | None = None
         self._unread = 0  # what it counts in its front-end's ``unread`` (see _park)
+        self._paused_at = 0.0  # when its writing was paused (the loop's clock)
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         self._transport = transport  # type: ignore[assignment]
@@ -321,9 +327,9 @@ class ClientConnection(asyncio.Protocol):
         """``more`` bytes of answers wait in the socket's buffer of this connection while
         its writing is paused (its client is not reading them, or not yet): counted in
         its front-end's total of unread answers. Past ``limits.max_unread_total_bytes``,
-        the connections paused longest ago are closed at once, freeing what they hold:
-        clients that read get their answers; the one that stopped reading first goes.
-        O(1), plus O(1) per connection closed."""
+        the connections paused longest ago, for at least ``UNREAD_GRACE``, are closed at
+        once, freeing what they hold: clients that read get their answers; the one that
+        stopped reading first goes. O(1), plus O(1) per connection closed."""
         frontend = self._frontend
         self._unread += more
         frontend.unread += more
@@ -333,6 +339,8 @@ class ClientConnection(asyncio.Protocol):
         limit = self._limits.max_unread_total_bytes
         while frontend.unread > limit and since:
             oldest = next(iter(since))
+            if asyncio.get_running_loop().time() - oldest._paused_at < UNREAD_GRACE:
+                break  # (a burst of answers being read: the oldest goes once its grace is over)
             held = oldest._unpark()
             log.warning("closing connection from %s: %s bytes of answers not read, the client that stopped "
                         "reading longest ago of this store's, whose unread answers (%s bytes with them) pass the "
@@ -441,6 +449,7 @@ class ClientConnection(asyncio.Protocol):
         assert self._transport is not None
         self._writing_paused = True
         self._transport.pause_reading()
+        self._paused_at = asyncio.get_running_loop().time()
         self._park(self._transport.get_write_buffer_size())
 
     def resume_writing(self) -> None:

@@ -48,8 +48,8 @@ class Limits:
     max_unfinished_bytes: int = 512 * MiB
     #: Per front-end process: bytes of answers written and not read by their clients,
     #: all connections together (each counted once it holds more than the socket's
-    #: buffer: 64 KiB). Past it, the connections that stopped reading longest ago are
-    #: closed at once (what they hold is freed): one client that does not read is held
+    #: buffer: 64 KiB). Past it, the connections that stopped reading longest ago (2 s
+    #: or more: ``frontend.connection.UNREAD_GRACE``) are closed at once (what they hold is freed): one client that does not read is held
     #: to ``max_unread_bytes``, this holds them all. At least ``max_reply_bytes`` + 1 MiB.
     max_unread_total_bytes: int = 512 * MiB
 
