@@ -297,7 +297,10 @@ def test_silent_connections_to_a_links_only_port_are_bounded_like_handshakes(wor
             c = client(node.port)
             assert c.add("n", 1) == 1
             assert all(_closed(s, 3.0) for s in silent)
-            wait_for(lambda: "from 127.0.1.7 in their handshake" in root.output, 5)
+            # (with --workers 2 the store's process also counts its front-end processes' links:
+            # some of the 8 may be refused at --max-connections before the cap per address)
+            wait_for(lambda: "from 127.0.1.7 in their handshake" in root.output
+                     or "link connections open (the limit)" in root.output, 5)
             torch_client = socket.create_connection(("127.0.0.1", root.port))
             torch_client.sendall(b"\x00\xce\xf7\x85\x3c")  # (a torch client's VALIDATE: refused, saying why)
             assert _closed(torch_client, 3.0)
