@@ -10,6 +10,7 @@ import asyncio
 import logging
 import socket
 import struct
+from time import monotonic
 from collections.abc import Callable
 from typing import Protocol
 
@@ -138,7 +139,7 @@ class ClientConnection(asyncio.Protocol):
         #: its Unix user; a client opening a connection per scan is still the same scanner.
         self.scan_source: str | None = None
         self._unread = 0  # what it counts in its front-end's ``unread`` (see _park)
-        self._paused_at = 0.0  # when its writing was paused (the loop's clock)
+        self._paused_at = 0.0  # when its writing was paused (monotonic)
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         self._transport = transport  # type: ignore[assignment]
@@ -339,7 +340,7 @@ class ClientConnection(asyncio.Protocol):
         limit = self._limits.max_unread_total_bytes
         while frontend.unread > limit and since:
             oldest = next(iter(since))
-            if asyncio.get_running_loop().time() - oldest._paused_at < UNREAD_GRACE:
+            if monotonic() - oldest._paused_at < UNREAD_GRACE:
                 break  # (a burst of answers being read: the oldest goes once its grace is over)
             held = oldest._unpark()
             log.warning("closing connection from %s: %s bytes of answers not read, the client that stopped "
@@ -449,7 +450,7 @@ class ClientConnection(asyncio.Protocol):
         assert self._transport is not None
         self._writing_paused = True
         self._transport.pause_reading()
-        self._paused_at = asyncio.get_running_loop().time()
+        self._paused_at = monotonic()
         self._park(self._transport.get_write_buffer_size())
 
     def resume_writing(self) -> None:
