@@ -467,3 +467,101 @@ def test_a_scanner_opening_a_connection_per_scan_does_not_lock_other_hosts_scann
         n.still_served(bystander)
     finally:
         n.close()
+
+
+def test_one_key_waits_past_the_budget_through_a_proxy_close_their_client_not_the_nodes_link():
+    """A proxy sends one-key WAITs up together (a WAITS entry); one refused there (the
+    keys budget) fails its client alone: the node's session goes on."""
+    n = Node(tiered=True, store_args=("--max-store-keys=1000",))
+    try:
+        bystander = n.torch_client()
+        hog = adversary(n.port)
+        send_until_closed(hog, b"".join(encode_request((Op.WAIT, (b"/w/%d" % i,))) for i in range(3000)))
+        assert closed_by_server(hog)
+        assert "--max-store-keys" in wait_for_log(n.front, "WAIT failed")
+        n.still_served(bystander)
+        hog.close()  # (its WAITs are forgotten once its connection is gone)
+        wait_for_log(n.front, "WAIT failed")
+        deadline = time.monotonic() + 10
+        while n.root.stats()["store_entries"] > 1 and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert n.root.stats()["store_entries"] == 1
+    finally:
+        n.close()
+
+
+@pytest.mark.parametrize("tiered", [False, True], ids=["flat", "tiered"])
+def test_clients_that_never_read_large_answers_are_held_to_one_budget_together(tiered):
+    """Each client's unread answers are held to --max-unread-bytes, but nothing held
+    them all together: 6 clients each sending one MULTI_GET of 16 values of 8 MiB and
+    never reading made the store host hold 6 x 128 MiB (1 GB, growing with every
+    client). Answers not read, all connections of a process together, are held to
+    --max-unread-total-bytes: past it, the connections that stopped reading longest
+    ago (2 s or more: readers in a burst are not closed) are closed at once, freeing
+    what they hold; a client that reads gets its large answer, a bystander is served.
+    Here 24 clients that never read, one every 0.2 s, each asking for an 8 MiB answer
+    (192 MiB in all), with a budget of 24 MiB: ~24 MiB plus 2 s of them are held."""
+    limits = ("--max-value-bytes", str(MiB), "--max-request-bytes", str(4 * MiB),
+              "--max-reply-bytes", str(10 * MiB), "--max-unread-bytes", str(12 * MiB),
+              "--max-unfinished-bytes", str(16 * MiB), "--max-unread-total-bytes", str(24 * MiB))
+    n = Node(tiered, limits)
+    try:
+        if n.proxy is not None:  # (the proxy's own budget, as the store host's)
+            n.proxy.stop()
+            n.proxy = StoreProcess(host="127.0.0.1", port=0, command="proxy", env=ENV, controlled=True,
+                                   extra_args=["--upstream", f"127.0.0.1:{n.root.port}", *limits])
+            n.proxy.start()
+            n.front, n.port = n.proxy, n.proxy.port
+        bystander = n.torch_client()
+        for i in range(8):
+            bystander.set(f"v{i}", bytes([65 + i]) * (MiB - 64))
+        assert bystander.check(["v7"])
+        multi_get = encode_request((Op.MULTI_GET, tuple(b"/v%d" % i for i in range(8))))  # (an 8 MiB answer)
+        before = peak_rss_mb(n.front.pid)
+        hogs = []
+        for _ in range(24):
+            hog = adversary(n.port, rcvbuf=4096)
+            hog.sendall(multi_get)
+            hogs.append(hog)
+            time.sleep(0.2)
+        assert peak_rss_mb(n.front.pid) < before + 140  # (192 MiB held before; here 24 + ~10 x 8, an answer)
+        assert closed_by_server(hogs[0], timeout=5)  # (the one that stopped reading first)
+        assert "--max-unread-total-bytes" in wait_for_log(n.front, "not reading")
+        assert bystander.multi_get([f"v{i}" for i in range(8)])[7] == b"H" * (MiB - 64)
+        n.still_served(bystander)
+        for hog in hogs:
+            hog.close()
+    finally:
+        n.close()
+
+
+def test_clients_reading_large_answers_at_once_are_not_closed_for_the_total():
+    """16 torch clients each reading an 8 MiB answer at the same moment (128 MiB) with a
+    budget of unread answers of 24 MiB all get theirs: they read, so none of them
+    stays paused for the 2 s after which the total may close one."""
+    n = Node(False, ("--max-value-bytes", str(MiB), "--max-request-bytes", str(4 * MiB),
+                     "--max-reply-bytes", str(10 * MiB), "--max-unread-bytes", str(12 * MiB),
+                     "--max-unfinished-bytes", str(16 * MiB), "--max-unread-total-bytes", str(24 * MiB)))
+    try:
+        bystander = n.torch_client()
+        for i in range(8):
+            bystander.set(f"v{i}", bytes([65 + i]) * (MiB - 64))
+        readers = [n.torch_client() for _ in range(16)]
+        go = threading.Barrier(16)
+        got = []
+
+        def read(c: dist.TCPStore) -> None:
+            go.wait()
+            for _ in range(3):
+                got.append(c.multi_get([f"v{i}" for i in range(8)])[7] == b"H" * (MiB - 64))
+
+        threads = [threading.Thread(target=read, args=(c,)) for c in readers]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(60)
+        assert got == [True] * 48
+        assert "not reading" not in n.root.output
+        n.still_served(bystander)
+    finally:
+        n.close()

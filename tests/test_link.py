@@ -436,3 +436,29 @@ def sealed_types(data: bytes) -> list[int]:
         types.append(ftype)
         pos += 4 + length + 16
     return types
+
+
+def test_a_waits_entry_past_the_store_budget_fails_that_wait_only():
+    """A WAITS entry (one-key WAITs sent up together): one refused by the store's
+    budget (keys waited for count as keys) is answered FAILED, its client alone closed
+    by its front-end; before, the refusal escaped the batch and ended the node's
+    session (fail-stop) with every client of the node."""
+    import asyncio
+
+    from tierrun.core import StoreCore
+    from tierrun.hub.link_server import LinkServer
+    from tierrun.hub.session import Session, core_upstreams
+    from tierrun.link.frames import FAILED, OK, entry_waits
+    from tierrun.protocol import Limits
+
+    async def main():
+        core = StoreCore(Limits(max_store_keys=2))
+        session = Session(LinkServer(core_upstreams(core), b"tok"), b"sid", "test")
+        session.execute(encode_batch([entry_open(1, b""), entry_waits(1, 1, [b"/a", b"/b", b"/c"])])[5:])
+        replies = list(session._wakes)
+        core.execute((Op.DELETE_KEY, b"/x"), None)
+        return replies, sorted(session.clients[1].tickets), core
+
+    replies, tickets, core = asyncio.run(main())
+    assert [(rid, status) for rid, status, _ in replies] == [(3, FAILED)] and FAILED != OK
+    assert b"--max-store-keys" in replies[0][2] and tickets == [1, 2] and core.num_waiters == 2

@@ -277,6 +277,41 @@ def test_link_looking_connections_count_against_max_connections():
         root.stop()
 
 
+@pytest.mark.parametrize("workers", ["1", "2"])
+def test_silent_connections_to_a_links_only_port_are_bounded_like_handshakes(workers):
+    """A tiered store host's public port takes links only, but a connection that sent
+    nothing yet was a client-to-be: no deadline, no cap per address. 8 silent
+    connections from one address (--max-connections 8) kept every node's link out for
+    good. Now they are handshakes from the start: at most TIERRUN_LINK_HANDSHAKES_PER_ADDRESS
+    from one address (a new one closes the oldest), each closed after
+    TIERRUN_LINK_HANDSHAKE_TIMEOUT; a node links meanwhile. With --workers 2 the
+    front-end processes hand them over to the store's process at once."""
+    root = store("--links-only", "--max-connections", "8", "--workers", workers, TIERRUN_LINK_HANDSHAKE_TIMEOUT="1",
+                 TIERRUN_LINK_HANDSHAKES_PER_ADDRESS="4")
+    try:
+        silent = [socket.create_connection(("127.0.0.1", root.port), source_address=("127.0.1.7", 0))
+                  for _ in range(8)]
+        time.sleep(0.2)
+        node = proxy(root.port)
+        try:
+            c = client(node.port)
+            assert c.add("n", 1) == 1
+            assert all(_closed(s, 3.0) for s in silent)
+            # (with --workers 2 the store's process also counts its front-end processes' links:
+            # some of the 8 may be refused at --max-connections before the cap per address)
+            wait_for(lambda: "from 127.0.1.7 in their handshake" in root.output
+                     or "link connections open (the limit)" in root.output, 5)
+            torch_client = socket.create_connection(("127.0.0.1", root.port))
+            torch_client.sendall(b"\x00\xce\xf7\x85\x3c")  # (a torch client's VALIDATE: refused, saying why)
+            assert _closed(torch_client, 3.0)
+            wait_for(lambda: "a torch-protocol client, refused" in root.output, 5)
+            assert c.add("n", 1) == 2 and root.stats()["links"] == 1
+        finally:
+            node.stop()
+    finally:
+        root.stop()
+
+
 def test_a_proxy_refuses_what_the_store_host_would():
     """The store host started with --max-value-bytes 1000, the proxy with the defaults:
     the proxy learns the store's limits when it links, and refuses a 2000-byte SET

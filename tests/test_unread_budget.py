@@ -86,6 +86,7 @@ class Gate:
 
 class Owner:
     link_acceptor = None
+    links_only = False
     unfinished = 0
 
     def __init__(self, upstream, limits=None, gate=None):
@@ -93,6 +94,8 @@ class Owner:
         self.limits = limits or Limits()
         self.gate = gate
         self.unfinished_since = {}
+        self.unread = 0
+        self.unread_since = {}
 
     def admit(self, conn):
         return True

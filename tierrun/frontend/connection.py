@@ -10,6 +10,7 @@ import asyncio
 import logging
 import socket
 import struct
+from time import monotonic
 from collections.abc import Callable
 from typing import Protocol
 
@@ -40,6 +41,11 @@ _INVALID = -1
 REPLY_BUFFER = 1 << 20
 #: Seconds a dropped client's connection is still read (and discarded) before it is closed.
 LINGER = 10.0
+#: Seconds a connection's writing must have been paused (its client not reading) before
+#: it may be closed for the front-end's total of unread answers: clients that read, at
+#: 1 Gb/s, take the largest answer in ~1 s, and many answering at once must not be
+#: closed for a burst (the total may pass its budget by what is written meanwhile).
+UNREAD_GRACE = 2.0
 
 
 class ConnectionOwner(Protocol):
@@ -57,6 +63,11 @@ class ConnectionOwner(Protocol):
     unfinished: int
     #: Its connections holding an unfinished request, the one begun longest ago first.
     unfinished_since: dict[ClientConnection, None]
+    #: Bytes of answers its clients have not read (those of connections whose writing
+    #: is paused: at most what they held when paused, plus what was written since).
+    unread: int
+    #: Those connections, the one paused longest ago first.
+    unread_since: dict[ClientConnection, None]
 
     def admit(self, conn: ClientConnection) -> bool:
         """Count ``conn`` as a client; False: refused (it is closed at once)."""
@@ -100,7 +111,7 @@ class ClientConnection(asyncio.Protocol):
 
     __slots__ = ("_frontend", "_upstream", "_parser", "_transport", "peer", "closed", "_sniff", "_gate",
                  "_backlog", "_writing_paused", "_owed", "_out", "_limits", "_write_room", "_fence", "_unconfirmed", "_swallow",
-                 "_unfinished", "scan_source")
+                 "_unfinished", "scan_source", "_unread", "_paused_at")
 
     def __init__(self, frontend: ConnectionOwner) -> None:
         self._frontend = frontend
@@ -127,6 +138,8 @@ class ClientConnection(asyncio.Protocol):
         #: Whose scans its scans count as (``core.budget.ScanPacer``): its source host, or
         #: its Unix user; a client opening a connection per scan is still the same scanner.
         self.scan_source: str | None = None
+        self._unread = 0  # what it counts in its front-end's ``unread`` (see _park)
+        self._paused_at = 0.0  # when its writing was paused (monotonic)
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         self._transport = transport  # type: ignore[assignment]
@@ -150,6 +163,8 @@ class ClientConnection(asyncio.Protocol):
         if not self._frontend.admit(self):
             self.closed = True
             transport.abort()
+        elif self._frontend.links_only:  # (a link's handshake from the start: its deadline, its cap)
+            self._become_link(None)
 
     def data_received(self, data: bytes) -> None:
         if self.closed:  # (dropped: what it still sends is read and discarded, see drop)
@@ -158,12 +173,6 @@ class ClientConnection(asyncio.Protocol):
             self._sniff = False
             if data[0] == LINK_MAGIC:
                 self._become_link(data[1:])
-                return
-            if self._frontend.links_only:
-                self.drop("a torch-protocol client, refused: this tiered job's store host takes only node "
-                          "links on this port (its agents and workers use their node's store front-end); "
-                          "allow such clients with --rdzv_conf store_public_clients=true (`tierrun store`: "
-                          "without --links-only)")
                 return
         try:
             requests = self._parser.feed(data)
@@ -230,6 +239,8 @@ class ClientConnection(asyncio.Protocol):
         i = 0
         try:
             for i, req in enumerate(requests):
+                if self.closed:  # (closed meanwhile: past the budget of unread answers, see _park)
+                    return
                 if room < 0:
                     self._write(out)
                     out.clear()
@@ -292,7 +303,7 @@ class ClientConnection(asyncio.Protocol):
         if out:
             self._write(out)
 
-    def _become_link(self, rest: bytes) -> None:
+    def _become_link(self, rest: bytes | None) -> None:
         acceptor = self._frontend.link_acceptor
         assert acceptor is not None and self._transport is not None
         release = self._frontend.became_link(self)
@@ -308,7 +319,44 @@ class ClientConnection(asyncio.Protocol):
                 gate.emit(self._send, data)
                 return
             assert self._transport is not None
-            self._transport.write(data)
+            paused = self._writing_paused
+            self._transport.write(data)  # (past the buffer's high-water mark: pause_writing, now)
+            if paused:
+                self._park(len(data))
+
+    def _park(self, more: int) -> None:
+        """``more`` bytes of answers wait in the socket's buffer of this connection while
+        its writing is paused (its client is not reading them, or not yet): counted in
+        its front-end's total of unread answers. Past ``limits.max_unread_total_bytes``,
+        the connections paused longest ago, for at least ``UNREAD_GRACE``, are closed at
+        once, freeing what they hold: clients that read get their answers; the one that
+        stopped reading first goes. O(1), plus O(1) per connection closed."""
+        frontend = self._frontend
+        self._unread += more
+        frontend.unread += more
+        since = frontend.unread_since
+        if self not in since:
+            since[self] = None
+        limit = self._limits.max_unread_total_bytes
+        while frontend.unread > limit and since:
+            oldest = next(iter(since))
+            if monotonic() - oldest._paused_at < UNREAD_GRACE:
+                break  # (a burst of answers being read: the oldest goes once its grace is over)
+            held = oldest._unpark()
+            log.warning("closing connection from %s: %s bytes of answers not read, the client that stopped "
+                        "reading longest ago of this store's, whose unread answers (%s bytes with them) pass the "
+                        "limit (--max-unread-total-bytes) of %s: it is not reading its answers", oldest.peer,
+                        f"{held:,}", f"{frontend.unread + held:,}", f"{limit:,}")
+            oldest.closed = True
+            assert oldest._transport is not None
+            oldest._transport.abort()  # (not a lingering close: its answers would stay)
+
+    def _unpark(self) -> int:
+        """Not counted as unread any more (reading again, or closed): what it counted."""
+        held, self._unread = self._unread, 0
+        self._frontend.unread -= held
+        self._frontend.unread_since.pop(self, None)
+        return held
 
     def wake(self, reply: bytes) -> None:
         """A deferred answer (a WAIT woken, any answer through a link): written after the
@@ -360,7 +408,10 @@ class ClientConnection(asyncio.Protocol):
         transport = self._transport
         assert transport is not None
         if not transport.is_closing():
+            paused = self._writing_paused
             transport.write(data)
+            if paused:
+                self._park(len(data))
             if not self.closed:
                 if self._backlog:
                     self._resume()
@@ -399,9 +450,12 @@ class ClientConnection(asyncio.Protocol):
         assert self._transport is not None
         self._writing_paused = True
         self._transport.pause_reading()
+        self._paused_at = monotonic()
+        self._park(self._transport.get_write_buffer_size())
 
     def resume_writing(self) -> None:
         self._writing_paused = False
+        self._unpark()
         self._resume()
 
     def room_again(self) -> None:
@@ -427,6 +481,7 @@ class ClientConnection(asyncio.Protocol):
         self._frontend.unfinished -= self._unfinished
         self._frontend.unfinished_since.pop(self, None)
         self._unfinished = 0
+        self._unpark()
         self._upstream.forget(self)
         self._frontend.release(self)
 

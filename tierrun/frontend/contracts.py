@@ -34,9 +34,17 @@ class Upstream(Protocol):
 
 #: ``(transport, peer, rest, on_closed)``: takes over a connection that turned out to be
 #: a front-end's link (on the store host's public port); ``rest`` is what was read after
-#: the link's first byte; ``on_closed()`` once the connection is gone (the front-end
-#: that accepted it counts it against its ``max_connections`` until then).
-LinkAcceptor = Callable[[asyncio.Transport, str, bytes, Callable[[], None]], None]
+#: the link's first byte, or None: nothing was read yet (a links-only port hands every
+#: connection over at once; the acceptor checks its first byte, and refuses a torch
+#: client with :data:`TORCH_CLIENT_REFUSED`); ``on_closed()`` once the connection is gone
+#: (the front-end that accepted it counts it against its ``max_connections`` until then).
+LinkAcceptor = Callable[[asyncio.Transport, str, "bytes | None", Callable[[], None]], None]
+
+#: Why a links-only port (a tiered job's store host's) closes a torch-protocol client.
+TORCH_CLIENT_REFUSED = (
+    "a torch-protocol client, refused: this tiered job's store host takes only node links on this port (its "
+    "agents and workers use their node's store front-end); allow such clients with --rdzv_conf "
+    "store_public_clients=true (`tierrun store`: without --links-only)")
 
 
 class Gate(Protocol):

@@ -55,6 +55,8 @@ class FrontEnd:
         self.accepted = 0
         self.unfinished = 0  # bytes held for requests being received (see ClientConnection)
         self.unfinished_since: dict[ClientConnection, None] = {}  # (their connections, oldest first)
+        self.unread = 0  # bytes of answers its clients have not read (see ClientConnection)
+        self.unread_since: dict[ClientConnection, None] = {}  # (their connections, paused longest first)
         self.refused = 0
         #: Connections that turned out to be links, still open (counted as connections).
         self.links_open = 0

@@ -53,12 +53,13 @@ class LinkServerConnection(asyncio.Protocol):
     """One connection from a front-end: handshake, then its session's frames."""
 
     def __init__(self, server: LinkServer, peer: str, initial: bytes, token: bytes | None,
-                 resumable: bool, sniffed: bool) -> None:
+                 resumable: bool, sniffed: bool, not_a_link: str = "not a link") -> None:
         self._server = server
         self.peer = peer
         self._initial = initial
         self.resumable = resumable
         self._first_byte = not sniffed
+        self._not_a_link = not_a_link  # (why one whose first byte is not a link's is closed)
         self.on_lost: Callable[[], None] | None = None  # (called once the connection is gone)
         self._handshake = ServerHandshake(token)
         self._decoder = FrameDecoder(self._handshake.max_frame)
@@ -141,7 +142,7 @@ class LinkServerConnection(asyncio.Protocol):
         if self._first_byte:
             self._first_byte = False
             if data[0] != LINK_MAGIC:
-                self.abort("not a link")
+                self.abort(self._not_a_link)
                 return
             data = data[1:]
         self._corked = []

@@ -39,6 +39,7 @@ from collections.abc import Callable
 from time import monotonic
 
 from ..frontend import Upstream
+from ..frontend.contracts import TORCH_CLIENT_REFUSED
 from ..link.config import LinkConfig
 from ..link.frames import DEFAULT_MAX_FRAME, WATCH_LEASE, LinkError, encode_resumed
 from ..protocol.limits import Limits
@@ -87,21 +88,24 @@ class LinkServer:
         self._watchdog: asyncio.TimerHandle | None = None
 
     def accept(self, peer: str = "", initial: bytes = b"", token: bytes | None = None,
-               resumable: bool = True, sniffed: bool = True) -> LinkServerConnection:
+               resumable: bool = True, sniffed: bool = True, not_a_link: str = "not a link") -> LinkServerConnection:
         """The protocol for a new link connection. ``peer``: its name in logs (default:
         its address); ``initial``: bytes already read from it (after the first byte);
         ``token``: the one it must prove instead of the job token (the store host's own
         front-end processes have their own); ``resumable=False``: its session ends with
-        it; ``sniffed=False``: its first byte is still to come (a links-only listener)."""
+        it; ``sniffed=False``: its first byte is still to come (a links-only listener), and
+        ``not_a_link`` says why one whose first byte is not a link's is closed."""
         if self._watchdog is None:
             self._schedule_watchdog(self.config.heartbeat_timeout)
-        return LinkServerConnection(self, peer, initial, token or self.token, resumable, sniffed)
+        return LinkServerConnection(self, peer, initial, token or self.token, resumable, sniffed, not_a_link)
 
-    def take(self, transport: asyncio.Transport, peer: str, initial: bytes,
+    def take(self, transport: asyncio.Transport, peer: str, initial: bytes | None,
              on_closed: Callable[[], None] | None = None) -> None:
-        """Adopt a connection a front-end accepted and recognised as a link;
-        ``on_closed()`` once it is gone (the front-end counts it until then)."""
-        conn = self.accept(peer, initial)
+        """Adopt a connection a front-end accepted and recognised as a link (``initial``:
+        what it read after the first byte), or took on a links-only port before reading
+        anything (None: a torch client is refused, saying why); ``on_closed()`` once it
+        is gone (the front-end counts it until then)."""
+        conn = self.accept(peer, initial or b"", sniffed=initial is not None, not_a_link=TORCH_CLIENT_REFUSED)
         conn.on_lost = on_closed
         transport.set_protocol(conn)
         conn.connection_made(transport)

@@ -262,7 +262,11 @@ class Session:
                 stats.operations += len(keys)
                 for r, key in enumerate(keys, rid):
                     ticket = Ticket(client, r)
-                    reply = client.upstream.execute((Op.WAIT, (key,)), ticket)
+                    try:  # (refused: past the store's budget, which counts keys waited for)
+                        reply = client.upstream.execute((Op.WAIT, (key,)), ticket)
+                    except StoreError as err:
+                        replies.append((r, FAILED, self.failed((Op.WAIT, (key,)), err)))
+                        continue
                     if reply is not None:
                         replies.append((r, *self.vet(reply)))
                     else:

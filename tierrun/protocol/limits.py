@@ -46,6 +46,12 @@ class Limits:
     #: total is within it (a client that sends most of a large request and stops holds
     #: its bytes: one MULTI_SET may be ``max_request_bytes``). At least ``max_request_bytes``.
     max_unfinished_bytes: int = 512 * MiB
+    #: Per front-end process: bytes of answers written and not read by their clients,
+    #: all connections together (each counted once it holds more than the socket's
+    #: buffer: 64 KiB). Past it, the connections that stopped reading longest ago (2 s
+    #: or more: ``frontend.connection.UNREAD_GRACE``) are closed at once (what they hold is freed): one client that does not read is held
+    #: to ``max_unread_bytes``, this holds them all. At least ``max_reply_bytes`` + 1 MiB.
+    max_unread_total_bytes: int = 512 * MiB
 
     def within(self, other: Limits) -> Limits:
         """Each size limit the smaller of this one's and ``other``'s: what a front-end
@@ -67,6 +73,9 @@ class Limits:
         if self.max_unfinished_bytes < self.max_request_bytes:
             return (f"{_flag('max_unfinished_bytes')} {self.max_unfinished_bytes} is below one request's "
                     f"({_flag('max_request_bytes')} {self.max_request_bytes}): raise it")
+        if self.max_unread_total_bytes < self.max_reply_bytes + MiB:
+            return (f"{_flag('max_unread_total_bytes')} {self.max_unread_total_bytes} leaves no room for the "
+                    f"largest answer ({_flag('max_reply_bytes')} {self.max_reply_bytes}) plus 1 MiB: raise it")
         if self.max_unread_bytes < self.max_reply_bytes + MiB:
             return (f"{_flag('max_unread_bytes')} {self.max_unread_bytes} leaves no room for the largest "
                     f"answer ({_flag('max_reply_bytes')} {self.max_reply_bytes}) plus 1 MiB: raise it")

@@ -26,9 +26,10 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from ..frontend import FrontEndConfig
+from ..frontend.contracts import TORCH_CLIENT_REFUSED
 from ..hub.link_server import LinkServer
 from ..settings import frontend_process_env
-from .frontend_process import HAND_OFF, LISTEN, MAX_MESSAGE, STATS, UNLISTEN
+from .frontend_process import HAND_OFF, HAND_OFF_UNREAD, LISTEN, MAX_MESSAGE, STATS, UNLISTEN
 from .options import frontend_arguments
 
 log = logging.getLogger("tierrun.store")
@@ -185,15 +186,15 @@ class FrontEndPool:
             self._forget(p)
             return
         kind, body = msg[:1], msg[1:]
-        if kind == HAND_OFF and fds:
-            asyncio.ensure_future(self._adopt_link(socket.socket(fileno=fds[0]), body))
+        if (kind == HAND_OFF or kind == HAND_OFF_UNREAD) and fds:  # (unread: of a links-only port)
+            asyncio.ensure_future(self._adopt_link(socket.socket(fileno=fds[0]), None if kind == HAND_OFF_UNREAD else body))
         elif kind == STATS and p.stats is not None and not p.stats.done():
             p.stats.set_result(json.loads(body))
         else:
             for fd in fds:
                 os.close(fd)
 
-    async def _adopt_link(self, sock: socket.socket, initial: bytes) -> None:
+    async def _adopt_link(self, sock: socket.socket, initial: bytes | None) -> None:
         try:
             host, port = sock.getpeername()[:2]
             peer = f"{host}:{port}"
@@ -201,7 +202,8 @@ class FrontEndPool:
             sock.close()  # gone already
             return
         loop = asyncio.get_running_loop()
-        await loop.connect_accepted_socket(lambda: self.links.accept(peer, initial), sock=sock)
+        await loop.connect_accepted_socket(lambda: self.links.accept(
+            peer, initial or b"", sniffed=initial is not None, not_a_link=TORCH_CLIENT_REFUSED), sock=sock)
 
     def _forget(self, p: _Process) -> None:
         if p.channel is not None:

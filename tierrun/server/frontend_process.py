@@ -38,6 +38,8 @@ from ..link.config import LinkConfig
 log = logging.getLogger("tierrun.store")
 
 LISTEN, UNLISTEN, STATS, HAND_OFF = b"L", b"U", b"S", b"H"
+#: A connection of a links-only port, handed over before its first byte was read.
+HAND_OFF_UNREAD = b"h"
 #: Largest channel message (the bytes a link sent before its handshake are tiny).
 MAX_MESSAGE = 1 << 16
 
@@ -60,10 +62,10 @@ async def serve_frontend_process(channel: socket.socket, link_sock: socket.socke
     frontends: list[FrontEnd] = []
     by_namespace: dict[str, FrontEnd] = {}
 
-    def hand_off(transport: asyncio.Transport, peer: str, rest: bytes, release: Callable[[], None]) -> None:
+    def hand_off(transport: asyncio.Transport, peer: str, rest: bytes | None, release: Callable[[], None]) -> None:
         sock = transport.get_extra_info("socket")
         try:  # the kernel passes the connection itself; closing ours leaves it open
-            socket.send_fds(channel, [HAND_OFF + rest], [sock.fileno()])
+            socket.send_fds(channel, [HAND_OFF_UNREAD if rest is None else HAND_OFF + rest], [sock.fileno()])
         except OSError as e:
             log.warning("could not hand the link from %s to the core process: %s", peer, e)
         transport.abort()

@@ -48,6 +48,9 @@ def store_parser(prog: str, description: str, default_host: str | None, default_
                    help="most bytes held for requests being received, all connections together: past it, the "
                    "connections whose unfinished requests began longest ago are closed until the total is "
                    "within it (default: %(default)s, 512 MiB)")
+    p.add_argument("--max-unread-total-bytes", type=int, default=d.max_unread_total_bytes,
+                   help="most bytes of answers not read by their clients, all connections together: past it, "
+                   "the connections that stopped reading longest ago are closed (default: %(default)s, 512 MiB)")
     p.add_argument("--max-connections", type=int, default=FrontEndConfig().max_connections)
     p.add_argument("--control-stdin", action="store_true",
                    help="take commands on stdin (used by the launcher) and stop when stdin closes")
@@ -67,6 +70,7 @@ def frontend_config(args: argparse.Namespace) -> FrontEndConfig:
         max_reply_bytes=args.max_reply_bytes,
         max_unread_bytes=args.max_unread_bytes,
         max_unfinished_bytes=args.max_unfinished_bytes,
+        max_unread_total_bytes=args.max_unread_total_bytes,
     )
     return FrontEndConfig(limits=limits, max_connections=args.max_connections)
 
@@ -102,6 +106,7 @@ def frontend_arguments(config: FrontEndConfig, log_level: str) -> list[str]:
         "--max-reply-bytes", str(limits.max_reply_bytes),
         "--max-unread-bytes", str(limits.max_unread_bytes),
         "--max-unfinished-bytes", str(limits.max_unfinished_bytes),
+        "--max-unread-total-bytes", str(limits.max_unread_total_bytes),
         "--max-connections", str(config.max_connections),
         "--log-level", log_level,
     ]
