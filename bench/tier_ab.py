@@ -201,8 +201,10 @@ def main() -> None:
     args = p.parse_args()
     this = "tierrun (this tree)"
     targets: dict[str, Path | None] = {"torch": None, this: HERE.parent}
-    if args.baseline is not None:
-        targets[f"tierrun ({args.baseline.resolve().name})"] = args.baseline.resolve()
+    if args.baseline is not None:  # (named by its commit; printed and kept in the raw runs, not in the docs' table)
+        rev = subprocess.run(["git", "-C", str(args.baseline), "rev-parse", "--short", "HEAD"],
+                             capture_output=True, text=True).stdout.strip() or args.baseline.name
+        targets[f"tierrun {rev}"] = args.baseline.resolve()
     raw: dict[str, dict[str, list[dict]]] = {}
     lines = [f"Medians of {args.rounds} rounds, CPU microseconds per request (requests sent by the clients). "
              f"trickle: one proxy, {args.clients} clients x {args.ops} ADDs, a 0-20 ms pause before each; "
@@ -227,7 +229,8 @@ def main() -> None:
             print(f"{name:32} {m['store_us']:11.1f} {m['proxy_us']:14.1f} {m['wall']:7.2f}")
             ratio = "—" if name == "torch" else f"{med['torch']['store_us'] / m['store_us']:.2f}x"
             proxy = "—" if name == "torch" else f"{m['proxy_us']:.1f}"
-            lines.append(f"| {workload} | {name} | {m['store_us']:.1f} | {proxy} | {m['wall']:.2f} | {ratio} |")
+            if name in ("torch", this):
+                lines.append(f"| {workload} | {name} | {m['store_us']:.1f} | {proxy} | {m['wall']:.2f} | {ratio} |")
         for name in targets:
             if name not in ("torch", this):
                 new, old = med[this], med[name]
