@@ -92,3 +92,25 @@ def test_nproc_per_node_values():
         resolve_nproc_per_node("gpu")
     with pytest.raises(UsageError, match="write a number"):
         resolve_nproc_per_node("lots")
+
+
+@pytest.mark.parametrize("conf, fanout", [("store_fanout=2", "2"), ("join_timeout=5", None)])
+def test_rdzv_conf_store_fanout_with_the_tiered_flag_is_kept(conf, fanout):
+    """``--tiered --rdzv_conf store_fanout=F`` builds the tree of fanout F (the guide's
+    spelling for torchrun users works with tierrun's own command too): ``--tiered``
+    without ``--store-fanout`` adds no store_fanout=0 that would silently win."""
+    from tierrun.launcher.cli import prepare
+    from tierrun.settings import Settings
+
+    config, *_ = prepare(["--nnodes", "2:4", "--tiered", "--rdzv_endpoint", "127.0.0.1:29400",
+                          "--rdzv_conf", conf, "train.py"], Settings(token="t"))
+    assert config.rdzv_configs.get("store_fanout") == fanout and config.rdzv_configs["tiered"] == "1"
+
+
+def test_the_store_fanout_flag_and_rdzv_conf_must_agree():
+    from tierrun.launcher.cli import prepare
+    from tierrun.settings import Settings
+
+    with pytest.raises(UsageError, match="--store-fanout 4 and --rdzv_conf store_fanout=2"):
+        prepare(["--nnodes", "2:4", "--tiered", "--store-fanout", "4", "--rdzv_endpoint", "127.0.0.1:29400",
+                 "--rdzv_conf", "store_fanout=2", "train.py"], Settings(token="t"))

@@ -16,7 +16,7 @@ from torch.distributed.elastic.rendezvous import RendezvousParameters
 
 from launch import SCRIPTS, finish, free_port, kill_tree, results, tierrun
 from tierrun.rendezvous.elastic import create_handler
-from tierrun.rendezvous.tree import RoundTree
+from tierrun.rendezvous.tree import RoundTree, store_fanout_from
 from tierrun.settings import Settings
 
 NODES = 6
@@ -78,6 +78,21 @@ def test_a_round_tree_leaves_out_the_store_host_wherever_its_rank_falls(members,
             assert up not in seen
             seen.add(up)
             up = tree.parent(up)
+
+
+@pytest.mark.parametrize("conf, message", [
+    ({"tiered": "1", "store_fanout": "abc"}, r"store_fanout=abc is not a whole number: write 0 \(no tree\) or 2"),
+    ({"tiered": "1", "store_fanout": "1"}, r"store_fanout=1: write 0 \(no tree\) or 2 or more"),
+    ({"tiered": "1", "store_fanout": "-2"}, r"store_fanout=-2: write 0"),
+    ({"store_fanout": "2"}, r"store_fanout=2 stacks the node proxies of tiered wire-up in a tree: add tiered=1"),
+])
+def test_a_store_fanout_the_tree_cannot_use_says_what_to_write(conf, message):
+    """--rdzv_conf store_fanout=F (torchrun's spelling) is checked as --store-fanout is:
+    garbage is named, and a fanout without tiering is refused, not silently flat."""
+    with pytest.raises(ValueError, match=message):
+        store_fanout_from(conf)
+    assert store_fanout_from({"tiered": "true", "store_fanout": "3"}) == 3
+    assert store_fanout_from({"store_fanout": "0"}) == store_fanout_from({}) == 0
 
 
 @pytest.mark.parametrize("victim_place", ["middle", "top"])

@@ -31,10 +31,18 @@ def has_children(place: int, fanout: int, places: int) -> bool:
 
 def store_fanout_from(config: dict) -> int:
     """``--rdzv_conf store_fanout=F`` (set by ``--store-fanout F``); 0: no tree.
-    Raises ValueError."""
-    f = int(config.get("store_fanout", 0))
+    Raises ValueError saying what to write: not a whole number, 1 or negative, or a
+    tree without ``tiered=1`` (its proxies are tiered wire-up's)."""
+    raw = str(config.get("store_fanout", 0)).strip()
+    try:
+        f = int(raw)
+    except ValueError:
+        raise ValueError(f"store_fanout={raw} is not a whole number: write 0 (no tree) or 2 or more") from None
     if f < 0 or f == 1:
         raise ValueError(f"store_fanout={f}: write 0 (no tree) or 2 or more")
+    if f and str(config.get("tiered", "0")).lower() not in ("1", "true"):
+        raise ValueError(f"store_fanout={f} stacks the node proxies of tiered wire-up in a tree: add tiered=1 "
+                         "(--tiered), or drop store_fanout")
     return f
 
 
