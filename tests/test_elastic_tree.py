@@ -161,6 +161,40 @@ def test_a_relay_killed_mid_job_the_survivors_reform_their_tree_and_finish(tmp_p
     print(f"wall {time.monotonic() - start:.1f} s, {time.monotonic() - killed:.1f} s after the kill")
 
 
+def test_a_node_joining_mid_job_the_members_re_form_in_a_tree_with_it_and_finish(tmp_path):
+    """Scale-up: 3 nodes of --nnodes 3:4, tree of fanout 2, running; a 4th node arrives.
+    The running members restart their workers, go flat, rejoin with it, and take their
+    places in the 4-member round's tree (the newcomer among them); every ADD of that
+    round counts once, every node exits 0, nobody warns."""
+    port = free_port()
+    logs = [tmp_path / f"node{k}.log" for k in range(4)]
+    flags = ("--nnodes", "3:4", "--nproc_per_node", 1, "--max_restarts", 3, "--monitor_interval", "0.1",
+             "--rdzv_endpoint", f"127.0.1.1:{port}", "--rdzv_id", "etree-up", "--rdzv_conf", "last_call_timeout=2",
+             "--tiered", "--store-fanout", 2, SCRIPTS / "tree_worker.py", "--want", 4)
+    procs = start_nodes(3, logs, *flags)
+    try:
+        deadline = time.monotonic() + 60
+        while len([r for r in results(*logs[:3], tag="UP") if r["world"] == "3"]) < 3:
+            assert time.monotonic() < deadline, logs[0].read_text()[-3000:]
+            time.sleep(0.2)
+        procs.append(tierrun(*flags[:-3], "--local_addr", "127.0.1.4", *flags[-3:], log=logs[3],
+                             env={"TIERRUN_TOKEN": "elastic-tree-token", "TIERRUN_LOG_LEVEL": "INFO"}))
+        codes = finish(procs, timeout=60)
+    finally:
+        finish(procs, 1)
+    assert codes == [0] * 4, {k: log.read_text()[-3000:] for k, log in enumerate(logs)}
+    rows = results(*logs)
+    assert len(rows) == 4 and all(r["world"] == "4" and r["ok"] == "1" for r in rows), rows
+    final = {k: max(tree_lines(log).items()) for k, log in enumerate(logs[1:], 1)}
+    assert {r for r, _ in final.values()} == {1}, final  # (the newcomer's first round is the members' second)
+    host_rank = ({*range(4)} - {line[1] for _, line in final.values()}).pop()
+    tree = RoundTree(4, 2, host_rank)
+    for k, (_, (_, rank, parent, kids)) in final.items():
+        assert (parent, kids) == (tree.parent(rank), tree.children(rank)), (k, final)
+    for log in logs:
+        assert not [line for line in log.read_text().splitlines() if "WARNING" in line], log.read_text()[-3000:]
+
+
 def _tree_handlers(port: int, nodes: int, run_id: str):
     return [create_handler(RendezvousParameters(
         "tierrun", f"127.0.1.1:{port}", run_id, nodes, nodes, local_addr=f"127.0.1.{k + 1}",
