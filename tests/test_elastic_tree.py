@@ -5,7 +5,9 @@ simulated nodes on 127.0.1.x."""
 
 from __future__ import annotations
 
+import os
 import re
+import signal
 import threading
 import time
 from datetime import timedelta
@@ -17,6 +19,7 @@ from torch.distributed.elastic.rendezvous import RendezvousParameters
 from launch import SCRIPTS, finish, free_port, kill_tree, results, tierrun
 from tierrun.rendezvous.elastic import create_handler
 from tierrun.rendezvous.tree import RoundTree, store_fanout_from
+from tierrun.server import StoreProcess, StoreStartError
 from tierrun.settings import Settings
 
 NODES = 6
@@ -193,6 +196,23 @@ def test_a_node_joining_mid_job_the_members_re_form_in_a_tree_with_it_and_finish
         assert (parent, kids) == (tree.parent(rank), tree.children(rank)), (k, final)
     for log in logs:
         assert not [line for line in log.read_text().splitlines() if "WARNING" in line], log.read_text()[-3000:]
+
+
+def test_stats_of_a_proxy_that_just_died_raises_store_start_error_as_its_callers_expect():
+    """``link_in_doubt`` (every monitor interval, in ``num_nodes_waiting``) and ``_drain``
+    (a retired proxy's thread, every 50 ms) look at ``exited()`` and then ask ``stats()``,
+    catching ``StoreStartError``: a proxy that dies between the two must not raise
+    BrokenPipeError (a traceback in the agent, or a retire thread that ends without
+    stopping its proxy)."""
+    proc = StoreProcess(host="127.0.0.1", port=0, controlled=True)
+    proc.start()
+    try:
+        os.kill(proc.pid, signal.SIGKILL)
+        proc.proc.wait(10)  # (dead and reaped: what exited() would say a moment later)
+        with pytest.raises(StoreStartError, match="exited"):
+            proc.stats(timeout=1.0)
+    finally:
+        proc.stop()
 
 
 def _tree_handlers(port: int, nodes: int, run_id: str):

@@ -196,11 +196,17 @@ class StoreProcess:
                     pass  # (the process is gone: so is its listener)
 
     def stats(self, timeout: float = 10.0) -> dict:
-        """The process's counters (needs ``controlled=True``)."""
+        """The process's counters (needs ``controlled=True``). Blocks up to ``timeout``;
+        raises ``StoreStartError`` if they do not come, or the process has exited (also
+        when it did so just before the request: its pipe is closed)."""
         assert self.controlled and self.proc is not None and self.proc.stdin is not None
         with self._changed:
             seen = len(self._stats)
-            self._command(SendStats())
+            try:
+                self._command(SendStats())
+            except OSError:
+                raise StoreStartError(f"the {self.command_name} process exited ({self.proc.poll()}): "
+                                      "no stats") from None
             if not self._changed.wait_for(lambda: len(self._stats) > seen, timeout):
                 raise StoreStartError(f"no stats from the {self.command_name} process")
             return self._stats[-1]
