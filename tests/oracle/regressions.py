@@ -209,7 +209,8 @@ CASES = [
     Case("long-write-then-wait",
          H((0, ((Op.SET, b"/b", b"/a"), (Op.APPEND, b"1", Big(5 * MiB)), (Op.WAIT, (b"/b",)))),),
          note="torch reads the 5 MiB in 4 KiB reads and answered the probe on another connection before the "
-              "WAIT: its answer came after the step (the runner now waits until the server read the write)"),
+              "WAIT: its answer came after the step (the runner now waits until the server read the write, "
+              "then settles 0.1 s: read is not yet executed, and a loaded CI machine saw the answer late)"),
     Case("multi-get-of-no-keys", H((0, ((Op.MULTI_GET, ()), (Op.GETNUMKEYS,))),),
          note="answered with no bytes (the reply reader once waited for one)"),
     Case("list-keys-order",

@@ -33,6 +33,11 @@ DEADLINE = 3.0
 #: A write at least this long is read by the server in many reads: wait until it has
 #: read all of it before probing.
 BIG_WRITE = 64 * 1024
+#: ... and settle at least this long after it: a server that has read it may still be
+#: executing it (torch's copying a 5 MiB APPEND while it answers the probe on another
+#: connection) when a short slack ends, and a WAIT behind it would be answered after
+#: the step on a loaded machine only (seen in CI).
+BIG_WRITE_SLACK = 0.1
 
 
 @dataclass
@@ -137,10 +142,12 @@ def run(history: History, target: Target, reference: Trace | None = None, stop_a
             if cancel and not c.closed:  # (its own write, answered before the burst)
                 c.send([(Op.CANCEL_WAIT,)])
                 _wait(conns, lambda: c.closed or not c.reader.pending, time.monotonic() + _deadline(()))
+            step_slack = slack
             if sent is not None and not c.closed:
                 c.send(sent)
                 if sum(request_size(r) for r in sent) > BIG_WRITE:
                     c.consumed()  # (the probe below must not overtake the end of it)
+                    step_slack = max(slack, BIG_WRITE_SLACK)
             if reference is None:
                 _wait(conns, lambda: c.closed or c.reader.answered, time.monotonic() + 10 + _deadline(sent))
             else:
@@ -151,7 +158,7 @@ def run(history: History, target: Target, reference: Trace | None = None, stop_a
                                and (conns[j].closed or not want[j][1]) for j in want)
 
                 _wait(conns, done, time.monotonic() + _deadline(sent))
-            _settle(target, where[client], conns, slack)
+            _settle(target, where[client], conns, step_slack)
             seen = {}
             for j, cj in enumerate(conns):
                 new = tuple(cj.reader.tokens[marks[j]:])
