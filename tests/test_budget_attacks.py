@@ -56,13 +56,13 @@ def wait_for_log(proc: StoreProcess, text: str, timeout: float = 10.0) -> str:
 class Node:
     """A store host, and (tiered) a node proxy linked to it: ``port`` is where clients go."""
 
-    def __init__(self, tiered: bool, store_args: tuple[str, ...] = ()) -> None:
+    def __init__(self, tiered: bool, store_args: tuple[str, ...] = (), proxy_args: tuple[str, ...] = ()) -> None:
         self.root = StoreProcess(host="127.0.0.1", port=0, controlled=True, env=ENV, extra_args=list(store_args))
         self.root.start()
         self.proxy = None
         if tiered:
             self.proxy = StoreProcess(host="127.0.0.1", port=0, command="proxy", env=ENV, controlled=True,
-                                      extra_args=["--upstream", f"127.0.0.1:{self.root.port}"])
+                                      extra_args=["--upstream", f"127.0.0.1:{self.root.port}", *proxy_args])
             self.proxy.start()
         self.front = self.proxy or self.root
         self.port = self.front.port
@@ -307,14 +307,8 @@ def test_unfinished_requests_past_the_budget_close_the_one_parked_longest(tiered
     limits = ("--max-value-bytes", str(4 * MiB), "--max-request-bytes", str(8 * MiB),
               "--max-reply-bytes", str(5 * MiB), "--max-unread-bytes", str(7 * MiB),
               "--max-unfinished-bytes", str(10 * MiB))
-    n = Node(tiered, limits)
+    n = Node(tiered, limits, proxy_args=limits)  # (the proxy's own budgets, as the store host's)
     try:
-        if n.proxy is not None:  # (the proxy's own budget, as the store host's)
-            n.proxy.stop()
-            n.proxy = StoreProcess(host="127.0.0.1", port=0, command="proxy", env=ENV, controlled=True,
-                                   extra_args=["--upstream", f"127.0.0.1:{n.root.port}", *limits])
-            n.proxy.start()
-            n.front, n.port = n.proxy, n.proxy.port
         bystander = n.torch_client()
         whole = encode_request((Op.SET, b"/big", b"v" * (4 * MiB)))
         part, rest = whole[: 3 * MiB + MiB // 2], whole[3 * MiB + MiB // 2:]
@@ -387,14 +381,8 @@ def test_parked_small_unfinished_requests_do_not_get_a_large_request_closed(tier
     limits = ("--max-value-bytes", str(4 * MiB), "--max-request-bytes", str(8 * MiB),
               "--max-reply-bytes", str(5 * MiB), "--max-unread-bytes", str(7 * MiB),
               "--max-unfinished-bytes", str(10 * MiB))
-    n = Node(tiered, limits)
+    n = Node(tiered, limits, proxy_args=limits)  # (the proxy's own budgets, as the store host's)
     try:
-        if n.proxy is not None:  # (the proxy's own budget, as the store host's)
-            n.proxy.stop()
-            n.proxy = StoreProcess(host="127.0.0.1", port=0, command="proxy", env=ENV, controlled=True,
-                                   extra_args=["--upstream", f"127.0.0.1:{n.root.port}", *limits])
-            n.proxy.start()
-            n.front, n.port = n.proxy, n.proxy.port
         bystander = n.torch_client()
         parked = []
         for _ in range(12):  # (12 x ~1 MiB: past the 10 MiB budget, each under 1 MiB)
@@ -504,14 +492,8 @@ def test_clients_that_never_read_large_answers_are_held_to_one_budget_together(t
     limits = ("--max-value-bytes", str(MiB), "--max-request-bytes", str(4 * MiB),
               "--max-reply-bytes", str(10 * MiB), "--max-unread-bytes", str(12 * MiB),
               "--max-unfinished-bytes", str(16 * MiB), "--max-unread-total-bytes", str(24 * MiB))
-    n = Node(tiered, limits)
+    n = Node(tiered, limits, proxy_args=limits)  # (the proxy's own budgets, as the store host's)
     try:
-        if n.proxy is not None:  # (the proxy's own budget, as the store host's)
-            n.proxy.stop()
-            n.proxy = StoreProcess(host="127.0.0.1", port=0, command="proxy", env=ENV, controlled=True,
-                                   extra_args=["--upstream", f"127.0.0.1:{n.root.port}", *limits])
-            n.proxy.start()
-            n.front, n.port = n.proxy, n.proxy.port
         bystander = n.torch_client()
         for i in range(8):
             bystander.set(f"v{i}", bytes([65 + i]) * (MiB - 64))
