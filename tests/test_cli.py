@@ -57,8 +57,11 @@ def test_tiered_flag_spellings(monkeypatch):
         (["--store-workers", "0"], "write 1 or more"),
         (["--rdzv_backend", "tierrun-etcd", "--rdzv_endpoint", "h:2379", "--store-fanout", "4", "--tiered"],
          "not --rdzv_backend tierrun-etcd: use tierrun"),
-        (["--rdzv_backend", "parallel", "--nnodes", "4", "--store-fanout", "4"], "add --tiered"),
-        (["--nnodes", "2:4", "--store-fanout", "4"], "add --tiered"),
+        (["--rdzv_backend", "parallel", "--nnodes", "4", "--store-fanout", "4", "--no-tiered"],
+         "--store-fanout 4 stacks .* but --no-tiered turns tiering off: drop one of them"),
+        (["--nnodes", "2:4", "--store-fanout", "4", "--enable_tiered_parallel_tcpstore", "false"],
+         "but --enable_tiered_parallel_tcpstore false turns tiering off"),
+        (["--nnodes", "4", "--tiered", "--enable_tiered_parallel_tcpstore", "false"], "disagree: give one of them"),
         (["--store-fanout", "1"], "write 2 or more"),
         (["--rdzv_backend", "torch-c10d", "--store_workers", "2"], "needs a tierrun rendezvous backend"),
     ],
@@ -72,6 +75,52 @@ def test_store_fanout_on_the_elastic_backend_and_its_c10d_alias():
     for backend in ("tierrun", "c10d"):
         args = parse("--rdzv_backend", backend, "--nnodes", "2:4", "--tiered", "--store-fanout", "2")
         assert args.rdzv_backend == "tierrun" and args.store_fanout == 2
+
+
+@pytest.mark.parametrize("argv, tiered, fanout, auto", [
+    (["--nnodes", "31"], False, 0, False),  # below the crossover: flat
+    (["--nnodes", "32"], True, 0, True),
+    (["--nnodes", "63", "--rdzv_backend", "parallel"], True, 0, True),
+    (["--nnodes", "64", "--rdzv_backend", "parallel"], True, 8, True),
+    (["--nnodes", "2:64", "--rdzv_backend", "c10d"], True, 8, True),  # elastic: by its maximum
+    (["--nnodes", "64", "--no-tiered"], False, 0, False),  # flags win
+    (["--nnodes", "64", "--enable_tiered_parallel_tcpstore", "false"], False, 0, False),
+    (["--nnodes", "64", "--enable_tiered_parallel_tcpstore", "true"], True, 0, False),  # torch_npu_run's layout
+    (["--nnodes", "2", "--tiered"], True, 0, False),
+    (["--nnodes", "4", "--store-fanout", "2"], True, 2, False),  # a tree implies tiering
+    (["--nnodes", "64", "--store-fanout", "0"], True, 0, True),  # "no tree"; tiering by size
+    (["--nnodes", "64", "--store-workers", "2"], False, 0, False),  # the flat store's front-ends asked for
+    (["--nnodes", "64", "--rdzv_conf", "tiered=0"], False, 0, False),  # torchrun's spelling counts too
+    (["--nnodes", "64", "--rdzv_backend", "torch-c10d"], False, 0, False),  # torch's agents: no tier
+    (["--nnodes", "64", "--rdzv_backend", "tierrun-etcd", "--rdzv_endpoint", "h:2379"], False, 0, False),
+])
+def test_tiering_is_chosen_by_the_jobs_size_unless_a_flag_says(argv, tiered, fanout, auto):
+    from tierrun.launcher import tiering
+
+    a = parse(*argv)
+    assert (a.tiered, a.store_fanout, a.tiering.auto) == (tiered, fanout, auto)
+    assert (tiering.TIERED_FROM_NODES, tiering.TREE_FROM_NODES, tiering.AUTO_FANOUT) == (32, 64, 8)
+
+
+def test_a_tiering_chosen_by_size_reaches_the_handlers_and_is_said(caplog):
+    """No flag, 64 nodes: the rendezvous gets tiered=1 and store_fanout=8, as from
+    ``--tiered --store-fanout 8``; the node says what was chosen and how to turn it off,
+    and the derived token (no secret given) at INFO, not as a warning: the flat store it
+    replaces authenticates nothing."""
+    import logging
+
+    from tierrun.launcher.cli import prepare
+    from tierrun.settings import Settings
+
+    with caplog.at_level(logging.INFO, logger="tierrun"):
+        config, *_ = prepare(["--nnodes", "64", "--rdzv_backend", "parallel", "--master_addr", "127.0.1.1",
+                              "--local_addr", "127.0.1.2", "train.py"], Settings())
+    assert config.rdzv_configs["tiered"] == "1" and config.rdzv_configs["store_fanout"] == "8"
+    said = {r.levelname: r.getMessage() for r in caplog.records}
+    assert said["INFO"]  # (both lines at INFO)
+    assert not [r for r in caplog.records if r.levelno >= logging.WARNING], caplog.text
+    assert ("node 127.0.1.2: tiered wire-up in a tree of fanout 8, chosen for --nnodes 64" in caplog.text
+            and "--no-tiered turns it off" in caplog.text and "derived from the job id" in caplog.text)
 
 
 def test_cli_error_is_one_line_and_exit_code_2():

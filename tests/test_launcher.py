@@ -209,3 +209,27 @@ def test_tiered_without_token_derives_one_and_warns(tmp_path):
                 and "guards against accidents" in text and "not against attackers" in text)
         assert "point TIERRUN_TOKEN_FILE at a file holding the same secret on every node" in text
     check_world(results(*logs), 2, 3)
+
+
+def test_a_job_of_up_to_64_nodes_is_tiered_in_a_tree_without_a_flag(tmp_path):
+    """torchrun's flags only (c10d, --nnodes 2:64, no secret): the job's size chooses
+    tiered wire-up in a tree of fanout 8 (``launcher.tiering``), here run by the 3 nodes
+    that came: the workers talk to their node's proxy, the store host sees one link per
+    other node and no torch client, and the nodes say what was chosen, at INFO."""
+    port = free_port()
+    logs = [tmp_path / f"node{k}.log" for k in range(3)]
+    procs = [tierrun("--nnodes", "2:64", "--rdzv_backend", "c10d", "--rdzv_endpoint", f"127.0.1.1:{port}",
+                     "--rdzv_id", "auto", "--rdzv_conf", "last_call_timeout=3", "--nproc_per_node", 2,
+                     "--local_addr", f"127.0.1.{k + 1}", SCRIPTS / "collectives.py", log=logs[k],
+                     env={"TIERRUN_TOKEN": "", "TIERRUN_LOG_LEVEL": "DEBUG"}) for k in range(3)]
+    assert finish(procs) == [0, 0, 0], logs[0].read_text()[-3000:]
+    check_world(results(*logs), 6, 21)
+    for k, log in enumerate(logs):
+        text = log.read_text()
+        assert {r["master"].split(":")[0] for r in results(log)} == {"127.0.0.1"}
+        assert (f"INFO node 127.0.1.{k + 1}: tiered wire-up in a tree of fanout 8, chosen for --nnodes 2:64"
+                in text), text[-3000:]
+        assert f"INFO node 127.0.1.{k + 1}: no job token" in text  # (a flat store authenticates nothing)
+        assert not [line for line in text.splitlines() if "WARNING" in line and "job token" in line]
+    served = served_by_store_host(logs[0])
+    assert served["links_accepted"] == 2 and served["clients_accepted"] == 0

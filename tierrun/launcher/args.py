@@ -9,7 +9,9 @@ from __future__ import annotations
 import argparse
 
 from torch.distributed.argparse_util import env
-from torch.distributed.run import get_args_parser
+from torch.distributed.run import _parse_rendezvous_config, get_args_parser
+
+from .tiering import choose
 
 #: rendezvous backends whose name maps to tierrun's own, unless ``torch-`` is prefixed
 BACKEND_ALIASES = {"c10d": "tierrun", "static": "parallel"}
@@ -53,16 +55,21 @@ def build_parser() -> argparse.ArgumentParser:
         "--enable_tiered_parallel_tcpstore",
         action=env,
         type=parse_bool,
-        default=False,
-        help="torch_npu_run's flag: tiered store wire-up (a store proxy per node).",
+        default=None,
+        help="torch_npu_run's flag: tiered store wire-up (a store proxy per node), true or false. "
+        "Unset: chosen from --nnodes (see --tiered).",
     )
     parser.add_argument(
         "--tiered",
-        action="store_true",
-        help="tierrun's spelling of --enable_tiered_parallel_tcpstore true. Across nodes, give "
-        "every node the same secret in a file named by $TIERRUN_TOKEN_FILE (or in $TIERRUN_TOKEN) "
-        "to authenticate the links; without one, a token derived from --rdzv_id and the store "
-        "endpoint guards against accidents only.",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="Tiered store wire-up: a store proxy per node, which alone links to the store host "
+        "(tierrun's spelling of --enable_tiered_parallel_tcpstore true; --no-tiered: false). "
+        "Unset, backends tierrun/c10d and parallel tier jobs of 32 nodes or more (--nnodes MAX), "
+        "in a tree of fanout 8 from 64 nodes. Across nodes, give every node the same secret in a "
+        "file named by $TIERRUN_TOKEN_FILE (or in $TIERRUN_TOKEN) to authenticate the links; "
+        "without one, a token derived from --rdzv_id and the store endpoint guards against "
+        "accidents only.",
     )
     parser.add_argument(
         "--store-workers",
@@ -81,12 +88,12 @@ def build_parser() -> argparse.ArgumentParser:
         "--store_fanout",
         action=env,
         type=int,
-        default=0,
-        help="With --tiered (backends parallel and tierrun/c10d): stack the node proxies in a "
-        "tree with at most F links per proxy, so the store host sees F links instead of one per "
+        default=None,
+        help="Tiered wire-up (backends parallel and tierrun/c10d) with the node proxies stacked in "
+        "a tree of at most F links per proxy, so the store host sees F links instead of one per "
         "node; an elastic job builds each round's tree from its members. A node with children "
-        "takes their links on its --local_addr (or its host name's address). Default 0: every "
-        "proxy links to the store host.",
+        "takes their links on its --local_addr (or the address it reaches the store host from). "
+        "0: every proxy links to the store host. Unset: chosen from --nnodes (see --tiered).",
     )
     parser.add_argument(
         "--progress",
@@ -155,7 +162,7 @@ def normalise(args: argparse.Namespace) -> argparse.Namespace:
             "--rdzv_backend tierrun-etcd needs --rdzv_endpoint: etcd's client endpoints, "
             "comma-separated (HOST:PORT or http(s)://HOST:PORT)"
         )
-    args.tiered = bool(args.tiered or args.enable_tiered_parallel_tcpstore)
+    _choose_tiering(args, nmax)
     if args.store_workers < 1:
         raise UsageError(f"--store-workers {args.store_workers}: write 1 or more")
     if args.store_workers > 1 and args.rdzv_backend not in TIERRUN_BACKENDS:
@@ -170,8 +177,33 @@ def normalise(args: argparse.Namespace) -> argparse.Namespace:
                 f"--store-fanout needs a backend that builds a tree of node proxies, not --rdzv_backend "
                 f"{backend}: use tierrun (elastic; c10d maps to it) or parallel (fixed nodes)"
             )
-        if not args.tiered:
-            raise UsageError("--store-fanout stacks the node proxies of tiered wire-up in a tree: add --tiered")
     if args.max_restarts < 0:
         raise UsageError(f"--max_restarts {args.max_restarts} is negative: write 0 or more")
     return args
+
+
+def _choose_tiering(args: argparse.Namespace, max_nodes: int) -> None:
+    """Set ``args.tiered``, ``args.store_fanout`` and ``args.tiering`` (a
+    ``tiering.Tiering``) from the flags, or from the job's size if they say nothing.
+    ``--rdzv_conf tiered=...`` and ``store_fanout=...`` count as saying something (the
+    handlers read them). Raises UsageError if two flags disagree."""
+    flags = {f: v for f, v in (("--tiered", args.tiered),
+                               ("--enable_tiered_parallel_tcpstore", args.enable_tiered_parallel_tcpstore))
+             if v is not None}
+    if len(set(flags.values())) > 1:
+        raise UsageError("--tiered/--no-tiered and --enable_tiered_parallel_tcpstore disagree: give one of them")
+    tiered = next(iter(flags.values()), None)
+    conf = _parse_rendezvous_config(args.rdzv_conf or "")
+    if tiered is None and args.store_fanout is None:  # (the handlers check what they read)
+        if "tiered" in conf:
+            tiered = str(conf["tiered"]).lower() in ("1", "true")
+        elif "store_fanout" in conf:
+            tiered = str(conf["store_fanout"]).strip() not in ("0", "")
+    if tiered is False and args.store_fanout:
+        off = {"--tiered": "--no-tiered", "--enable_tiered_parallel_tcpstore": "--enable_tiered_parallel_tcpstore false"}
+        said = " and ".join(off[f] for f in flags) or "--rdzv_conf tiered=0"
+        raise UsageError(f"--store-fanout {args.store_fanout} stacks the node proxies of tiered wire-up in a "
+                         f"tree, but {said} turns tiering off: drop one of them")
+    args.tiering = choose(args.rdzv_backend, max_nodes, tiered, args.store_fanout, args.store_workers)
+    args.tiered = args.tiering.tiered
+    args.store_fanout = args.tiering.fanout

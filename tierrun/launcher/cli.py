@@ -40,6 +40,10 @@ DERIVED_TOKEN_WARNING = (
     "Kubernetes Secret, a file written before srun): see the guide's Security section."
 )
 
+#: Said once per node when the job's size chose its tiering (``tiering.choose``).
+AUTO_TIERING = ("node %s: %s, chosen for --nnodes %s (a store proxy per node: the store host serves "
+                "one link per node); --no-tiered turns it off, --store-fanout F sets the tree")
+
 
 def derived_token(run_id: str, endpoint: str) -> str:
     """The job token of a tiered job given no secret: a hash of its id and store endpoint,
@@ -75,15 +79,18 @@ def prepare(argv: list[str], settings: Settings):
         conf = f"rank={args.node_rank}"
         args.rdzv_conf = f"{args.rdzv_conf},{conf}" if args.rdzv_conf else conf
         args.node_rank = 0  # now in rdzv_conf; keeps torch from warning it is ignored
+    if args.tiering.auto:
+        log.info(AUTO_TIERING, args.local_addr or socket.gethostname(), args.tiering.describe(), args.nnodes)
     if args.tiered:
         if _job_token(settings, args.local_addr) is None:
             if args.standalone or args.nnodes.split(":")[-1] == "1":
                 settings = replace(settings, token=new_token())  # one node: nobody else needs it
             else:
                 # torch_npu_run's flags carry no secret; stay drop-in, but say what it costs
+                # (chosen by size, not asked for: still more than a flat store's none)
                 settings = replace(settings, token=derived_token(args.rdzv_id, args.rdzv_endpoint))
-                log.warning(DERIVED_TOKEN_WARNING, args.local_addr or socket.gethostname(),
-                            args.rdzv_id, args.rdzv_endpoint)
+                (log.info if args.tiering.auto else log.warning)(
+                    DERIVED_TOKEN_WARNING, args.local_addr or socket.gethostname(), args.rdzv_id, args.rdzv_endpoint)
         if args.store_workers > 1:
             log.warning("--store-workers has no effect with tiered wire-up: the store host sees "
                         "only the nodes' links")

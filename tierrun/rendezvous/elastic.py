@@ -67,6 +67,7 @@ from . import liveness
 from .conf import conf_bool, conf_float
 from .elastic_tree import TreeRounds
 from .job_store import JobStore, public_clients_from, store_workers_from, token_from
+from .sockets import link_address
 from .tree import store_fanout_from
 from .messages import join_timeout_message
 
@@ -456,7 +457,7 @@ def create_handler(params: RendezvousParameters, settings: Settings) -> Rendezvo
     timeout = timedelta(seconds=max(join_timeout, 60))
     is_host = conf_bool(params, "is_host")
     # (in a tree, any member may relay others in some round: every proxy takes links)
-    link_addr = (params.local_addr or socket.gethostname()) if store_fanout_from(params.config) else None
+    link_addr = link_address(params.local_addr, host, port) if store_fanout_from(params.config) else None
     job = JobStore(host, port, hosting=_hosts_store(host, params.local_addr) if is_host is None else is_host,
                    timeout=timeout, connect_timeout=join_timeout, unreachable_hint=_unreachable_hint(host, is_host),
                    token=token_from(params.config, settings),

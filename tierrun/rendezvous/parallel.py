@@ -18,7 +18,6 @@ from __future__ import annotations
 import json
 import logging
 import secrets
-import socket
 from datetime import timedelta
 
 from torch.distributed import PrefixStore
@@ -38,6 +37,7 @@ from ..settings import Settings
 from . import liveness
 from .handler_base import JobStoppedError, StoreRendezvousHandler
 from .job_store import JobStore, public_clients_from, store_workers_from, token_from
+from .sockets import link_address
 from .tree import TreePlace, store_fanout_from
 
 log = logging.getLogger("tierrun.rendezvous")
@@ -243,8 +243,7 @@ def create_handler(params: RendezvousParameters, settings: Settings) -> Rendezvo
     fanout = store_fanout_from(params.config)
     tree = None
     if fanout:
-        tree = TreePlace(rank, params.max_nodes, fanout, params.local_addr or socket.gethostname(),
-                         params.run_id)
+        tree = TreePlace(rank, params.max_nodes, fanout, link_address(params.local_addr, host, port), params.run_id)
     # (node rank 0 is told to host: if the port is taken, it fails rather than joining
     # whatever listens there, another job's store maybe)
     store = JobStore(host, port, hosting=rank == 0, timeout=timeout, token=token_from(params.config, settings),

@@ -13,6 +13,23 @@ def bracket(addr: str) -> str:
     return f"[{addr}]" if ":" in addr else addr
 
 
+def link_address(local_addr: str | None, store_host: str, port: int) -> str:
+    """Where a node takes other nodes' links (a tree's relay): ``local_addr`` if given,
+    else the address this machine sends from to reach the store host (the kernel's
+    route, chosen by a UDP socket's connect: no packet is sent, no name is looked up in
+    reverse), which the other nodes reach it by too; the host name if the store host's
+    name does not resolve here."""
+    if local_addr:
+        return local_addr
+    try:
+        family, _, _, _, address = socket.getaddrinfo(store_host, port, type=socket.SOCK_DGRAM)[0]
+        with socket.socket(family, socket.SOCK_DGRAM) as probe:
+            probe.connect(address)
+            return probe.getsockname()[0]
+    except OSError:
+        return socket.gethostname()
+
+
 def connect(host: str, port: int, timeout: float) -> socket.socket:
     """A TCP connection to ``host:port``, never one to itself: connecting on the store
     host's own machine to a port nobody listens on yet can, once in tens of thousands
