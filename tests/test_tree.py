@@ -195,3 +195,15 @@ def test_the_tree_reaches_every_node_with_at_most_fanout_links_each_and_node0_re
             up = places[up].parent
     if nodes <= fanout:
         assert children == {None: list(range(nodes))}
+
+
+def test_a_relay_without_local_addr_takes_links_where_it_reaches_the_store_host():
+    """Not its host name's address, which /etc/hosts often maps to 127.0.1.1 where other
+    nodes cannot reach it: the kernel's route to the store host names the interface the
+    other nodes reach this one on (no packet sent, no reverse lookup)."""
+    from tierrun.rendezvous.sockets import link_address
+
+    assert link_address("10.0.0.5", "127.0.1.1", 29500) == "10.0.0.5"  # given: kept as is
+    assert link_address(None, "127.0.1.1", 29500) == "127.0.0.1"  # (loopback: lo's own address)
+    assert link_address(None, "::1", 29500) == "::1"
+    assert link_address(None, "no-such-host.invalid", 29500) == socket.gethostname()
