@@ -71,7 +71,7 @@ from dataclasses import asdict
 
 from report import DOCS, raise_fd_limit, write_json, write_section
 from servers import process_cpu_seconds, start_torch
-from wireup_report import report, wakeup_floor_us
+from wireup_report import crossover, report, wakeup_floor_us
 from wireup_sim import RUN_ID, Plan, node_address, sim_child
 
 from tierrun.rendezvous.tree import TreePlace
@@ -79,6 +79,9 @@ from tierrun.server import StoreProcess
 
 SETUPS = ("torch", "tierrun-flat", "tiered", "tree", "tree-proxies", "tree-10ms")
 DEFAULT_SETUPS = ("torch", "tierrun-flat", "tiered", "tree", "tree-proxies")
+DEFAULT_SIZES = ["64x8", "128x8", "256x8", "512x8", "1024x8"]
+CROSSOVER_SETUPS = ("torch", "tierrun-flat", "tiered", "tree")
+CROSSOVER_SIZES = ("4x8", "8x8", "16x8", "32x8", "64x8", "128x8")
 #: The set-ups with node front-ends, and those stacked in a tree.
 TIERED = ("tiered", "tree", "tree-proxies", "tree-10ms")
 TREES = ("tree", "tree-proxies", "tree-10ms")
@@ -246,7 +249,7 @@ def echo_server() -> None:
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--sizes", nargs="+", default=["64x8", "128x8", "256x8", "512x8", "1024x8"], help="KxP")
+    p.add_argument("--sizes", nargs="+", default=DEFAULT_SIZES, help="KxP")
     p.add_argument("--repeat", type=int, default=3)
     p.add_argument("--procs", type=int, default=2, help="simulator processes")
     p.add_argument("--traffic", choices=("nccl", "gloo"), default="nccl")
@@ -265,6 +268,10 @@ def main() -> None:
     p.add_argument("--setups", nargs="+", choices=SETUPS, default=list(DEFAULT_SETUPS),
                    help="set-ups to run (torch's always runs: the ratios need it); with another "
                         "list than the default, runs go to docs/bench/wireup-<sizes>-<N>rounds.json only")
+    p.add_argument("--crossover", action="store_true",
+                   help=f"flat vs tiered vs tree from small to mid sizes ({' '.join(CROSSOVER_SIZES)} unless "
+                   "--sizes), skewed only: the crossover behind tierrun's choice with no tiering flag "
+                   "(docs/benchmarks.md, section wireup_crossover)")
     p.add_argument("--no-write", action="store_true", help="print only: write nothing under docs/")
     p.add_argument("--sim-child", help=argparse.SUPPRESS)
     p.add_argument("--echo-server", action="store_true", help=argparse.SUPPRESS)
@@ -276,6 +283,10 @@ def main() -> None:
         sim_child(args.sim_child)
         return
     raise_fd_limit()
+    if args.crossover:
+        args.setups, args.no_lockstep = list(CROSSOVER_SETUPS), True
+        if args.sizes == DEFAULT_SIZES:
+            args.sizes = list(CROSSOVER_SIZES)
     setups = [s for s in SETUPS if s == "torch" or s in args.setups]
     sizes = [tuple(map(int, s.split("x"))) for s in args.sizes]
     variants = [args.skew] + ([0.0] if args.skew > 0 and not args.no_lockstep else [])
@@ -296,8 +307,15 @@ def main() -> None:
     floor = statistics.median(wakeup_floor_us(__file__) for _ in range(args.repeat))
     table, med = report(runs, args, floor)
     print(table)
+    if args.crossover:
+        table = crossover(runs, args.repeat, args.skew)
+        print(table)
     if args.no_write:
         print("(--no-write: nothing written under docs/)")
+        return
+    if args.crossover:
+        write_json("wireup_crossover", {"args": vars(args), "runs": runs, "wakeup_floor_us": floor})
+        write_section("wireup_crossover", table)
         return
     name = ("wireup" if args.traffic == "nccl" else "wireup_gloo") + ("_torch_agents" if args.agents == "torch" else "")
     data = {"args": vars(args), "runs": runs, "wakeup_floor_us": floor}

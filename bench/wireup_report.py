@@ -133,3 +133,39 @@ def wakeup_floor_us(script: str, messages: int = 1000, gap: float = 0.005) -> fl
     finally:
         child.kill()
         child.wait()
+
+
+def crossover(runs: dict[str, dict[str, list[dict]]], repeat: int, skew: float) -> str:
+    """The crossover table: per size, node 0's and the busiest node's CPU of tierrun
+    flat, tiered and tree (torch's server alongside), in how many rounds tiered cost
+    node 0 less than flat and the tree less than tiered, and what
+    ``tierrun.launcher.tiering`` chooses at that size with no flag."""
+    from tierrun.launcher import tiering
+
+    def chosen(k: int) -> str:
+        t = tiering.choose("parallel", k, None, None)
+        return "tree" if t.fanout else "tiered" if t.tiered else "tierrun-flat"
+
+    def wins(by: dict[str, list[dict]], a: str, b: str) -> str:
+        if a not in by or b not in by:
+            return "—"
+        won = sum(ra["node0_cpu_s"] < rb["node0_cpu_s"] for ra, rb in zip(by[a], by[b]))
+        return f"{won}/{min(len(by[a]), len(by[b]))}"
+
+    med = medians(runs)
+    setups = ("tierrun-flat", "tiered", "tree")
+    lines = [
+        f"Medians of {repeat} rounds, nodes spread over {skew:g} s; CPU seconds of node 0 / of the busiest "
+        "node (node 0 or a relay). Chosen: what tierrun runs with no tiering flag (tiered from "
+        f"{tiering.TIERED_FROM_NODES} nodes, a tree of fanout {tiering.AUTO_FANOUT} from {tiering.TREE_FROM_NODES}).",
+        "",
+        "| K x P | torch | tierrun-flat | tiered | tree | wins: tiered < flat | wins: tree < tiered | chosen |",
+        "|---|---:|---:|---:|---:|---:|---:|---|",
+    ]
+    for size, by in med.items():
+        k = int(size.split("x")[0])
+        cells = [f"{by['torch']['node0_cpu_s']:.3f}" if "torch" in by else "—"]
+        cells += [f"{by[s]['node0_cpu_s']:.3f} / {by[s]['busiest_cpu_s']:.3f}" if s in by else "—" for s in setups]
+        cells += [wins(runs[size], "tiered", "tierrun-flat"), wins(runs[size], "tree", "tiered"), chosen(k)]
+        lines.append(f"| {size} | {' | '.join(cells)} |")
+    return "\n".join(lines)

@@ -18,10 +18,10 @@ from dataclasses import dataclass
 AUTO_BACKENDS = ("parallel", "tierrun")
 #: From this many nodes a job is tiered: node 0's CPU in the wire-up is then below the
 #: flat store's in every measured round (below it, the two are within noise).
-TIERED_FROM_NODES = 32
+TIERED_FROM_NODES = 16
 #: From this many nodes its proxies form a tree of ``AUTO_FANOUT`` links per proxy:
 #: node 0's CPU is then below flat tiering's, and no relay costs more than node 0.
-TREE_FROM_NODES = 64
+TREE_FROM_NODES = 32
 AUTO_FANOUT = 8
 
 
