@@ -272,6 +272,9 @@ def main() -> None:
                    help=f"flat vs tiered vs tree from small to mid sizes ({' '.join(CROSSOVER_SIZES)} unless "
                    "--sizes), skewed only: the crossover behind tierrun's choice with no tiering flag "
                    "(docs/benchmarks.md, section wireup_crossover)")
+    p.add_argument("--report-only", action="store_true",
+                   help="with --crossover: no run; the table again from docs/bench/wireup_crossover.json "
+                   "(after a change of tierrun's thresholds, whose choice it shows)")
     p.add_argument("--no-write", action="store_true", help="print only: write nothing under docs/")
     p.add_argument("--sim-child", help=argparse.SUPPRESS)
     p.add_argument("--echo-server", action="store_true", help=argparse.SUPPRESS)
@@ -283,6 +286,13 @@ def main() -> None:
         sim_child(args.sim_child)
         return
     raise_fd_limit()
+    if args.crossover and args.report_only:  # (the table again, from the last run's raw runs)
+        saved = json.loads((DOCS / "bench" / "wireup_crossover.json").read_text())
+        table = crossover(saved["runs"], saved["args"]["repeat"], saved["args"]["skew"])
+        print(table)
+        if not args.no_write:
+            write_section("wireup_crossover", table)
+        return
     if args.crossover:
         args.setups, args.no_lockstep = list(CROSSOVER_SETUPS), True
         if args.sizes == DEFAULT_SIZES:

@@ -78,10 +78,10 @@ def test_store_fanout_on_the_elastic_backend_and_its_c10d_alias():
 
 
 @pytest.mark.parametrize("argv, tiered, fanout, auto", [
-    (["--nnodes", "15"], False, 0, False),  # below the crossover: flat
-    (["--nnodes", "16"], True, 0, True),
-    (["--nnodes", "31", "--rdzv_backend", "parallel"], True, 0, True),
-    (["--nnodes", "32", "--rdzv_backend", "parallel"], True, 8, True),
+    (["--nnodes", "31"], False, 0, False),  # below the crossover: flat
+    (["--nnodes", "32"], True, 0, True),
+    (["--nnodes", "63", "--rdzv_backend", "parallel"], True, 0, True),
+    (["--nnodes", "64", "--rdzv_backend", "parallel"], True, 8, True),
     (["--nnodes", "2:64", "--rdzv_backend", "c10d"], True, 8, True),  # elastic: by its maximum
     (["--nnodes", "64", "--no-tiered"], False, 0, False),  # flags win
     (["--nnodes", "64", "--enable_tiered_parallel_tcpstore", "false"], False, 0, False),
@@ -99,7 +99,7 @@ def test_tiering_is_chosen_by_the_jobs_size_unless_a_flag_says(argv, tiered, fan
 
     a = parse(*argv)
     assert (a.tiered, a.store_fanout, a.tiering.auto) == (tiered, fanout, auto)
-    assert (tiering.TIERED_FROM_NODES, tiering.TREE_FROM_NODES, tiering.AUTO_FANOUT) == (16, 32, 8)
+    assert (tiering.TIERED_FROM_NODES, tiering.TREE_FROM_NODES, tiering.AUTO_FANOUT) == (32, 64, 8)
 
 
 def test_a_tiering_chosen_by_size_reaches_the_handlers_and_is_said(caplog):
