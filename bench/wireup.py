@@ -36,8 +36,8 @@ APPEND to the arrivals, WAIT for all_arrived, GET the count; while the ranks run
 standing WAIT on the round's failed key and the heartbeat (ADD its beat counter at
 once, then on every whole second of the wall clock; nodes 0-2 also MULTI_GET every
 other node's half a second later); then the same exit barrier. In a tree, a node with a
-parent first reads where its parent takes links over a short link of its own to the
-store host (WAIT + GET, ``tier.lookup``), and a relay's agent SETs that address.
+parent first reads where its parent takes links with a LOOKUP at the store host (one
+frame, no session: ``tier.lookup``), and a relay's agent SETs that address.
 Per rank, --traffic nccl (default): connect, VALIDATE+PING, ADD init/; NCCL's unique-id
 broadcast; a barrier; then --heartbeats CHECKs one second apart. --traffic gloo:
 Gloo's full-mesh address exchange instead (O(W^2) requests; small K only).

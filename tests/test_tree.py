@@ -125,9 +125,9 @@ def test_static_job_with_store_fanout_node0_sees_fanout_links_and_ends_as_flat_d
     _, flat_wall = _static_job(tmp_path, "flat")
     assert tree_wall < flat_wall + 5, (tree_wall, flat_wall)  # (cut off: 15 s more)
     served = served_by_store_host(logs[0])
-    # 1 link; nodes 2, 3 and 4 each looked up their parent once, over a link of its own
-    # (closed at once), and no torch client reached the public port (links only)
-    assert served["links_accepted"] == 1 + 3 and served["clients_accepted"] == 0
+    # 1 link; nodes 2, 3 and 4 each looked up their parent once (a LOOKUP: no session,
+    # closed once answered), and no torch client reached the public port (links only)
+    assert served["links_accepted"] == 1 and served["lookups"] == 3 and served["clients_accepted"] == 0
     assert served["node_frontend"]["clients_accepted"] >= 2  # node 0's agent and worker
 
 

@@ -14,7 +14,7 @@ from typing import Protocol
 
 from ..link import auth
 from ..link.frames import (
-    ACK, BATCH, ERROR, FAILED, INVALIDATED, LINK_MAGIC, OK, REQUEST, TAG,
+    ACK, BATCH, ERROR, FAILED, INVALIDATED, LINK_MAGIC, LOOKUP, OK, REQUEST, TAG,
     FrameDecoder, LinkError, Unauthenticated, decode_count, encode_pong, encode_reply, lone_request,
 )
 from ..link.seal import Sealer
@@ -23,6 +23,7 @@ from ..core import StoreError
 from ..protocol import ProtocolError
 from ..protocol.parser import decode_request
 from ..protocol.opcodes import NO_REPLY_OPS, WAITING_OPS
+from .lookup import LookupAnswer
 from .session import SMALL_ANSWER, Host, Session, waiter_for
 
 
@@ -74,6 +75,7 @@ class LinkServerConnection(asyncio.Protocol):
         #: Not read while its session's relayed writes wait for room upstream.
         self.paused = False
         self._keeping: asyncio.TimerHandle | None = None  # (the keep-alive of a paused connection)
+        self._lookup: LookupAnswer | None = None  # (a connection that asked one LOOKUP: no session)
 
     def connection_made(self, transport) -> None:  # type: ignore[override]
         self._transport = transport
@@ -170,6 +172,10 @@ class LinkServerConnection(asyncio.Protocol):
                 elif session is not None and ftype == ERROR:
                     self._server.expire(session, "the front-end closed its session", quiet=True)
                     return
+                elif self._lookup is not None:
+                    raise LinkError("nothing may follow a LOOKUP")
+                elif session is None and ftype == LOOKUP:
+                    self._answer_lookup(payload)
                 elif session is None:
                     handshake = self._handshake
                     out = handshake.feed(ftype, payload)
@@ -206,6 +212,24 @@ class LinkServerConnection(asyncio.Protocol):
                 self.abort(f"internal error: {e!r}")
         finally:
             self._uncork()
+
+    def _answer_lookup(self, payload: bytes) -> None:
+        """A LOOKUP (``hub.lookup``): verified, it waits as long as its key takes,
+        outside the handshake's bounds; answered, the connection closes. Raises
+        LinkError (refused: the caller says why and closes)."""
+        handshake = self._handshake
+        nonce, key = handshake.lookup(payload)
+        self._opened()
+
+        def send(answer: bytes) -> None:
+            self._server.stats.lookups += 1
+            self._uncork()
+            self._write_wire(handshake.found(nonce, answer))
+            if self._transport is not None:
+                self._transport.close()
+
+        self._lookup = LookupAnswer(self._server.upstream_for(b""), key, send, self.refuse)
+        self._lookup.start()
 
     def _opened(self) -> None:
         """The session is open: the handshake's bounds no longer apply."""
@@ -314,6 +338,8 @@ class LinkServerConnection(asyncio.Protocol):
 
     def connection_lost(self, exc: Exception | None) -> None:
         self._opened()  # (whatever it was waiting for, it is not in a handshake any more)
+        if self._lookup is not None:
+            self._lookup.cancel()
         self._server.connections.discard(self)
         session, self._session = self._session, None
         if session is not None and session.conn is self:

@@ -178,6 +178,7 @@ class LinkStats:
     def __init__(self) -> None:
         self.links = 0  # connections with a live session now
         self.links_accepted = 0  # sessions opened
+        self.lookups = 0  # LOOKUPs answered (connections with no session)
         self.link_resumes = 0
         self.sessions_expired = 0
         self.batches = 0

@@ -3,6 +3,12 @@
 Each side sends a fresh random nonce and proves it knows the token by the HMAC of both
 nonces (with a different label per direction, so a proof cannot be reflected). The
 token itself never crosses the wire.
+
+A LOOKUP (one key's value, no session) takes no round trip: its HMAC covers the
+requester's nonce and the key, and FOUND's the nonce and the answer, so only a holder
+of the token gets an answer, and it can trust it. Nothing is changed by a lookup, so a
+recorded one replayed gets only what its first answer showed (the key's value, if it
+did not change since).
 """
 
 from __future__ import annotations
@@ -12,7 +18,7 @@ import hmac
 import secrets
 import struct
 
-from .frames import AUTH, ERROR, HELLO, VERSION, WELCOME, LinkError, frame
+from .frames import AUTH, ERROR, FOUND, HELLO, LOOKUP, VERSION, WELCOME, LinkError, frame
 
 NONCE = 32
 _ver = struct.Struct("<H")
@@ -65,6 +71,40 @@ def check_auth(token: bytes, server_nonce: bytes, payload: bytes) -> bytes:
 def check_welcome(token: bytes, server_nonce: bytes, client_nonce: bytes, payload: bytes) -> None:
     if not hmac.compare_digest(payload, _mac(token, b"tierrun-link-server", client_nonce, server_nonce)):
         raise LinkError("the store host does not know the job token (wrong token, or not tierrun)")
+
+
+def lookup(token: bytes, key: bytes) -> tuple[bytes, bytes]:
+    """Requester side: (the LOOKUP frame of ``key``, its nonce)."""
+    nonce = secrets.token_bytes(NONCE)
+    return frame(LOOKUP, _ver.pack(VERSION) + nonce + _mac(token, b"tierrun-lookup", nonce, key) + key), nonce
+
+
+def check_lookup(token: bytes, payload: bytes) -> tuple[bytes, bytes]:
+    """Core side: verify a LOOKUP; (nonce, key). Raises LinkError."""
+    if len(payload) < 2 + 2 * NONCE:
+        raise LinkError("malformed LOOKUP")
+    (version,) = _ver.unpack_from(payload)
+    if version != VERSION:
+        raise LinkError(
+            f"front-end speaks link version {version}, the store host {VERSION}: "
+            "install the same tierrun version on every node"
+        )
+    nonce, mac, key = payload[2 : 2 + NONCE], payload[2 + NONCE : 2 + 2 * NONCE], payload[2 + 2 * NONCE :]
+    if not hmac.compare_digest(mac, _mac(token, b"tierrun-lookup", nonce, key)):
+        raise LinkError("wrong job token")
+    return nonce, key
+
+
+def found(token: bytes, nonce: bytes, answer: bytes) -> bytes:
+    return frame(FOUND, _mac(token, b"tierrun-found", nonce, answer) + answer)
+
+
+def check_found(token: bytes, nonce: bytes, payload: bytes) -> bytes:
+    """Requester side: the answer FOUND carries, once its HMAC is checked. Raises LinkError."""
+    answer = payload[32:]
+    if len(payload) < 32 or not hmac.compare_digest(payload[:32], _mac(token, b"tierrun-found", nonce, answer)):
+        raise LinkError("the store host does not know the job token (wrong token, or not tierrun)")
+    return answer
 
 
 def error(message: str) -> bytes:

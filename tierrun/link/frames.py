@@ -47,6 +47,11 @@
                the front-end's watch lease: see below)
     INVALIDATE  := u64 round | u32 n | n x u64 watch id  core -> front-end
     INVALIDATED := u64 round                             front-end -> core
+    LOOKUP  := u16 version | 32-byte nonce | 32-byte HMAC | key     instead of AUTH: one
+               key's value, once it is set, and nothing else (``tier.lookup``: where a
+               node's parent in a tree takes links); no session
+    FOUND   := 32-byte HMAC | the GET's torch-encoded reply   core -> front-end, then
+               the core closes (the HMACs: ``auth``)
 
 Watches (docs/architecture.md: standing watches). A WATCH entry's answer is a watch state
 (``tierrun.core.watch_state``) followed by the request's own answer; the core then tells the
@@ -81,10 +86,12 @@ from collections.abc import Iterator
 from typing import Protocol
 
 LINK_MAGIC = 0xA7  # first byte a front-end sends: not an opcode of any torch version
-VERSION = 8  # 2: sessions, resumption, heartbeats; 3: a client per namespace, CANCEL; 4: watches;
-# 5: WATCHES; 6: FETCHES; 7: PEEKS; 8: sealed frames (a MAC each), the store's limits in RESUMED
+VERSION = 9  # 2: sessions, resumption, heartbeats; 3: a client per namespace, CANCEL; 4: watches;
+# 5: WATCHES; 6: FETCHES; 7: PEEKS; 8: sealed frames (a MAC each), the store's limits in RESUMED;
+# 9: LOOKUP
 
 HELLO, AUTH, WELCOME, ERROR, BATCH, REPLIES, SESSION, RESUMED, ACK, PONG, INVALIDATE, INVALIDATED = range(1, 13)
+LOOKUP, FOUND = 13, 14
 OPEN, REQUEST, CANCEL, WAITS, WATCH, WATCHES, FETCHES, PEEKS = range(8)
 #: A front-end answers from a watch only this long (seconds) after sending an ACK that
 #: the core answered with a PONG; the core, holding its answers for a front-end that

@@ -188,6 +188,21 @@ class ServerHandshake:
             return b""
         raise LinkError(f"unexpected frame type {ftype}")
 
+    def lookup(self, payload: bytes) -> tuple[bytes, bytes]:
+        """A LOOKUP instead of AUTH: (its nonce, its key), verified; nothing may follow
+        it on this connection. Raises LinkError."""
+        if self.authenticated:
+            raise LinkError("a LOOKUP after AUTH")
+        if self._token is None:
+            raise LinkError("this store accepts no links (it was started without a job token)")
+        self.authenticated = True  # (its answer is all this connection gets: no session)
+        return auth.check_lookup(self._token, payload)
+
+    def found(self, nonce: bytes, answer: bytes) -> bytes:
+        """The FOUND frame of a verified LOOKUP's ``answer``."""
+        assert self._token is not None
+        return auth.found(self._token, nonce, answer)
+
 
 class Heartbeat:
     """When the peer was last heard from, and whether it is presumed gone. Takes the

@@ -177,9 +177,9 @@ class JobStore:
         return self._client is not None and (not self.tiered or self.proxy is not None)
 
     def _parent_address(self, tree: TreePlace) -> str:
-        """Where the parent node's proxy takes links, as it published it: read over a
-        link of its own to the store host (WAIT + GET; the store host's public port
-        takes links only), closed at once. Blocks up to the store timeout; raises
+        """Where the parent node's proxy takes links, as it published it: a LOOKUP of
+        its key at the store host (``tier.lookup``: the store host's public port takes
+        links only). Blocks up to the store timeout; raises
         RendezvousConnectionError naming the parent."""
         assert self.token is not None
         key = ("/" + tree.key(tree.parent)).encode()  # (torch's client adds the "/")
@@ -196,7 +196,7 @@ class JobStore:
                         raise
                     time.sleep(delay)
                     delay = min(2 * delay, 2.0)
-        except (OSError, LinkError, LookupError) as e:
+        except (OSError, LinkError) as e:
             if isinstance(e, LinkError) and any(why in str(e) for why in TOKEN_REFUSED):
                 raise RendezvousConnectionError(self._token_refused(f"{self.host}:{self.port}")) from None
             raise RendezvousConnectionError(

@@ -82,7 +82,7 @@ async def serve_proxy(
         counters = {**link.stats.as_dict(), "upstream_silence_s": -1.0 if silence is None else round(silence, 3)}
         if links is not None:
             st = links.stats
-            counters.update(links=st.links, links_accepted=st.links_accepted, link_resumes=st.link_resumes,
+            counters.update(links=st.links, links_accepted=st.links_accepted, lookups=st.lookups, link_resumes=st.link_resumes,
                             link_batches=st.batches, link_operations=st.operations)
         return counters
 

@@ -55,7 +55,7 @@ async def serve_root(
                 "store_bytes": budget.bytes, "store_entries": budget.entries, "budget_refused": budget.refused,
                 "scans": core.pacer.scans, "scans_refused": core.pacer.refused,
                 "links": st.links,
-                "links_accepted": st.links_accepted, "link_resumes": st.link_resumes,
+                "links_accepted": st.links_accepted, "lookups": st.lookups, "link_resumes": st.link_resumes,
                 "sessions_expired": st.sessions_expired, "link_batches": st.batches,
                 "link_operations": st.operations, "watches": core.num_watches,
                 "watches_evicted": core.watches_evicted,

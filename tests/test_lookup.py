@@ -1,0 +1,142 @@
+"""LOOKUP: one key's value for a node of a store tree before its proxy starts
+(``tier.lookup``, ``hub.lookup``), against a real `tierrun store` process: answered
+once the key is set, in one read of the store host and with no session; refused
+without the token; a forged answer is not believed; bad input closes that connection
+only; a requester that leaves frees its WAIT."""
+
+from __future__ import annotations
+
+import os
+import socket
+import struct
+import threading
+import time
+
+import pytest
+
+from tierrun.client import StoreClient
+from tierrun.link import auth
+from tierrun.link.frames import ERROR, FOUND, LINK_MAGIC, LOOKUP, FrameDecoder, LinkError, frame
+from tierrun.server import StoreProcess
+from tierrun.tier.lookup import read_over_link
+
+TOKEN = b"lookup-test"
+
+
+@pytest.fixture
+def host():
+    """A tiered job's store host (links only on its public port) and a torch-protocol
+    client of its own node's front-end."""
+    s = StoreProcess(host="127.0.0.1", port=0, controlled=True, node_frontend_unix=f"@tierrun-lookup-{os.getpid()}",
+                     env={**os.environ, "TIERRUN_TOKEN": TOKEN.decode()}, extra_args=["--links-only"])
+    s.start()
+    with StoreClient(("127.0.0.1", s.node_port), timeout=10) as c:
+        yield s, c
+    s.stop()
+
+
+def exchange(port: int, data: bytes, timeout: float = 5.0) -> list[tuple[int, bytes]]:
+    """Send ``data`` on a new connection; the frames received until the store host closes it."""
+    frames = []
+    with socket.create_connection(("127.0.0.1", port), timeout=timeout) as sock:
+        sock.sendall(data)
+        decoder = FrameDecoder(1 << 20)
+        while True:
+            try:
+                chunk = sock.recv(1 << 16)
+            except ConnectionResetError:
+                break
+            if not chunk:
+                break
+            frames += list(decoder.frames(chunk))
+    return frames
+
+
+def test_a_lookup_waits_for_its_key_and_takes_no_session(host):
+    store, client = host
+    got: list[bytes] = []
+    t = threading.Thread(target=lambda: got.append(read_over_link(("127.0.0.1", store.port), TOKEN, b"/tree/1", 20)))
+    t.start()
+    time.sleep(0.5)
+    assert not got and store.stats()["waiters"] == 1  # (it waits, at the store host)
+    client.set(b"/tree/1", b"10.0.0.2:41234")
+    t.join(10)
+    assert got == [b"10.0.0.2:41234"]
+    assert read_over_link(("127.0.0.1", store.port), TOKEN, b"/tree/1", 5) == b"10.0.0.2:41234"  # (set: at once)
+    stats = store.stats()
+    assert stats["lookups"] == 2 and stats["links_accepted"] == 0 and stats["waiters"] == 0
+
+
+def test_a_wrong_token_is_refused_and_the_store_host_serves_on(host):
+    store, client = host
+    client.set(b"/tree/1", b"secret-ish")
+    with pytest.raises(LinkError, match="wrong job token"):
+        read_over_link(("127.0.0.1", store.port), b"another job", b"/tree/1", 5)
+    request, _ = auth.lookup(TOKEN, b"/tree/1")  # a key swapped under a valid MAC
+    tampered = request[:-1] + b"2"
+    assert [f for f, _ in exchange(store.port, bytes([LINK_MAGIC]) + tampered)][-1] == ERROR
+    assert read_over_link(("127.0.0.1", store.port), TOKEN, b"/tree/1", 5) == b"secret-ish"
+    assert store.exited() is None and store.stats()["lookups"] == 1
+
+
+def test_anything_after_a_lookup_or_an_oversized_one_closes_that_connection_only(host):
+    store, client = host
+    client.set(b"/tree/1", b"v")
+    request, _ = auth.lookup(TOKEN, b"/later")  # (not set: it would wait)
+    frames = exchange(store.port, bytes([LINK_MAGIC]) + request + frame(LOOKUP, b"x" * 70))
+    assert [f for f, _ in frames][-1] == ERROR and b"nothing may follow a LOOKUP" in frames[-1][1]
+    assert store.stats()["waiters"] == 0  # (its WAIT went with it)
+    big, _ = auth.lookup(TOKEN, b"/" + b"k" * 8192)  # (past what an unauthenticated peer may send)
+    assert FOUND not in [f for f, _ in exchange(store.port, bytes([LINK_MAGIC]) + big)]  # (closed, unread)
+    assert read_over_link(("127.0.0.1", store.port), TOKEN, b"/tree/1", 5) == b"v"
+    assert store.exited() is None
+
+
+def test_a_requester_that_leaves_frees_its_wait(host):
+    store, _ = host
+    request, _ = auth.lookup(TOKEN, b"/never")
+    with socket.create_connection(("127.0.0.1", store.port)) as sock:
+        sock.sendall(bytes([LINK_MAGIC]) + request)
+        deadline = time.monotonic() + 5
+        while store.stats()["waiters"] != 1:
+            assert time.monotonic() < deadline
+            time.sleep(0.05)
+    deadline = time.monotonic() + 5
+    while store.stats()["waiters"] != 0:
+        assert time.monotonic() < deadline, store.stats()
+        time.sleep(0.05)
+
+
+def test_a_replayed_lookup_gets_only_what_its_first_answer_showed(host):
+    """Nothing is changed by a lookup, so a recorded one replays harmlessly: it reads
+    the same key again, and its answer proves nothing to anyone without the token."""
+    store, client = host
+    client.set(b"/tree/1", b"10.0.0.2:1")
+    request, nonce = auth.lookup(TOKEN, b"/tree/1")
+    first = exchange(store.port, bytes([LINK_MAGIC]) + request)
+    again = exchange(store.port, bytes([LINK_MAGIC]) + request)
+    found = [p for f, p in first if f == FOUND]
+    assert found and [p for f, p in again if f == FOUND] == found
+    assert auth.check_found(TOKEN, nonce, found[0])[8:] == b"10.0.0.2:1"
+
+
+def test_an_answer_that_does_not_prove_the_token_is_not_believed():
+    """An impostor at the store host's address (a wrong address, a stale DNS record)
+    cannot point a node at a relay of its choosing."""
+    with socket.socket() as server:
+        server.bind(("127.0.0.1", 0))
+        server.listen()
+
+        def impostor() -> None:
+            conn, _ = server.accept()
+            with conn:
+                conn.recv(4096)
+                answer = struct.pack("<Q", 14) + b"10.6.6.6:31337"
+                conn.sendall(auth.hello(os.urandom(32)) + frame(FOUND, os.urandom(32) + answer))
+                time.sleep(0.5)
+
+        t = threading.Thread(target=impostor)
+        t.start()
+        with pytest.raises(LinkError, match="does not know the job token"):
+            read_over_link(server.getsockname(), TOKEN, b"/tree/1", 5)
+        t.join()
