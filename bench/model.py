@@ -28,7 +28,7 @@ Counts at the store host (node 0), from the traffic ``wireup_sim.py`` replays:
                     relay in place (q-F+1) // F (``TreePlace``: a heap, so the top
                     subtrees are unequal, n_top,j); levels = front-ends stacked above
                     the deepest leaf, ~ ceil(log_F K); node 0: F - 1 links, K - F parent
-                    lookups (a short link each: a handshake, 2 frames, 2 requests),
+                    lookups (a LOOKUP each: a connection, 1 frame, 2 requests),
                     frames sum_j f(n_top,j) + 2 (K-F) + o,
                     requests sum_j r(n_top,j) + 2 (K-F) + o.
   a relay           children subtrees n_1..n_F: F links, relays R = sum r(n_i) + o requests.
@@ -131,7 +131,7 @@ class Counts:
     r1: float = 28.0  # requests of one node's link
     beta: float = 0.7
     unmergeable: float = 6.0  # u
-    lookup_frames: int = 2
+    lookup_frames: int = 1  # (a LOOKUP: one frame read, no session)
     lookup_requests: int = 2
 
     def frames(self, n: float) -> float:

@@ -32,9 +32,9 @@ CAVEATS = [
     "through n = 1, 9 and 36 nodes per top link; at n = 1,786 (12,500 nodes, F = 8) it is far outside "
     "its data. The floor `u n` (requests no front-end merges) is what keeps it honest there, and it is "
     "an estimate (u = 6).",
-    "**Parent lookups.** Every node with a parent reads its parent's address over a short link of its "
-    "own to node 0 (a handshake each, ~0.4-0.9 ms of node 0 by the fits): K - F handshakes at node 0, "
-    "so in the model the tree's node 0 stays linear in K and the lookups dominate it at 12,500 nodes. The "
+    "**Parent lookups.** Every node with a parent reads its parent's address with a LOOKUP at node 0 (a "
+    "connection and one frame each): K - F of them at node 0, so in the model the tree's node 0 stays "
+    "linear in K and the lookups dominate it at 12,500 nodes. The "
     "*no lookups* line shows the same tree if a node learned its parent's address without node 0.",
     "**Wall time on one machine.** Every process shares 2 cores here: the tree's measured wall grows "
     "with its 32 proxy processes' CPU, which the model (a cluster: a node per machine) leaves out "

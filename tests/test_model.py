@@ -44,9 +44,9 @@ def test_tree_by_hand():
     own = 11 * 1 + 1  # node 0's own front-end: 11 P + a
     lookups = 10 - 3
     assert pr.links == 2 + lookups
-    assert pr.frames == 2 * (5 + 4) + 2 * lookups + own == 44
+    assert pr.frames == 2 * (5 + 4) + 1 * lookups + own == 37  # (a LOOKUP: one frame, two requests)
     assert pr.requests == 3 * (5 + 4) + 2 * lookups + own == 53
-    assert pr.node0_cpu == pytest.approx(9e-3 + 44e-5 + 53e-6)
+    assert pr.node0_cpu == pytest.approx(9e-3 + 37e-5 + 53e-6)
     # relay 1: 3 child links, requests r(2) + r(1) + r(1) + own = 6 + 3 + 3 + 12
     assert pr.relay_cpu == pytest.approx(3e-3 + 24 * 1e-4)
     assert pr.busiest == pr.node0_cpu and pr.who == "node 0"
