@@ -140,3 +140,25 @@ def test_an_answer_that_does_not_prove_the_token_is_not_believed():
         with pytest.raises(LinkError, match="does not know the job token"):
             read_over_link(server.getsockname(), TOKEN, b"/tree/1", 5)
         t.join()
+
+
+def test_a_lookup_at_a_relay_goes_up_its_link(host):
+    """A relay (a proxy taking links) answers a LOOKUP as the store host does, through
+    its own link: the WAIT and the GET go up, the answer comes down."""
+    store, client = host
+    relay = StoreProcess(command="proxy", host="127.0.0.1", port=0, controlled=True,
+                         env={**os.environ, "TIERRUN_TOKEN": TOKEN.decode()},
+                         extra_args=["--upstream", f"127.0.0.1:{store.port}", "--link-listen", "127.0.0.1:0",
+                                     "--connect-timeout", "10"])
+    relay.start()
+    try:
+        got: list[bytes] = []
+        t = threading.Thread(target=lambda: got.append(
+            read_over_link(("127.0.0.1", relay.link_port), TOKEN, b"/tree/9", 20)))
+        t.start()
+        time.sleep(0.5)
+        client.set(b"/tree/9", b"10.0.0.9:1")
+        t.join(10)
+        assert got == [b"10.0.0.9:1"] and relay.stats()["lookups"] == 1 and relay.exited() is None
+    finally:
+        relay.stop()

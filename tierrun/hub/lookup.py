@@ -57,6 +57,12 @@ class LookupAnswer:
         self.done = True
         self._send(reply)
 
+    def drop(self, reason: str) -> None:
+        """Its upstream gave up on it (a relay's link lost, the request refused)."""
+        if not self.done:
+            self.done = True
+            self._fail(reason)
+
     def cancel(self) -> None:
         if not self.done:
             self.done = True
