@@ -31,6 +31,7 @@ from ..link.frames import LinkError
 from ..server import LINK_LOST, HostedFrontEnd, StoreProcess, StoreStartError
 from ..settings import Settings, store_process_env
 from ..tier.lookup import read_over_link
+from .conf import conf_flag
 from .sockets import (
     await_listener, bracket, closed_by_peer, last_line, port_in_use, watch_connection,
 )
@@ -440,10 +441,10 @@ class JobStore:
 
 
 def token_from(config: dict, settings: Settings) -> bytes | None:
-    """The job token when ``--rdzv_conf tiered=1`` (set by ``--tiered``), else None.
-    Raises ValueError when there is none or its file is empty, ``OSError`` if its file
-    cannot be read."""
-    if str(config.get("tiered", "0")).lower() not in ("1", "true"):
+    """The job token when ``--rdzv_conf tiered=1`` (set by ``--tiered``; any of torch's
+    boolean spellings), else None. Raises ValueError when there is none or its file is
+    empty, or ``tiered`` is no boolean; ``OSError`` if its file cannot be read."""
+    if not conf_flag(config, "tiered"):
         return None
     token = settings.job_token()
     if token is None:
