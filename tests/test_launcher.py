@@ -233,3 +233,39 @@ def test_a_job_of_up_to_64_nodes_is_tiered_in_a_tree_without_a_flag(tmp_path):
         assert not [line for line in text.splitlines() if "WARNING" in line and "job token" in line]
     served = served_by_store_host(logs[0])
     assert served["links_accepted"] == 2 and served["clients_accepted"] == 0
+
+
+@pytest.mark.parametrize("case", ["flat host", "tiered host", "flat host, tree"])
+def test_a_node_whose_store_layout_differs_from_the_store_hosts_stops_in_one_line(tmp_path, case):
+    """The nodes of one job decide their store layout alone. When they differ -- a 64-node
+    job whose store host alone was given --store-workers 2 (a store-host flag: it keeps
+    the store flat) while the others tier by size, or the other way round, or a node of
+    a tree whose store host was told --no-tiered -- the node that differs stops at once
+    in one line saying what differs and what to write: not "refused the link" with no
+    word of what to do, nor a minute of torch's C++ stack traces ending in "cannot reach
+    the job's store"."""
+    port = free_port()
+    logs = [tmp_path / f"node{k}.log" for k in (0, 1)]
+    if case == "flat host, tree":  # node rank 2's parent in the tree is node rank 1
+        common = ("--nnodes", 3, "--rdzv_backend", "parallel", "--master_addr", "127.0.1.1", "--master_port", port)
+        flags = [(*common, "--node_rank", 0, "--no-tiered"), (*common, "--node_rank", 2, "--store-fanout", 2)]
+    else:
+        common = ("--nnodes", "2:64", "--rdzv_endpoint", f"127.0.1.1:{port}", "--rdzv_id", "mixed")
+        flat = (*common, "--store-workers", 2)
+        flags = [flat, common] if case == "flat host" else [common, flat]
+    procs = [tierrun(*flags[k], "--nproc_per_node", 1, "--local_addr", f"127.0.1.{k + 1}",
+                     SCRIPTS / "collectives.py", log=logs[k], env={"TIERRUN_TOKEN": ""}) for k in (0, 1)]
+    try:
+        started = time.monotonic()
+        assert finish(procs[1:], timeout=90) == [1], logs[1].read_text()[-3000:]
+        assert time.monotonic() - started < 30
+    finally:
+        kill_tree(procs[0].pid)
+        procs[0].wait()
+    text = logs[1].read_text()
+    assert "TCPStore.cpp" not in text and "Traceback" not in text, text[-3000:]
+    last = text.splitlines()[-1]
+    host = "a flat store (it takes no node links), but this node is tiered" if case.startswith("flat") else \
+        "tiered wire-up (its port takes node links only), but this node's store is flat"
+    assert last.startswith(f"tierrun: error: node 127.0.1.2: the job's store host 127.0.1.1:{port} runs {host}"), last
+    assert "Give every node the same --nnodes, --tiered or --no-tiered, --store-fanout and --store-workers" in last

@@ -28,12 +28,13 @@ from torch.distributed.elastic.rendezvous import RendezvousConnectionError
 
 from ..link.config import LinkConfig
 from ..link.frames import LinkError
+from ..link.session import NO_LINKS
 from ..server import LINK_LOST, HostedFrontEnd, StoreProcess, StoreStartError
 from ..settings import Settings, store_process_env
 from ..tier.lookup import read_over_link
 from .conf import conf_flag
 from .sockets import (
-    await_listener, bracket, closed_by_peer, last_line, port_in_use, watch_connection,
+    LINKS_ONLY, await_listener, bracket, closed_by_peer, last_line, port_in_use, watch_connection,
 )
 from .tree import TreePlace
 
@@ -150,6 +151,8 @@ class JobStore:
         except StoreStartError as e:
             if any(why in str(e) for why in TOKEN_REFUSED):
                 raise RendezvousConnectionError(self._token_refused(upstream)) from None
+            if NO_LINKS in str(e) and upstream == f"{self.host}:{self.port}":
+                raise RendezvousConnectionError(self.other_layout(host_tiered=False)) from None
             if "cannot connect to the store host" in str(e) and upstream == f"{self.host}:{self.port}":
                 raise RendezvousConnectionError(self.unreachable(connect_timeout)) from None
             raise RendezvousConnectionError(
@@ -163,6 +166,16 @@ class JobStore:
                 "job needs the same secret: check that TIERRUN_TOKEN_FILE names a file with the same "
                 "contents on every node (or that TIERRUN_TOKEN is the same); with no secret, the "
                 "token is derived from --rdzv_id and the store endpoint, which must then be the same.")
+
+    def other_layout(self, host_tiered: bool) -> str:
+        """What a node says whose store layout (flat or tiered) is not the store host's:
+        every node decides it alone, from its own flags and its tierrun's rule."""
+        host = ("tiered wire-up (its port takes node links only), but this node's store is flat" if host_tiered
+                else "a flat store (it takes no node links), but this node is tiered")
+        return (f"{self.node}: the job's store host {self.host}:{self.port} runs {host}: the nodes chose different "
+                "store layouts. Give every node the same --nnodes, --tiered or --no-tiered, --store-fanout and "
+                "--store-workers (with none of them, a job of 32 nodes or more is tiered), and the same tierrun "
+                "version.")
 
     def unreachable(self, after: float | None = None) -> str:
         """What a node that does not host the store says when the store host has not
@@ -200,6 +213,8 @@ class JobStore:
         except (OSError, LinkError, LookupError) as e:
             if isinstance(e, LinkError) and any(why in str(e) for why in TOKEN_REFUSED):
                 raise RendezvousConnectionError(self._token_refused(f"{self.host}:{self.port}")) from None
+            if isinstance(e, LinkError) and NO_LINKS in str(e):
+                raise RendezvousConnectionError(self.other_layout(host_tiered=False)) from None
             raise RendezvousConnectionError(
                 f"node rank {tree.rank} did not learn where its parent in the store tree, node "
                 f"rank {tree.parent}, takes links within {self.timeout.total_seconds():.0f} s "
@@ -362,8 +377,11 @@ class JobStore:
             host, port = self.client_address
             if self.proxy is None and self.root is None:  # flat, on a node without the store
                 # (torch's client would wait in silence, then print C++ stack traces)
-                if not await_listener(host, port, self.connect_timeout):
+                found = await_listener(host, port, self.connect_timeout)
+                if found is None:
                     raise RendezvousConnectionError(self.unreachable())
+                if found == LINKS_ONLY:
+                    raise RendezvousConnectionError(self.other_layout(host_tiered=True))
             try:
                 self._client = TCPStore(host, port, is_master=False, timeout=self.timeout,
                                         wait_for_workers=False)
