@@ -33,6 +33,7 @@ from ..server import LINK_LOST, HostedFrontEnd, StoreProcess, StoreStartError
 from ..settings import Settings, store_process_env
 from ..tier.lookup import read_over_link
 from .conf import conf_flag
+from .refusals import Refusals
 from .sockets import (
     LINKS_ONLY, await_listener, bracket, closed_by_peer, last_line, port_in_use, watch_connection,
 )
@@ -333,7 +334,7 @@ class JobStore:
         # other nodes' links in a store tree: a proxy of its own does that)
         node = self.tiered and (self.tree is None or not self.tree.has_children)
         proc = StoreProcess(host=None, port=self.port, controlled=True, env=store_process_env(), token=self.token,
-                            extra_args=self._store_args(),
+                            extra_args=self._store_args(), on_line=Refusals(self.node, self.port),
                             node_frontend_unix=f"@tierrun-proxy-{os.getpid()}-{secrets.token_hex(4)}" if node else None)
         try:
             self.port = proc.start()
