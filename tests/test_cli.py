@@ -143,6 +143,21 @@ def test_a_tiering_chosen_by_size_reaches_the_handlers_and_is_said(caplog):
     assert not [r for r in caplog.records if r.levelno >= logging.WARNING], caplog.text
     assert ("node 127.0.1.2: tiered wire-up in a tree of fanout 8, chosen for --nnodes 64" in caplog.text
             and "--no-tiered turns it off" in caplog.text and "derived from the job id" in caplog.text)
+    # what it costs and changes, right for a tree too (the store host serves F links, not one per node)
+    assert "a store proxy per node; the store host serves at most 8 links" in caplog.text, caplog.text
+
+
+def test_a_tiering_chosen_by_size_without_a_tree_says_one_link_per_node(caplog):
+    import logging
+
+    from tierrun.launcher.cli import prepare
+    from tierrun.settings import Settings
+
+    with caplog.at_level(logging.INFO, logger="tierrun"):
+        prepare(["--nnodes", "32", "--rdzv_backend", "parallel", "--master_addr", "127.0.1.1",
+                 "--local_addr", "127.0.1.2", "train.py"], Settings(token="t"))
+    assert ("node 127.0.1.2: tiered wire-up, chosen for --nnodes 32 (a store proxy per node; the store host "
+            "serves one link per node" in caplog.text), caplog.text
 
 
 def test_cli_error_is_one_line_and_exit_code_2():

@@ -40,9 +40,9 @@ DERIVED_TOKEN_WARNING = (
     "Kubernetes Secret, a file written before srun): see the guide's Security section."
 )
 
-#: Said once per node when the job's size chose its tiering (``tiering.choose``).
-AUTO_TIERING = ("node %s: %s, chosen for --nnodes %s (a store proxy per node: the store host serves "
-                "one link per node); --no-tiered turns it off, --store-fanout F sets the tree")
+#: Said once per node, at INFO, when the job's size chose its tiering (``tiering.choose``).
+AUTO_TIERING = ("node %s: %s, chosen for --nnodes %s (a store proxy per node; the store host serves %s, and "
+                "its port takes node links only); --no-tiered turns it off, --store-fanout F sets the tree")
 
 
 def derived_token(run_id: str, endpoint: str) -> str:
@@ -80,7 +80,8 @@ def prepare(argv: list[str], settings: Settings):
         args.rdzv_conf = f"{args.rdzv_conf},{conf}" if args.rdzv_conf else conf
         args.node_rank = 0  # now in rdzv_conf; keeps torch from warning it is ignored
     if args.tiering.auto:
-        log.info(AUTO_TIERING, args.local_addr or socket.gethostname(), args.tiering.describe(), args.nnodes)
+        links = f"at most {args.store_fanout} links" if args.store_fanout else "one link per node"
+        log.info(AUTO_TIERING, args.local_addr or socket.gethostname(), args.tiering.describe(), args.nnodes, links)
     if args.tiered:
         if _job_token(settings, args.local_addr) is None:
             if args.standalone or args.nnodes.split(":")[-1] == "1":
