@@ -28,17 +28,23 @@ def link_address(local_addr: str | None, store_host: str, port: int) -> str:
     """Where a node takes other nodes' links (a tree's relay): ``local_addr`` if given,
     else the address this machine sends from to reach the store host (the kernel's
     route, chosen by a UDP socket's connect: no packet is sent, no name is looked up in
-    reverse), which the other nodes reach it by too; the host name if the store host's
-    name does not resolve here."""
+    reverse), which the other nodes reach it by too: the first of the store host's
+    addresses this machine has a route to, in the order a TCP connection tries them;
+    the host name if there is none (or the name does not resolve here)."""
     if local_addr:
         return local_addr
     try:
-        family, _, _, _, address = socket.getaddrinfo(store_host, port, type=socket.SOCK_DGRAM)[0]
-        with socket.socket(family, socket.SOCK_DGRAM) as probe:
-            probe.connect(address)
-            return probe.getsockname()[0]
-    except OSError:
-        return socket.gethostname()
+        addresses = socket.getaddrinfo(store_host, port, type=socket.SOCK_DGRAM)
+    except (OSError, UnicodeError):
+        addresses = []
+    for family, _, _, _, address in addresses:
+        try:
+            with socket.socket(family, socket.SOCK_DGRAM) as probe:
+                probe.connect(address)
+                return probe.getsockname()[0]
+        except OSError:  # (no route from here: an IPv6 address on a machine without IPv6)
+            continue
+    return socket.gethostname()
 
 
 def connect(host: str, port: int, timeout: float) -> socket.socket:
