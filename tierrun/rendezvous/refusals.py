@@ -17,6 +17,8 @@ log = logging.getLogger("tierrun.rendezvous")
 
 #: How a store process's log line of a closed connection begins (``LinkServerConnection``).
 CLOSING = "] WARNING closing link from "
+#: Addresses said at most (a scan of the store port from many must not flood the log).
+MAX_ADDRESSES = 64
 
 
 class Refusals:
@@ -40,19 +42,23 @@ class Refusals:
         address = peer.rpartition(":")[0] or peer
         address = address.removeprefix("::ffff:") if "." in address else address  # (IPv4, on a dual-stack port)
         with self._lock:
-            if (address, torch_client) in self._said:
+            if (address, torch_client) in self._said or len(self._said) > MAX_ADDRESSES:
                 return
             self._said.add((address, torch_client))
+            if len(self._said) > MAX_ADDRESSES:
+                log.warning("%s: the job's store refused connections from over %d addresses; not said again",
+                            self.node, MAX_ADDRESSES)
+                return
         log.warning("%s", self.message(address, torch_client))
 
     def message(self, address: str, torch_client: bool) -> str:
         if torch_client:
             return (f"{self.node}: the job's store refused a torch-protocol client from {address}: a tiered job's "
-                    f"store port ({self.port}) takes node links only. A node whose store is flat says so itself; "
-                    "workers reach the store at $MASTER_ADDR:$MASTER_PORT as tierrun sets them (their node's "
-                    "proxy), and a script or tool that connects to --master_addr or --rdzv_endpoint itself needs "
-                    "--rdzv_conf store_public_clients=true on every node, or a flat store (--no-tiered). Said once "
-                    "per address.")
+                    f"store port ({self.port}) takes node links only. Either a node there runs a flat store (give "
+                    "every node the same flags and tierrun version), or a script or tool there connects to "
+                    "--master_addr or --rdzv_endpoint itself: workers reach the store at $MASTER_ADDR:$MASTER_PORT "
+                    "as tierrun sets them (their node's proxy); to let such clients in, launch with --rdzv_conf "
+                    "store_public_clients=true (or --no-tiered). Said once per address.")
         return (f"{self.node}: the job's store refused a node link from {address}: this node runs a flat store, "
                 "that node is tiered. Give every node the same --nnodes, --tiered or --no-tiered, --store-fanout "
                 "and --store-workers (with none of them, a job of 32 nodes or more is tiered), and the same "
