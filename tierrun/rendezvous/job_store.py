@@ -156,8 +156,11 @@ class JobStore:
                 raise RendezvousConnectionError(self.other_layout(host_tiered=False)) from None
             if "cannot connect to the store host" in str(e) and upstream == f"{self.host}:{self.port}":
                 raise RendezvousConnectionError(self.unreachable(connect_timeout)) from None
+            relay = "" if upstream == f"{self.host}:{self.port}" else (
+                " A relay of the store tree takes links on an ephemeral port of its node: open it between the job's "
+                "nodes (the guide's Network ACLs), or run the job without a tree (--store-fanout 0).")
             raise RendezvousConnectionError(
-                f"{self.node}: its store proxy could not link to {name}: {last_line(str(e))}") from e
+                f"{self.node}: its store proxy could not link to {name}: {last_line(str(e))}{relay}") from e
         return proxy
 
     def _token_refused(self, upstream: str) -> str:
