@@ -64,6 +64,21 @@ def test_tiered_flag_spellings(monkeypatch):
         (["--nnodes", "4", "--tiered", "--enable_tiered_parallel_tcpstore", "false"], "disagree: give one of them"),
         (["--store-fanout", "1"], "write 2 or more"),
         (["--rdzv_backend", "torch-c10d", "--store_workers", "2"], "needs a tierrun rendezvous backend"),
+        # --rdzv_conf tiered=/store_fanout= count as the flags do: a contradiction is refused, not
+        # settled by whichever the handlers happen to read
+        (["--nnodes", "64", "--no-tiered", "--rdzv_conf", "tiered=1"],
+         "--no-tiered and --rdzv_conf tiered=1 disagree: give one of them"),
+        (["--nnodes", "4", "--tiered", "--rdzv_conf", "tiered=0"], "--tiered and --rdzv_conf tiered=0 disagree"),
+        (["--nnodes", "4", "--store-fanout", "4", "--rdzv_conf", "tiered=0"],
+         "--store-fanout 4 stacks .* but --rdzv_conf tiered=0 turns tiering off: drop one of them"),
+        (["--nnodes", "64", "--no-tiered", "--rdzv_conf", "store_fanout=8"],
+         "--rdzv_conf store_fanout=8 stacks .* but --no-tiered turns tiering off"),
+        (["--nnodes", "64", "--rdzv_conf", "tiered=maybe"], "tiered=maybe is not a boolean: write tiered=true or "),
+        (["--nnodes", "64", "--rdzv_conf", "store_fanout=x"], "store_fanout=x is not a whole number: write"),
+        (["--nnodes", "64", "--rdzv_conf", "store_fanout=1"], "store_fanout=1: write 2 or more"),
+        (["--rdzv_backend", "tierrun-etcd", "--rdzv_endpoint", "h:2379", "--rdzv_conf", "store_fanout=4"],
+         "--rdzv_conf store_fanout=4 needs a backend .* not --rdzv_backend tierrun-etcd"),
+        (["--nnodes", "64", "--rdzv_conf", "tiered="], "--rdzv_conf tiered=: .* must have a value"),
     ],
 )
 def test_contradictions_say_what_to_write(argv, message):
@@ -91,6 +106,13 @@ def test_store_fanout_on_the_elastic_backend_and_its_c10d_alias():
     (["--nnodes", "64", "--store-fanout", "0"], True, 0, True),  # "no tree"; tiering by size
     (["--nnodes", "64", "--store-workers", "2"], False, 0, False),  # the flat store's front-ends asked for
     (["--nnodes", "64", "--rdzv_conf", "tiered=0"], False, 0, False),  # torchrun's spelling counts too
+    (["--nnodes", "64", "--rdzv_conf", "tiered=no"], False, 0, False),  # (torch's boolean spellings)
+    (["--nnodes", "8", "--rdzv_conf", "tiered=yes"], True, 0, False),
+    (["--nnodes", "8", "--rdzv_conf", "tiered=TRUE"], True, 0, False),
+    (["--nnodes", "64", "--rdzv_conf", "store_fanout=0"], True, 0, True),  # as --store-fanout 0: "no tree"
+    (["--nnodes", "8", "--rdzv_conf", "store_fanout=00"], False, 0, False),
+    (["--nnodes", "8", "--rdzv_conf", "store_fanout=4"], True, 4, False),  # as --store-fanout 4
+    (["--nnodes", "64", "--store-fanout", "8", "--rdzv_conf", "store_fanout=08"], True, 8, False),  # (a number)
     (["--nnodes", "64", "--rdzv_backend", "torch-c10d"], False, 0, False),  # torch's agents: no tier
     (["--nnodes", "64", "--rdzv_backend", "tierrun-etcd", "--rdzv_endpoint", "h:2379"], False, 0, False),
 ])
@@ -121,6 +143,21 @@ def test_a_tiering_chosen_by_size_reaches_the_handlers_and_is_said(caplog):
     assert not [r for r in caplog.records if r.levelno >= logging.WARNING], caplog.text
     assert ("node 127.0.1.2: tiered wire-up in a tree of fanout 8, chosen for --nnodes 64" in caplog.text
             and "--no-tiered turns it off" in caplog.text and "derived from the job id" in caplog.text)
+    # what it costs and changes, right for a tree too (the store host serves F links, not one per node)
+    assert "a store proxy per node; the store host serves at most 8 links" in caplog.text, caplog.text
+
+
+def test_a_tiering_chosen_by_size_without_a_tree_says_one_link_per_node(caplog):
+    import logging
+
+    from tierrun.launcher.cli import prepare
+    from tierrun.settings import Settings
+
+    with caplog.at_level(logging.INFO, logger="tierrun"):
+        prepare(["--nnodes", "32", "--rdzv_backend", "parallel", "--master_addr", "127.0.1.1",
+                 "--local_addr", "127.0.1.2", "train.py"], Settings(token="t"))
+    assert ("node 127.0.1.2: tiered wire-up, chosen for --nnodes 32 (a store proxy per node; the store host "
+            "serves one link per node" in caplog.text), caplog.text
 
 
 def test_cli_error_is_one_line_and_exit_code_2():
@@ -154,6 +191,22 @@ def test_rdzv_conf_store_fanout_with_the_tiered_flag_is_kept(conf, fanout):
     config, *_ = prepare(["--nnodes", "2:4", "--tiered", "--rdzv_endpoint", "127.0.0.1:29400",
                           "--rdzv_conf", conf, "train.py"], Settings(token="t"))
     assert config.rdzv_configs.get("store_fanout") == fanout and config.rdzv_configs["tiered"] == "1"
+
+
+@pytest.mark.parametrize("conf, tiered, fanout", [
+    ("tiered=yes", "1", None), ("tiered=t", "1", None), ("store_fanout=08", "1", "8"), ("store_fanout=0", "1", "0"),
+])
+def test_what_the_handlers_read_is_what_the_launcher_chose(conf, tiered, fanout):
+    """A spelling the launcher reads as tiered (torch's booleans, a fanout with a leading
+    zero) reaches the handlers as tiered=1 and the fanout it read, at 64 nodes too:
+    ``tiered=yes`` ran a flat store, and ``store_fanout=0`` turned off the tiering that
+    ``--store-fanout 0`` keeps."""
+    from tierrun.launcher.cli import prepare
+    from tierrun.settings import Settings
+
+    config, *_ = prepare(["--nnodes", "64", "--rdzv_endpoint", "127.0.0.1:29400", "--rdzv_conf", conf,
+                          "train.py"], Settings(token="t"))
+    assert (config.rdzv_configs.get("tiered"), config.rdzv_configs.get("store_fanout")) == (tiered, fanout)
 
 
 def test_the_store_fanout_flag_and_rdzv_conf_must_agree():

@@ -340,3 +340,18 @@ def test_the_store_host_dies_every_node_of_the_tree_stops_naming_it(tmp_path):
         assert error and f"127.0.1.1:{port}" in error[-1], log.read_text()[-3000:]
         assert "Restart the job when the store host" in error[-1]
         assert not any(line.startswith("Traceback") for line in log.read_text().splitlines())  # (the agent's)
+
+
+@pytest.mark.parametrize("spelling", ["yes", "Y", "t", "TRUE", "1"])
+def test_the_handlers_read_tiered_in_torchs_boolean_spellings(spelling):
+    """Under torch's own torchrun (no tierrun launcher in between), ``--rdzv-conf
+    tiered=yes`` is tiered, as torch's get_as_bool reads it, not a flat store in silence;
+    a value that is no boolean stops the node saying what to write."""
+    from tierrun.rendezvous.job_store import token_from
+    from tierrun.settings import Settings
+
+    assert token_from({"tiered": spelling}, Settings(token="secret")) == b"secret"
+    assert store_fanout_from({"tiered": spelling, "store_fanout": "4"}) == 4
+    assert token_from({"tiered": "no"}, Settings(token="secret")) is None
+    with pytest.raises(ValueError, match="tiered=ja is not a boolean: write tiered=true or tiered=false"):
+        token_from({"tiered": "ja"}, Settings(token="secret"))

@@ -233,3 +233,66 @@ def test_a_job_of_up_to_64_nodes_is_tiered_in_a_tree_without_a_flag(tmp_path):
         assert not [line for line in text.splitlines() if "WARNING" in line and "job token" in line]
     served = served_by_store_host(logs[0])
     assert served["links_accepted"] == 2 and served["clients_accepted"] == 0
+
+
+@pytest.mark.parametrize("case", ["flat host", "tiered host", "flat host, tree"])
+def test_a_node_whose_store_layout_differs_from_the_store_hosts_stops_in_one_line(tmp_path, case):
+    """The nodes of one job decide their store layout alone. When they differ -- a 64-node
+    job whose store host alone was given --store-workers 2 (a store-host flag: it keeps
+    the store flat) while the others tier by size, or the other way round, or a node of
+    a tree whose store host was told --no-tiered -- the node that differs stops at once
+    in one line saying what differs and what to write: not "refused the link" with no
+    word of what to do, nor a minute of torch's C++ stack traces ending in "cannot reach
+    the job's store"."""
+    port = free_port()
+    logs = [tmp_path / f"node{k}.log" for k in (0, 1)]
+    if case == "flat host, tree":  # node rank 2's parent in the tree is node rank 1
+        common = ("--nnodes", 3, "--rdzv_backend", "parallel", "--master_addr", "127.0.1.1", "--master_port", port)
+        flags = [(*common, "--node_rank", 0, "--no-tiered"), (*common, "--node_rank", 2, "--store-fanout", 2)]
+    else:
+        common = ("--nnodes", "2:64", "--rdzv_endpoint", f"127.0.1.1:{port}", "--rdzv_id", "mixed")
+        flat = (*common, "--store-workers", 2)
+        flags = [flat, common] if case == "flat host" else [common, flat]
+    procs = [tierrun(*flags[k], "--nproc_per_node", 1, "--local_addr", f"127.0.1.{k + 1}",
+                     SCRIPTS / "collectives.py", log=logs[k], env={"TIERRUN_TOKEN": ""}) for k in (0, 1)]
+    try:
+        started = time.monotonic()
+        assert finish(procs[1:], timeout=90) == [1], logs[1].read_text()[-3000:]
+        assert time.monotonic() - started < 30
+        # the store host says it too (its store refused the other layout's connection)
+        said = "the job's store refused a " + ("node link" if case.startswith("flat") else "torch-protocol client")
+        while said not in logs[0].read_text() and time.monotonic() < started + 30:
+            time.sleep(0.1)
+        assert said in logs[0].read_text(), logs[0].read_text()[-3000:]
+    finally:
+        kill_tree(procs[0].pid)
+        procs[0].wait()
+    text = logs[1].read_text()
+    assert "TCPStore.cpp" not in text and "Traceback" not in text, text[-3000:]
+    last = text.splitlines()[-1]
+    host = "a flat store (it takes no node links), but this node is tiered" if case.startswith("flat") else \
+        "tiered wire-up (its port takes node links only), but this node's store is flat"
+    assert last.startswith(f"tierrun: error: node 127.0.1.2: the job's store host 127.0.1.1:{port} runs {host}"), last
+    assert "Give every node the same --nnodes, --tiered or --no-tiered, --store-fanout and --store-workers" in last
+
+
+def test_the_store_host_says_why_it_refused_a_torch_client_of_a_tiered_job(tmp_path):
+    """A tiered job's store port takes node links only. A worker whose script connects a
+    TCPStore of its own to --master_addr/--rdzv_endpoint fails in torch's words ("Ping
+    failed, invalid value returned from server"), and the store process's line saying
+    why went nowhere: the store host's agent now says it, once per address, with what to
+    do; so does a flat store host that a tiered node tried to link to."""
+    port = free_port()
+    logs = [tmp_path / f"node{k}.log" for k in range(2)]
+    procs = [tierrun("--nnodes", "2:64", "--rdzv_endpoint", f"127.0.1.1:{port}", "--rdzv_id", "own",
+                     "--rdzv_conf", "last_call_timeout=2", "--nproc_per_node", 1, "--max_restarts", 0,
+                     "--local_addr", f"127.0.1.{k + 1}", SCRIPTS / "own_store_client.py", "127.0.1.1", port,
+                     log=logs[k], env={"TIERRUN_TOKEN": ""}) for k in range(2)]
+    assert 0 not in finish(procs)
+    assert {r["store"] for r in results(*logs)} == {"failed"}
+    said = [line for line in logs[0].read_text().splitlines()
+            if "the job's store refused a torch-protocol client from 127.0." in line]
+    assert len(said) == 1, logs[0].read_text()[-3000:]  # (torch's client retries: said once)
+    assert said[0].startswith("[tierrun] WARNING node 127.0.1.1: ")
+    assert ("$MASTER_ADDR:$MASTER_PORT" in said[0] and "--rdzv_conf store_public_clients=true" in said[0]
+            and "--no-tiered" in said[0])

@@ -207,3 +207,40 @@ def test_a_relay_without_local_addr_takes_links_where_it_reaches_the_store_host(
     assert link_address(None, "127.0.1.1", 29500) == "127.0.0.1"  # (loopback: lo's own address)
     assert link_address(None, "::1", 29500) == "::1"
     assert link_address(None, "no-such-host.invalid", 29500) == socket.gethostname()
+
+
+def test_a_relay_takes_links_on_the_route_of_the_first_store_host_address_it_can_reach(monkeypatch):
+    """A store host's name may resolve to several addresses, the first of them one this
+    machine has no route to (an IPv6 address on a node without IPv6, say): the next is
+    tried, as a TCP connection tries them, not the host name's address at once (which
+    /etc/hosts often maps to 127.0.1.1, where no other node reaches this one)."""
+    from tierrun.rendezvous import sockets
+
+    real = socket.getaddrinfo
+
+    def resolve(host, port, *args, **kwargs):
+        if host != "store-host.example":
+            return real(host, port, *args, **kwargs)
+        return [(socket.AF_INET6, socket.SOCK_DGRAM, 17, "", ("fe80::1", port, 0, 12345)),  # no such interface
+                (socket.AF_INET, socket.SOCK_DGRAM, 17, "", ("127.0.1.1", port))]
+
+    monkeypatch.setattr(sockets.socket, "getaddrinfo", resolve)
+    assert sockets.link_address(None, "store-host.example", 29500) == "127.0.0.1"
+
+
+def test_a_node_that_cannot_link_to_its_parent_says_what_to_open_or_drop(tmp_path):
+    """From 64 nodes a job runs a tree by default, whose relays take links on an
+    ephemeral port: a cluster that opened only the store port between nodes ran flat
+    until now. A node whose parent cannot be reached says which port to open, or how to
+    run without a tree."""
+    from tierrun.rendezvous.job_store import JobStore
+    from torch.distributed.elastic.rendezvous import RendezvousConnectionError
+
+    closed = free_port()  # (nothing listens there: as a relay's port behind a firewall)
+    job = JobStore("127.0.0.1", free_port(), hosting=False, timeout=timedelta(seconds=5), token=b"t")
+    name = f"its parent in the store tree (node rank 1's proxy, 127.0.0.1:{closed})"
+    with pytest.raises(RendezvousConnectionError) as e:
+        job._start_proxy(f"127.0.0.1:{closed}", name, 1.0)
+    assert str(e.value).startswith(f"node {socket.gethostname()}: its store proxy could not link to {name}")
+    assert "open it between the job's nodes" in str(e.value) and "--store-fanout 0" in str(e.value)
+    assert "\n" not in str(e.value)

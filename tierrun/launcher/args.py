@@ -11,6 +11,7 @@ import argparse
 from torch.distributed.argparse_util import env
 from torch.distributed.run import _parse_rendezvous_config, get_args_parser
 
+from ..rendezvous.conf import RendezvousSettingError, conf_flag
 from .tiering import choose
 
 #: rendezvous backends whose name maps to tierrun's own, unless ``torch-`` is prefixed
@@ -162,48 +163,66 @@ def normalise(args: argparse.Namespace) -> argparse.Namespace:
             "--rdzv_backend tierrun-etcd needs --rdzv_endpoint: etcd's client endpoints, "
             "comma-separated (HOST:PORT or http(s)://HOST:PORT)"
         )
-    _choose_tiering(args, nmax)
+    _choose_tiering(args, nmax, backend)
     if args.store_workers < 1:
         raise UsageError(f"--store-workers {args.store_workers}: write 1 or more")
     if args.store_workers > 1 and args.rdzv_backend not in TIERRUN_BACKENDS:
         raise UsageError(
             f"--store-workers needs a tierrun rendezvous backend, not --rdzv_backend {backend}"
         )
-    if args.store_fanout:
-        if args.store_fanout < 2:
-            raise UsageError(f"--store-fanout {args.store_fanout}: write 2 or more (or 0: no tree)")
-        if args.rdzv_backend not in ("parallel", "tierrun"):
-            raise UsageError(
-                f"--store-fanout needs a backend that builds a tree of node proxies, not --rdzv_backend "
-                f"{backend}: use tierrun (elastic; c10d maps to it) or parallel (fixed nodes)"
-            )
     if args.max_restarts < 0:
         raise UsageError(f"--max_restarts {args.max_restarts} is negative: write 0 or more")
     return args
 
 
-def _choose_tiering(args: argparse.Namespace, max_nodes: int) -> None:
+def _choose_tiering(args: argparse.Namespace, max_nodes: int, backend: str) -> None:
     """Set ``args.tiered``, ``args.store_fanout`` and ``args.tiering`` (a
-    ``tiering.Tiering``) from the flags, or from the job's size if they say nothing.
-    ``--rdzv_conf tiered=...`` and ``store_fanout=...`` count as saying something (the
-    handlers read them). Raises UsageError if two flags disagree."""
-    flags = {f: v for f, v in (("--tiered", args.tiered),
-                               ("--enable_tiered_parallel_tcpstore", args.enable_tiered_parallel_tcpstore))
-             if v is not None}
-    if len(set(flags.values())) > 1:
-        raise UsageError("--tiered/--no-tiered and --enable_tiered_parallel_tcpstore disagree: give one of them")
-    tiered = next(iter(flags.values()), None)
-    conf = _parse_rendezvous_config(args.rdzv_conf or "")
-    if tiered is None and args.store_fanout is None:  # (the handlers check what they read)
-        if "tiered" in conf:
-            tiered = str(conf["tiered"]).lower() in ("1", "true")
-        elif "store_fanout" in conf:
-            tiered = str(conf["store_fanout"]).strip() not in ("0", "")
-    if tiered is False and args.store_fanout:
-        off = {"--tiered": "--no-tiered", "--enable_tiered_parallel_tcpstore": "--enable_tiered_parallel_tcpstore false"}
-        said = " and ".join(off[f] for f in flags) or "--rdzv_conf tiered=0"
-        raise UsageError(f"--store-fanout {args.store_fanout} stacks the node proxies of tiered wire-up in a "
-                         f"tree, but {said} turns tiering off: drop one of them")
-    args.tiering = choose(args.rdzv_backend, max_nodes, tiered, args.store_fanout, args.store_workers)
+    ``tiering.Tiering``) from the settings, or from the job's size if they say nothing.
+    ``--rdzv_conf tiered=...`` and ``store_fanout=...`` are settings as the flags are
+    (the handlers read them; ``prepare`` passes them what was chosen): read as the
+    handlers read them, and checked against the flags. ``backend``: as the user wrote
+    it. Raises UsageError for a wrong value or two settings that disagree."""
+    try:
+        conf = _parse_rendezvous_config(args.rdzv_conf or "")
+        conf_tiered = conf_flag(conf, "tiered")
+    except RendezvousSettingError as e:
+        raise UsageError(str(e)) from None
+    except ValueError as e:  # (torch's parser: a key with no value)
+        raise UsageError(f"--rdzv_conf {args.rdzv_conf}: {e}") from None
+    said: dict[str, bool] = {}  # setting as written -> whether it tiers
+    if args.tiered is not None:
+        said["--tiered" if args.tiered else "--no-tiered"] = args.tiered
+    if args.enable_tiered_parallel_tcpstore is not None:
+        said[f"--enable_tiered_parallel_tcpstore {str(args.enable_tiered_parallel_tcpstore).lower()}"] = \
+            args.enable_tiered_parallel_tcpstore
+    if conf_tiered is not None:
+        said[f"--rdzv_conf tiered={conf['tiered']}"] = conf_tiered
+    if len(set(said.values())) > 1:
+        raise UsageError(f"{' and '.join(said)} disagree: give one of them")
+    tiered = next(iter(said.values()), None)
+    fanout, fanout_setting = args.store_fanout, f"--store-fanout {args.store_fanout}"
+    if "store_fanout" in conf:
+        raw = conf["store_fanout"]
+        try:
+            given = int(raw)
+        except ValueError:
+            raise UsageError(f"--rdzv_conf store_fanout={raw} is not a whole number: write store_fanout=F "
+                             "(2 or more; 0: no tree)") from None
+        if fanout is not None and given != fanout:
+            raise UsageError(f"--store-fanout {fanout} and --rdzv_conf store_fanout={raw} disagree: give one of them")
+        if fanout is None:
+            fanout, fanout_setting = given, f"--rdzv_conf store_fanout={raw}"
+    if fanout:
+        if fanout < 2:
+            raise UsageError(f"{fanout_setting}: write 2 or more (or 0: no tree)")
+        if args.rdzv_backend not in ("parallel", "tierrun"):
+            raise UsageError(
+                f"{fanout_setting} needs a backend that builds a tree of node proxies, not --rdzv_backend "
+                f"{backend}: use tierrun (elastic; c10d maps to it) or parallel (fixed nodes)")
+        if tiered is False:
+            off = " and ".join(setting for setting, on in said.items() if not on)
+            raise UsageError(f"{fanout_setting} stacks the node proxies of tiered wire-up in a tree, but {off} "
+                             "turns tiering off: drop one of them")
+    args.tiering = choose(args.rdzv_backend, max_nodes, tiered, fanout, args.store_workers)
     args.tiered = args.tiering.tiered
     args.store_fanout = args.tiering.fanout

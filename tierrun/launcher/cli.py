@@ -16,7 +16,7 @@ from torch.distributed.elastic.multiprocessing.errors import ChildFailedError, r
 from torch.distributed.elastic.multiprocessing.api import SignalException
 from torch.distributed.elastic.rendezvous import RendezvousError
 from torch.distributed.launcher.api import elastic_launch
-from torch.distributed.run import _parse_rendezvous_config, config_from_args
+from torch.distributed.run import config_from_args
 
 from .. import rendezvous, torchrun_plugin
 from ..extras import MissingExtraError, require
@@ -40,9 +40,9 @@ DERIVED_TOKEN_WARNING = (
     "Kubernetes Secret, a file written before srun): see the guide's Security section."
 )
 
-#: Said once per node when the job's size chose its tiering (``tiering.choose``).
-AUTO_TIERING = ("node %s: %s, chosen for --nnodes %s (a store proxy per node: the store host serves "
-                "one link per node); --no-tiered turns it off, --store-fanout F sets the tree")
+#: Said once per node, at INFO, when the job's size chose its tiering (``tiering.choose``).
+AUTO_TIERING = ("node %s: %s, chosen for --nnodes %s (a store proxy per node; the store host serves %s, and "
+                "its port takes node links only); --no-tiered turns it off, --store-fanout F sets the tree")
 
 
 def derived_token(run_id: str, endpoint: str) -> str:
@@ -80,7 +80,8 @@ def prepare(argv: list[str], settings: Settings):
         args.rdzv_conf = f"{args.rdzv_conf},{conf}" if args.rdzv_conf else conf
         args.node_rank = 0  # now in rdzv_conf; keeps torch from warning it is ignored
     if args.tiering.auto:
-        log.info(AUTO_TIERING, args.local_addr or socket.gethostname(), args.tiering.describe(), args.nnodes)
+        links = f"at most {args.store_fanout} links" if args.store_fanout else "one link per node"
+        log.info(AUTO_TIERING, args.local_addr or socket.gethostname(), args.tiering.describe(), args.nnodes, links)
     if args.tiered:
         if _job_token(settings, args.local_addr) is None:
             if args.standalone or args.nnodes.split(":")[-1] == "1":
@@ -94,13 +95,9 @@ def prepare(argv: list[str], settings: Settings):
         if args.store_workers > 1:
             log.warning("--store-workers has no effect with tiered wire-up: the store host sees "
                         "only the nodes' links")
-        conf = "tiered=1"
-        if args.store_fanout:  # (else a store_fanout of --rdzv_conf stands: 0 here would overrule it)
-            given = _parse_rendezvous_config(args.rdzv_conf or "").get("store_fanout")
-            if given is not None and given != str(args.store_fanout):
-                raise UsageError(f"--store-fanout {args.store_fanout} and --rdzv_conf store_fanout={given} "
-                                 "disagree: give one of them")
-            conf += f",store_fanout={args.store_fanout}"
+        # (as normalise read them: a later key wins over the user's tiered=yes or store_fanout=08;
+        # a store_fanout of --rdzv_conf that is 0, here read as such, stands)
+        conf = "tiered=1" + (f",store_fanout={args.store_fanout}" if args.store_fanout else "")
         args.rdzv_conf = f"{args.rdzv_conf},{conf}" if args.rdzv_conf else conf
     if args.rdzv_backend in TIERRUN_BACKENDS:
         conf = (f"progress={args.progress},progress_interval={args.progress_interval},"

@@ -34,6 +34,9 @@ from .frames import (
 from .outbox import Outbox
 from .seal import Opener, Sealer, session_keys
 
+#: Why a store started without a job token (a flat job's) refuses a link.
+NO_LINKS = "this store accepts no links (it was started without a job token)"
+
 
 class Ledger:
     """One end's count of a session's numbered frames (BATCH one way; REPLIES and
@@ -177,7 +180,7 @@ class ServerHandshake:
             if ftype != AUTH:
                 raise LinkError("expected AUTH")
             if self._token is None:
-                raise LinkError("this store accepts no links (it was started without a job token)")
+                raise LinkError(NO_LINKS)
             welcome = auth.check_auth(self._token, self._nonce, payload)
             up, down = session_keys(self._token, self._nonce, payload[2 : 2 + auth.NONCE])
             self.sealer, self.opener = Sealer(down), Opener(up)

@@ -32,6 +32,21 @@ def conf_bool(params: RendezvousParameters, key: str) -> bool | None:
             f"(torch's spellings: {'/'.join(TRUE)} or {'/'.join(FALSE)})") from None
 
 
+def conf_flag(config: dict, key: str) -> bool | None:
+    """``--rdzv_conf key=...`` of a parsed config, in torch's boolean spellings (any
+    case); None when not given. Raises :class:`RendezvousSettingError` for another value
+    (a typo must not turn a setting off in silence)."""
+    raw = config.get(key)
+    if raw is None:
+        return None
+    value = str(raw).strip().lower()
+    if value in TRUE or value in FALSE:
+        return value in TRUE
+    raise RendezvousSettingError(
+        f"--rdzv_conf {key}={raw} is not a boolean: write {key}=true or {key}=false "
+        f"(torch's spellings: {'/'.join(TRUE)} or {'/'.join(FALSE)})")
+
+
 def conf_float(config: dict, key: str, default: float, minimum: float | None = 0.0) -> float:
     """``--rdzv_conf key=SECONDS`` (or another number), ``default`` when not given.
     Raises :class:`RendezvousSettingError` for what is not a number, or below ``minimum``."""

@@ -28,11 +28,14 @@ from torch.distributed.elastic.rendezvous import RendezvousConnectionError
 
 from ..link.config import LinkConfig
 from ..link.frames import LinkError
+from ..link.session import NO_LINKS
 from ..server import LINK_LOST, HostedFrontEnd, StoreProcess, StoreStartError
 from ..settings import Settings, store_process_env
 from ..tier.lookup import read_over_link
+from .conf import conf_flag
+from .refusals import Refusals
 from .sockets import (
-    await_listener, bracket, closed_by_peer, last_line, port_in_use, watch_connection,
+    LINKS_ONLY, await_listener, bracket, closed_by_peer, last_line, port_in_use, watch_connection,
 )
 from .tree import TreePlace
 
@@ -149,10 +152,15 @@ class JobStore:
         except StoreStartError as e:
             if any(why in str(e) for why in TOKEN_REFUSED):
                 raise RendezvousConnectionError(self._token_refused(upstream)) from None
+            if NO_LINKS in str(e) and upstream == f"{self.host}:{self.port}":
+                raise RendezvousConnectionError(self.other_layout(host_tiered=False)) from None
             if "cannot connect to the store host" in str(e) and upstream == f"{self.host}:{self.port}":
                 raise RendezvousConnectionError(self.unreachable(connect_timeout)) from None
+            relay = "" if upstream == f"{self.host}:{self.port}" else (
+                " A relay of the store tree takes links on an ephemeral port of its node: open it between the job's "
+                "nodes (the guide's Network ACLs), or run the job without a tree (--store-fanout 0).")
             raise RendezvousConnectionError(
-                f"{self.node}: its store proxy could not link to {name}: {last_line(str(e))}") from e
+                f"{self.node}: its store proxy could not link to {name}: {last_line(str(e))}{relay}") from e
         return proxy
 
     def _token_refused(self, upstream: str) -> str:
@@ -162,6 +170,16 @@ class JobStore:
                 "job needs the same secret: check that TIERRUN_TOKEN_FILE names a file with the same "
                 "contents on every node (or that TIERRUN_TOKEN is the same); with no secret, the "
                 "token is derived from --rdzv_id and the store endpoint, which must then be the same.")
+
+    def other_layout(self, host_tiered: bool) -> str:
+        """What a node says whose store layout (flat or tiered) is not the store host's:
+        every node decides it alone, from its own flags and its tierrun's rule."""
+        host = ("tiered wire-up (its port takes node links only), but this node's store is flat" if host_tiered
+                else "a flat store (it takes no node links), but this node is tiered")
+        return (f"{self.node}: the job's store host {self.host}:{self.port} runs {host}: the nodes chose different "
+                "store layouts. Give every node the same --nnodes, --tiered or --no-tiered, --store-fanout and "
+                "--store-workers (with none of them, a job of 32 nodes or more is tiered), and the same tierrun "
+                "version.")
 
     def unreachable(self, after: float | None = None) -> str:
         """What a node that does not host the store says when the store host has not
@@ -199,6 +217,8 @@ class JobStore:
         except (OSError, LinkError) as e:
             if isinstance(e, LinkError) and any(why in str(e) for why in TOKEN_REFUSED):
                 raise RendezvousConnectionError(self._token_refused(f"{self.host}:{self.port}")) from None
+            if isinstance(e, LinkError) and NO_LINKS in str(e):
+                raise RendezvousConnectionError(self.other_layout(host_tiered=False)) from None
             raise RendezvousConnectionError(
                 f"node rank {tree.rank} did not learn where its parent in the store tree, node "
                 f"rank {tree.parent}, takes links within {self.timeout.total_seconds():.0f} s "
@@ -317,7 +337,7 @@ class JobStore:
         # other nodes' links in a store tree: a proxy of its own does that)
         node = self.tiered and (self.tree is None or not self.tree.has_children)
         proc = StoreProcess(host=None, port=self.port, controlled=True, env=store_process_env(), token=self.token,
-                            extra_args=self._store_args(),
+                            extra_args=self._store_args(), on_line=Refusals(self.node, self.port),
                             node_frontend_unix=f"@tierrun-proxy-{os.getpid()}-{secrets.token_hex(4)}" if node else None)
         try:
             self.port = proc.start()
@@ -361,8 +381,11 @@ class JobStore:
             host, port = self.client_address
             if self.proxy is None and self.root is None:  # flat, on a node without the store
                 # (torch's client would wait in silence, then print C++ stack traces)
-                if not await_listener(host, port, self.connect_timeout):
+                found = await_listener(host, port, self.connect_timeout)
+                if found is None:
                     raise RendezvousConnectionError(self.unreachable())
+                if found == LINKS_ONLY:
+                    raise RendezvousConnectionError(self.other_layout(host_tiered=True))
             try:
                 self._client = TCPStore(host, port, is_master=False, timeout=self.timeout,
                                         wait_for_workers=False)
@@ -440,10 +463,10 @@ class JobStore:
 
 
 def token_from(config: dict, settings: Settings) -> bytes | None:
-    """The job token when ``--rdzv_conf tiered=1`` (set by ``--tiered``), else None.
-    Raises ValueError when there is none or its file is empty, ``OSError`` if its file
-    cannot be read."""
-    if str(config.get("tiered", "0")).lower() not in ("1", "true"):
+    """The job token when ``--rdzv_conf tiered=1`` (set by ``--tiered``; any of torch's
+    boolean spellings), else None. Raises ValueError when there is none or its file is
+    empty, or ``tiered`` is no boolean; ``OSError`` if its file cannot be read."""
+    if not conf_flag(config, "tiered"):
         return None
     token = settings.job_token()
     if token is None:

@@ -6,7 +6,18 @@ from __future__ import annotations
 
 import errno
 import socket
+import struct
 import time
+
+from ..link.frames import HELLO
+from ..protocol import Op
+from ..protocol.opcodes import VALIDATION_MAGIC
+from ..protocol.requests import encode_request
+
+#: What ``await_listener`` found listening: a store of torch's protocol (a flat job's
+#: store host), or a port that takes node links only (a tiered job's store host).
+TORCH_STORE, LINKS_ONLY = "torch store", "links only"
+_NONCE = 0x7E57
 
 
 def bracket(addr: str) -> str:
@@ -17,17 +28,23 @@ def link_address(local_addr: str | None, store_host: str, port: int) -> str:
     """Where a node takes other nodes' links (a tree's relay): ``local_addr`` if given,
     else the address this machine sends from to reach the store host (the kernel's
     route, chosen by a UDP socket's connect: no packet is sent, no name is looked up in
-    reverse), which the other nodes reach it by too; the host name if the store host's
-    name does not resolve here."""
+    reverse), which the other nodes reach it by too: the first of the store host's
+    addresses this machine has a route to, in the order a TCP connection tries them;
+    the host name if there is none (or the name does not resolve here)."""
     if local_addr:
         return local_addr
     try:
-        family, _, _, _, address = socket.getaddrinfo(store_host, port, type=socket.SOCK_DGRAM)[0]
-        with socket.socket(family, socket.SOCK_DGRAM) as probe:
-            probe.connect(address)
-            return probe.getsockname()[0]
-    except OSError:
-        return socket.gethostname()
+        addresses = socket.getaddrinfo(store_host, port, type=socket.SOCK_DGRAM)
+    except (OSError, UnicodeError):
+        addresses = []
+    for family, _, _, _, address in addresses:
+        try:
+            with socket.socket(family, socket.SOCK_DGRAM) as probe:
+                probe.connect(address)
+                return probe.getsockname()[0]
+        except OSError:  # (no route from here: an IPv6 address on a machine without IPv6)
+            continue
+    return socket.gethostname()
 
 
 def connect(host: str, port: int, timeout: float) -> socket.socket:
@@ -43,20 +60,42 @@ def connect(host: str, port: int, timeout: float) -> socket.socket:
     return sock
 
 
-def await_listener(host: str, port: int, timeout: float) -> bool:
-    """Whether something accepts connections on ``host:port`` within ``timeout``
-    seconds: tries every 0.1 s to 1 s (backing off), with Python's sockets (quiet)."""
+def await_listener(host: str, port: int, timeout: float) -> str | None:
+    """What accepts connections on ``host:port`` within ``timeout`` seconds
+    (``TORCH_STORE`` or ``LINKS_ONLY``), or None: nothing. Tries every 0.1 s to 1 s
+    (backing off), with Python's sockets (quiet), and on the connection it gets sends
+    torch's VALIDATE and a PING: a store of torch's protocol answers the PING, a
+    links-only port greets every connection with a link's HELLO (and closes this one,
+    which is no link), where torch's client would retry in C++ stack traces until its
+    timeout. One round trip."""
     deadline = time.monotonic() + timeout
     delay = 0.1
     while True:
         try:
-            connect(host, port, max(min(deadline - time.monotonic(), 5.0), 0.1)).close()
-            return True
+            with connect(host, port, max(min(deadline - time.monotonic(), 5.0), 0.1)) as sock:
+                return _what_listens(sock)
         except OSError:
             if time.monotonic() + delay > deadline:
-                return False
+                return None
             time.sleep(delay)
             delay = min(2 * delay, 1.0)
+
+
+def _what_listens(sock: socket.socket) -> str:
+    """``LINKS_ONLY`` if the peer's first bytes are a link's HELLO frame rather than
+    the answer to a PING; else ``TORCH_STORE`` (also when it cannot tell: torch's
+    client then says what it finds)."""
+    sock.sendall(encode_request((Op.VALIDATE, VALIDATION_MAGIC)) + encode_request((Op.PING, _NONCE)))
+    pong, head = struct.pack("<I", _NONCE), b""
+    try:
+        while len(head) < 5 and head[:4] != pong:  # (a PING's answer is 4 bytes; a frame's header 5)
+            chunk = sock.recv(5 - len(head))
+            if not chunk:
+                break
+            head += chunk
+    except OSError:
+        pass
+    return LINKS_ONLY if len(head) == 5 and head[:4] != pong and head[4] == HELLO else TORCH_STORE
 
 
 def watch_connection(host: str, port: int, timeout: float) -> socket.socket | None:

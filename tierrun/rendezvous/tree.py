@@ -17,6 +17,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from .conf import conf_flag
+
 
 def parent_place(place: int, fanout: int) -> int | None:
     """The place whose proxy ``place`` links to; None: the store host."""
@@ -40,7 +42,7 @@ def store_fanout_from(config: dict) -> int:
         raise ValueError(f"store_fanout={raw} is not a whole number: write 0 (no tree) or 2 or more") from None
     if f < 0 or f == 1:
         raise ValueError(f"store_fanout={f}: write 0 (no tree) or 2 or more")
-    if f and str(config.get("tiered", "0")).lower() not in ("1", "true"):
+    if f and not conf_flag(config, "tiered"):
         raise ValueError(f"store_fanout={f} stacks the node proxies of tiered wire-up in a tree: add tiered=1 "
                          "(--tiered), or drop store_fanout")
     return f

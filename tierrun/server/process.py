@@ -10,7 +10,7 @@ import os
 import subprocess
 import sys
 import threading
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 from .control import (
     CloseNamespace, Command, Listening, NamespaceListening, OpenNamespace, SendStats, Stats, TakingLinks,
@@ -42,14 +42,17 @@ class StoreProcess:
         command: str = "store",
         node_frontend_unix: str | None = None,
         token: bytes | None = None,
+        on_line: Callable[[str], None] | None = None,
     ) -> None:
         """``node_frontend_unix``: a store that is also its host's node front-end
         (``--node-frontend``), listening on this Unix socket too; see :class:`HostedFrontEnd`.
         ``token``: the job token, handed to the process through a pipe (``--token-fd``),
         never through its environment or command line; without it the process reads
-        ``$TIERRUN_TOKEN`` / ``$TIERRUN_TOKEN_FILE`` from ``env``."""
+        ``$TIERRUN_TOKEN`` / ``$TIERRUN_TOKEN_FILE`` from ``env``. ``on_line``: called
+        with each line of its output (its log), from the thread that reads it."""
         self.command_name = command
         self.token = token
+        self.on_line = on_line
         self.host = host
         self.requested_port = port
         self.unix = unix
@@ -138,6 +141,8 @@ class StoreProcess:
         for line in self.proc.stdout:
             self._output.append(line)
             del self._output[:-200]
+            if self.on_line is not None:
+                self.on_line(line)
             parsed = parse_event(line)
             if parsed is None:
                 continue
