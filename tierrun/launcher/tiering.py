@@ -38,8 +38,7 @@ class Tiering:
     auto: bool
 
     def describe(self) -> str:
-        if not self.tiered:
-            return "a flat store"
+        """A tiered job's layout, as its nodes say it."""
         return "tiered wire-up" + (f" in a tree of fanout {self.fanout}" if self.fanout else "")
 
 

@@ -197,7 +197,7 @@ class ServerHandshake:
         if self.authenticated:
             raise LinkError("a LOOKUP after AUTH")
         if self._token is None:
-            raise LinkError("this store accepts no links (it was started without a job token)")
+            raise LinkError(NO_LINKS)
         self.authenticated = True  # (its answer is all this connection gets: no session)
         return auth.check_lookup(self._token, payload)
 
