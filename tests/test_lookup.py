@@ -162,3 +162,16 @@ def test_a_lookup_at_a_relay_goes_up_its_link(host):
         assert got == [b"10.0.0.9:1"] and relay.stats()["lookups"] == 1 and relay.exited() is None
     finally:
         relay.stop()
+
+
+def test_a_lookup_key_over_the_stores_key_limit_is_refused():
+    """The store's own key limit holds for a LOOKUP's key as for a request's."""
+    s = StoreProcess(host="127.0.0.1", port=0, controlled=True,
+                     env={**os.environ, "TIERRUN_TOKEN": TOKEN.decode()}, extra_args=["--max-key-bytes", "64"])
+    s.start()
+    try:
+        with pytest.raises(LinkError, match="a LOOKUP key of 100 bytes, over the store's 64"):
+            read_over_link(("127.0.0.1", s.port), TOKEN, b"/" + b"k" * 99, 5)
+        assert s.exited() is None and s.stats()["waiters"] == 0
+    finally:
+        s.stop()

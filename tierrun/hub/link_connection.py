@@ -219,6 +219,8 @@ class LinkServerConnection(asyncio.Protocol):
         LinkError (refused: the caller says why and closes)."""
         handshake = self._handshake
         nonce, key = handshake.lookup(payload)
+        if len(key) > self._server.limits.max_key_bytes:  # (as a request's key would be)
+            raise LinkError(f"a LOOKUP key of {len(key)} bytes, over the store's {self._server.limits.max_key_bytes}")
         self._opened()
 
         def send(answer: bytes) -> None:

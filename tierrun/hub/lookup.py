@@ -11,7 +11,7 @@ from collections.abc import Callable
 
 from ..core import StoreError
 from ..frontend.contracts import Upstream
-from ..protocol import Op
+from ..protocol import Op, Request
 
 
 class LookupAnswer:
@@ -33,7 +33,7 @@ class LookupAnswer:
     def start(self) -> None:
         self._run((Op.WAIT, (self._key,)))
 
-    def _run(self, req) -> None:  # type: ignore[no-untyped-def]
+    def _run(self, req: Request) -> None:
         try:
             reply = self._upstream.execute(req, self)
         except StoreError as e:
