@@ -87,7 +87,12 @@ def test_runs_on_the_stored_results():
         for pt in points:
             if pt.regime == regime:
                 err = predict(m, pt.setup, pt.k, pt.p).node0_cpu / pt.node0_cpu - 1
-                assert math.isfinite(err) and abs(err) < 1.0
-    from model_report import report
+                # the points it was fitted on, closely; the others are its checks, whose
+                # error (large where costs fall with load) the report states, not hides
+                assert math.isfinite(err) and (pt.k != 64 or abs(err) < 0.1), (pt, err)
+    from model_report import report, validation
+
     text = report(model.DOCS / "bench", with_plot=False)
     assert "12,500x8 (100,000)" in text and "leave-one-out" in text
+    _, checks = validation(points)
+    assert f"the fit-on-64x8 check is {min(checks):+.0%} to {max(checks):+.0%} at 256x8" in text
