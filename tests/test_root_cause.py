@@ -44,7 +44,12 @@ def test_the_report_blames_the_rank_that_died(tmp_path, how):
         # torch's @record has no error file of the launcher's to copy the failure to: it
         # said so at ERROR on every node, after the report
         assert "no error file defined for parent" not in text, text[-4000:]
-        assert "5 failure(s) in collectives after it (consequences)" in text or \
+        # every other rank is a consequence, or a worker its agent stopped; a node's
+        # report reads the others' records as they stand when it fails, so a failure
+        # another agent records later may not be in it yet (seen once in CI, under load:
+        # 4 consequences, the dying node's stop of its other worker not yet recorded)
+        consequences = re.search(r"(\d+) failure\(s\) in collectives after it \(consequences\)", text)
+        assert (consequences is not None and int(consequences.group(1)) >= 3) or \
             "worker(s) stopped by their agent" in text, text[-4000:]
     # torch's own summary, the launcher's last lines, agrees on every node: on the dying
     # rank's node it names that rank; on the others (whose own workers failed only
