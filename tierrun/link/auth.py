@@ -32,6 +32,14 @@ def _mac(token: bytes, label: bytes, a: bytes, b: bytes) -> bytes:
     return hmac.new(token, label + a + b, hashlib.sha256).digest()
 
 
+def check_version(payload: bytes, peer: str, us: str) -> None:
+    """Raise LinkError unless the u16 version opening ``payload`` (the peer's HELLO,
+    AUTH or LOOKUP) is ours; ``peer``/``us`` name both sides in the message."""
+    (version,) = _ver.unpack_from(payload)
+    if version != VERSION:
+        raise LinkError(f"{peer} link version {version}, {us} {VERSION}: install the same tierrun version on every node")
+
+
 def hello(server_nonce: bytes) -> bytes:
     return frame(HELLO, _ver.pack(VERSION) + server_nonce)
 
@@ -40,12 +48,7 @@ def answer_hello(token: bytes, payload: bytes) -> tuple[bytes, bytes]:
     """Front-end side: check the version, return (AUTH frame, client nonce)."""
     if len(payload) != 2 + NONCE:
         raise LinkError("malformed HELLO")
-    (version,) = _ver.unpack_from(payload)
-    if version != VERSION:
-        raise LinkError(
-            f"the store host speaks link version {version}, this node {VERSION}: "
-            "install the same tierrun version on every node"
-        )
+    check_version(payload, "the store host speaks", "this node")
     server_nonce = payload[2:]
     client_nonce = secrets.token_bytes(NONCE)
     mac = _mac(token, b"tierrun-link-client", server_nonce, client_nonce)
@@ -56,12 +59,7 @@ def check_auth(token: bytes, server_nonce: bytes, payload: bytes) -> bytes:
     """Core side: verify AUTH; return the WELCOME frame. Raises LinkError."""
     if len(payload) != 2 + 2 * NONCE:
         raise LinkError("malformed AUTH")
-    (version,) = _ver.unpack_from(payload)
-    if version != VERSION:
-        raise LinkError(
-            f"front-end speaks link version {version}, the store host {VERSION}: "
-            "install the same tierrun version on every node"
-        )
+    check_version(payload, "front-end speaks", "the store host")
     client_nonce, mac = payload[2 : 2 + NONCE], payload[2 + NONCE :]
     if not hmac.compare_digest(mac, _mac(token, b"tierrun-link-client", server_nonce, client_nonce)):
         raise LinkError("wrong job token")
@@ -83,12 +81,7 @@ def check_lookup(token: bytes, payload: bytes) -> tuple[bytes, bytes]:
     """Core side: verify a LOOKUP; (nonce, key). Raises LinkError."""
     if len(payload) < 2 + 2 * NONCE:
         raise LinkError("malformed LOOKUP")
-    (version,) = _ver.unpack_from(payload)
-    if version != VERSION:
-        raise LinkError(
-            f"front-end speaks link version {version}, the store host {VERSION}: "
-            "install the same tierrun version on every node"
-        )
+    check_version(payload, "front-end speaks", "the store host")
     nonce, mac, key = payload[2 : 2 + NONCE], payload[2 + NONCE : 2 + 2 * NONCE], payload[2 + 2 * NONCE :]
     if not hmac.compare_digest(mac, _mac(token, b"tierrun-lookup", nonce, key)):
         raise LinkError("wrong job token")

@@ -16,9 +16,8 @@ import struct
 import time
 
 from ..link import auth
-from ..link.frames import ERROR, FOUND, HELLO, LINK_MAGIC, VERSION, FrameDecoder, LinkError
+from ..link.frames import ERROR, FOUND, HELLO, LINK_MAGIC, FrameDecoder, LinkError
 
-_u16 = struct.Struct("<H")
 _u64 = struct.Struct("<Q")
 #: The largest answer read (an address, here): a peer cannot make this end buffer more
 #: before it proved it knows the token.
@@ -43,9 +42,9 @@ def read_over_link(address: tuple[str, int], token: bytes, key: bytes, timeout: 
         decoder = FrameDecoder(MAX_ANSWER + 64)
         for ftype, payload in _frames(sock, decoder, deadline):
             if ftype == HELLO:  # (the store host greets every link; a LOOKUP needs no answer to it)
-                if len(payload) >= 2 and _u16.unpack_from(payload)[0] != VERSION:
-                    raise LinkError(f"the store host speaks link version {_u16.unpack_from(payload)[0]}, this "
-                                    f"node {VERSION}: install the same tierrun version on every node")
+                if len(payload) < 2:
+                    raise LinkError("malformed HELLO")
+                auth.check_version(payload, "the store host speaks", "this node")
                 continue
             if ftype == FOUND:
                 answer = auth.check_found(token, nonce, payload)
