@@ -59,6 +59,22 @@ def test_events_make_attempts_with_phases_restarts_and_failures():
     assert NodeRecord.from_json(r.node.to_json()) == r.node
 
 
+def test_a_round_has_ended_only_once_every_worker_has_its_final_state():
+    """torch's agent reports its workers' final states one by one, and the record is
+    published after each: a reader must not take the first FAILED for the whole node."""
+    r = recorder()
+    r.on_event(agent_event("RENDEZVOUS", duration_ms=10), 101.0)
+    r.on_event(worker_event("START", 2, 0), 101.5)
+    r.on_event(worker_event("START", 3, 1), 101.6)
+    assert not r.attempt.has_ended()
+    r.on_event(worker_event("FAILED", 2, 0, exit_code=1), 102.0)
+    assert r.attempt.state == "FAILED" and not r.attempt.has_ended()
+    assert not NodeRecord.from_json(r.node.to_json()).attempts[-1].has_ended()
+    r.on_event(worker_event("TERMINATED", 3, 1), 102.0)
+    assert r.attempt.state == "FAILED" and r.attempt.has_ended()
+    assert NodeRecord.from_json(r.node.to_json()).attempts[-1].has_ended()
+
+
 def test_failure_report_names_the_earliest_failure_in_the_job():
     mine, other = recorder("10.0.0.1"), recorder("10.0.0.3")
     for rec, rank, when in ((mine, 0, 50.0), (other, 4, 20.0)):

@@ -27,7 +27,7 @@ from ..client import StoreClientError
 from ..report import timeline
 from ..report.board import JobBoard, NodeRecord
 from ..report.failure import FailedRank, FailureReport
-from ..report.recorder import FINAL_STATES, AgentRecorder
+from ..report.recorder import AgentRecorder
 
 log = logging.getLogger("tierrun")
 
@@ -113,14 +113,14 @@ class JobReporting:
 
     def _read_when_all_ended(self, board: JobBoard, members: int) -> None:
         """Read every record into ``_others`` until ``members`` agents have published how
-        their round ended, or no other has for ``REPORT_GRACE`` seconds, or
+        their round ended (every worker's final state), or no other has for ``REPORT_GRACE`` seconds, or
         ``REPORT_LIMIT`` seconds have passed. Raises like the board; what was read before
         stays in ``_others``."""
         start = time.monotonic()
         deadline, seen = start + REPORT_GRACE, -1
         while True:
             self._others = board.read_all()
-            ended = sum(1 for r in self._others if r.attempts and r.attempts[-1].state in FINAL_STATES)
+            ended = sum(1 for r in self._others if r.attempts and r.attempts[-1].has_ended())
             now = time.monotonic()
             if ended > seen:  # another node ended: wait for the rest from now
                 seen, deadline = ended, min(now + REPORT_GRACE, start + REPORT_LIMIT)

@@ -42,6 +42,9 @@ class Failure:
         return self.exitcode == -signal.SIGTERM and not self.traceback
 
 
+FINAL_STATES = ("SUCCEEDED", "FAILED", "TERMINATED")
+
+
 @dataclass
 class Attempt:
     """One round of an agent's workers; times are Unix seconds (``time.time()``)."""
@@ -54,6 +57,13 @@ class Attempt:
     ended: float | None = None
     state: str = "RUNNING"  # then SUCCEEDED, FAILED, or TERMINATED (stopped by the agent)
     failures: list[Failure] = field(default_factory=list)
+    workers: int = 0  # this node's workers started in this round
+    workers_ended: int = 0  # of which torch's agent has reported the final state
+
+    def has_ended(self) -> bool:
+        """Whether every worker of this round has its final state recorded: torch's
+        agent reports them one by one, and the record is published after each."""
+        return self.state in FINAL_STATES and self.workers_ended >= self.workers
 
 
 @dataclass

@@ -19,13 +19,10 @@ from collections.abc import Callable
 from torch.distributed.elastic.events import Event, EventSource
 
 from ..client import StoreClientError
-from .board import Attempt, Failure, JobBoard, NodeRecord
+from .board import FINAL_STATES, Attempt, Failure, JobBoard, NodeRecord
 from .exits import ExitClock
 
 log = logging.getLogger("tierrun.report")
-
-FINAL_STATES = ("SUCCEEDED", "FAILED", "TERMINATED")
-
 
 class AgentRecorder(logging.Handler):
     """``board()`` gives the board once the job's store is up (None before); events are
@@ -75,6 +72,7 @@ class AgentRecorder(logging.Handler):
             extra = json.loads(str(md.get("metadata") or "{}"))
             if state == "START":
                 self.attempt.workers_started = now
+                self.attempt.workers += 1
                 self.attempt.group_rank = int(md["group_rank"])
                 self.attempt.world_size = int(extra.get("group_world_size", -1))
                 if str(md.get("worker_id") or "").isdigit():  # torch's local agent: the pid
@@ -92,6 +90,7 @@ class AgentRecorder(logging.Handler):
         attempt = self.attempt
         assert attempt is not None
         attempt.ended = attempt.ended or now
+        attempt.workers_ended += 1
         if state == "FAILED" or attempt.state != "FAILED":
             attempt.state = state
         if state != "FAILED":
