@@ -6,6 +6,7 @@ import sys
 import pytest
 
 from tierrun.launcher.args import UsageError, build_parser, normalise
+from tierrun.launcher.cli import derived_token
 
 
 def parse(*argv):
@@ -216,3 +217,15 @@ def test_the_store_fanout_flag_and_rdzv_conf_must_agree():
     with pytest.raises(UsageError, match="--store-fanout 4 and --rdzv_conf store_fanout=2"):
         prepare(["--nnodes", "2:4", "--tiered", "--store-fanout", "4", "--rdzv_endpoint", "127.0.0.1:29400",
                  "--rdzv_conf", "store_fanout=2", "train.py"], Settings(token="t"))
+
+
+def test_the_derived_token_does_not_depend_on_how_a_node_names_the_store_host():
+    """Without a secret, node 0 may name itself localhost and the others name it by
+    address or host name: they must derive the same token. Another port or job id is
+    another job's."""
+    same = {derived_token("job", e) for e in ("localhost:29500", "10.0.0.1:29500", "node0.cluster:29500",
+                                              "[fd00::1]:29500", " node0:029500")}
+    assert len(same) == 1
+    assert derived_token("job", "node0:29501") not in same and derived_token("job2", "node0:29500") not in same
+    assert derived_token("job", "node0") == derived_token("job", "10.0.0.1")  # (the backend's default port)
+    assert derived_token("job", "node0") not in same

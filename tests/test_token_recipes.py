@@ -97,7 +97,7 @@ def test_a_mounted_kubernetes_secret_authenticates_the_nodes(tmp_path):
         f"tierrun: error: node 127.0.1.2: the store host 127.0.1.1:{port} refused this node's job token. "
         "Every node of the job needs the same secret: check that TIERRUN_TOKEN_FILE names a file with "
         "the same contents on every node (or that TIERRUN_TOKEN is the same); with no secret, the token "
-        "is derived from --rdzv_id and the store endpoint, which must then be the same."], said[-3000:]
+        "is derived from --rdzv_id and the store port, which must then be the same."], said[-3000:]
     assert "Traceback" not in said
     node1 = start_node(mount, "node1", "the-job-secret", 1, port, logs["node1"])
     assert finish([node0, node1], timeout=120) == [0, 0], logs["node0"].read_text()[-3000:]

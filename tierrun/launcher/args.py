@@ -69,7 +69,7 @@ def build_parser() -> argparse.ArgumentParser:
         "Unset, backends tierrun/c10d and parallel tier jobs of 32 nodes or more (--nnodes MAX), "
         "in a tree of fanout 8 from 64 nodes. Across nodes, give every node the same secret in a "
         "file named by $TIERRUN_TOKEN_FILE (or in $TIERRUN_TOKEN) to authenticate the links; "
-        "without one, a token derived from --rdzv_id and the store endpoint guards against "
+        "without one, a token derived from --rdzv_id and the store port guards against "
         "accidents only.",
     )
     parser.add_argument(

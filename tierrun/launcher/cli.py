@@ -32,10 +32,10 @@ log = logging.getLogger("tierrun")
 #: Said once per node when a tiered job across nodes has no secret (torch_npu_run's flags).
 DERIVED_TOKEN_WARNING = (
     "node %s: no job token (TIERRUN_TOKEN_FILE or TIERRUN_TOKEN), so the store links are "
-    "authenticated with a token derived from the job id %r and the store endpoint %s. That "
-    "guards against accidents (a node of another job, or started with another endpoint or "
+    "authenticated with a token derived from the job id %r and the port of the store endpoint %s. "
+    "That guards against accidents (a node of another job, or started with another port or "
     "id, cannot join this job's store), not against attackers: anyone who knows the id "
-    "and endpoint (every node's command line shows them) can compute it. For a secret, "
+    "and port (every node's command line shows them) can compute it. For a secret, "
     "point TIERRUN_TOKEN_FILE at a file holding the same secret on every node (a "
     "Kubernetes Secret, a file written before srun): see the guide's Security section."
 )
@@ -46,9 +46,28 @@ AUTO_TIERING = ("node %s: %s, chosen for --nnodes %s (a store proxy per node; th
 
 
 def derived_token(run_id: str, endpoint: str) -> str:
-    """The job token of a tiered job given no secret: a hash of its id and store endpoint,
-    which every node knows from its flags, and so does anyone who sees them."""
-    return hashlib.sha256(f"tierrun:{run_id}:{endpoint}".encode()).hexdigest()
+    """The job token of a tiered job given no secret: a hash of its id and its endpoint's
+    port(s), which every node knows from its flags, and so does anyone who sees them.
+
+    Not the host: nodes name the store host as they reach it (node 0 may say
+    ``localhost``, the others its address or a name), and a node reaches only the store
+    host it was told of, so the host would guard against nothing but spellings."""
+    return hashlib.sha256(f"tierrun:{run_id}:{endpoint_ports(endpoint)}".encode()).hexdigest()
+
+
+def endpoint_ports(endpoint: str) -> str:
+    """The port of each comma-separated ``host:port`` of ``endpoint``, as numbers
+    (``localhost:029500`` and ``[::1]:29500`` give ``29500``); an item without one gives
+    ``-`` (its backend's default port)."""
+    ports = []
+    for item in endpoint.split(","):
+        host, sep, port = item.strip().rpartition(":")
+        if not sep or not port.isdigit() or (host.startswith("[") and not host.endswith("]")) \
+                or (":" in host and not host.startswith("[")):
+            ports.append("-")  # (no port: "host", "[::1]", or a bare IPv6 address)
+        else:
+            ports.append(str(int(port)))
+    return ",".join(ports)
 
 
 def prepare(argv: list[str], settings: Settings):

@@ -169,7 +169,7 @@ class JobStore:
         return (f"{self.node}: {what} {upstream} refused this node's job token. Every node of the "
                 "job needs the same secret: check that TIERRUN_TOKEN_FILE names a file with the same "
                 "contents on every node (or that TIERRUN_TOKEN is the same); with no secret, the "
-                "token is derived from --rdzv_id and the store endpoint, which must then be the same.")
+                "token is derived from --rdzv_id and the store port, which must then be the same.")
 
     def other_layout(self, host_tiered: bool) -> str:
         """What a node says whose store layout (flat or tiered) is not the store host's:
