@@ -45,6 +45,19 @@ def test_tiered_flag_spellings(monkeypatch):
     assert parse().enable_tiered_parallel_tcpstore is True
 
 
+def test_the_tiered_flag_falls_back_on_pet_tiered_and_a_flag_wins(monkeypatch):
+    monkeypatch.setenv("PET_TIERED", "true")
+    a = parse("--nnodes", "2")
+    assert a.tiered is True and not a.tiering.auto
+    assert parse("--nnodes", "2", "--no-tiered").tiered is False
+    monkeypatch.setenv("PET_TIERED", "0")
+    a = parse("--nnodes", "64")
+    assert a.tiered is False and not a.tiering.auto
+    monkeypatch.setenv("PET_TIERED", "maybe")
+    with pytest.raises(UsageError, match="PET_TIERED='maybe' is not a boolean: write PET_TIERED=true"):
+        parse()
+
+
 @pytest.mark.parametrize(
     "argv, message",
     [

@@ -7,6 +7,7 @@ environment fallback, because the parser *is* torchrun's.
 from __future__ import annotations
 
 import argparse
+import os
 
 from torch.distributed.argparse_util import env
 from torch.distributed.run import _parse_rendezvous_config, get_args_parser
@@ -31,6 +32,22 @@ def parse_bool(value: str) -> bool:
     if v in ("0", "false", "no", "off"):
         return False
     raise argparse.ArgumentTypeError(f"expected true or false, got '{value}'")
+
+
+class EnvBooleanOptionalAction(argparse.BooleanOptionalAction):
+    """``--x`` / ``--no-x`` with torchrun's ``PET_X`` fallback (true or false, in
+    ``parse_bool``'s spellings), read when the parser is built, as torch's ``env`` does.
+    Raises UsageError on another value."""
+
+    def __init__(self, option_strings, dest, default=None, **kwargs) -> None:
+        name = f"PET_{dest.upper()}"
+        value = os.environ.get(name)
+        if value is not None and value.strip():
+            try:
+                default = parse_bool(value)
+            except argparse.ArgumentTypeError:
+                raise UsageError(f"{name}={value!r} is not a boolean: write {name}=true or {name}=false") from None
+        super().__init__(option_strings, dest, default=default, **kwargs)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -62,11 +79,11 @@ def build_parser() -> argparse.ArgumentParser:
     )
     parser.add_argument(
         "--tiered",
-        action=argparse.BooleanOptionalAction,
+        action=EnvBooleanOptionalAction,
         default=None,
         help="Tiered store wire-up: a store proxy per node, which alone links to the store host "
         "(tierrun's spelling of --enable_tiered_parallel_tcpstore true; --no-tiered: false). "
-        "Unset, backends tierrun/c10d and parallel tier jobs of 32 nodes or more (--nnodes MAX), "
+        "Also $PET_TIERED=true/false. Unset, backends tierrun/c10d and parallel tier jobs of 32 nodes or more (--nnodes MAX), "
         "in a tree of fanout 8 from 64 nodes. Across nodes, give every node the same secret in a "
         "file named by $TIERRUN_TOKEN_FILE (or in $TIERRUN_TOKEN) to authenticate the links; "
         "without one, a token derived from --rdzv_id and the store port guards against "
