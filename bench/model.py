@@ -72,6 +72,8 @@ from report import DOCS, write_section
 
 CURRENT = "wireup.json"
 OLDER = "wireup_tierrun_agents.json"
+#: The current method's larger runs (torch and the tree, skewed): an extrapolation check only.
+LARGE = "wireup-1024x8-3rounds.json"
 SETUPS = ("torch", "tierrun-flat", "tiered", "tree", "tree-proxies")
 #: Per rank and per torch agent, from the replay (docstring).
 PER_RANK, TORCH_AGENT, TORCH_NODE0 = 11, 8, 3

@@ -7,7 +7,7 @@ import statistics
 from dataclasses import replace
 from pathlib import Path
 
-from model import CURRENT, OLDER, SPLITS, Model, Point, best_fanout, fit, load, loo_costs, predict
+from model import CURRENT, LARGE, OLDER, SPLITS, Model, Point, best_fanout, fit, load, loo_costs, predict
 
 #: Projected sizes (nodes; 8 ranks each) and the fanouts tried for the best one.
 SIZES = (64, 256, 1024, 4096, 12500)
@@ -72,6 +72,28 @@ def validation(points: list[Point]) -> tuple[list[str], list[float]]:
                 f"| {_err(pr.node0_cpu, pt.node0_cpu)} | {loo[(pt.name, pt.setup, regime)]:+.0%} | {relay} "
                 f"| {pt.wall:.2f} / {pr.wall:.2f} | {_err(pr.wall, pt.wall)} |")
     return lines, checks
+
+
+def large(points: list[Point], current: list[Point]) -> list[str]:
+    """The current method's larger runs (a subset of the set-ups, not fitted on) against
+    the model fitted on every current point of their regime: an extrapolation check."""
+    lines = [
+        f"Extrapolation check (`{LARGE}`: current method, skewed, torch and the tree only; not fitted on). "
+        "Model: the skewed constants fitted on every `wireup.json` point.",
+        "",
+        "| K x P | set-up | node-0 requests meas / model | node-0 frames meas / model | node-0 CPU s meas / model "
+        "| error | busiest relay CPU s meas / model | error |",
+        "|---|---|---:|---:|---:|---:|---:|---:|",
+    ]
+    for pt in points:
+        m = fit(current, pt.regime)
+        pr = predict(m, pt.setup, pt.k, pt.p)
+        relay = f"{pt.relay_cpu:.3f} / {pr.relay_cpu:.3f} | {_err(pr.relay_cpu, pt.relay_cpu)}" \
+            if pt.relay_cpu else "— | —"
+        lines.append(f"| {pt.name} | {pt.setup} | {pt.requests:,.0f} / {pr.requests:,.0f} "
+                     f"| {pt.frames:,.0f} / {pr.frames:,.0f} | {pt.node0_cpu:.3f} / {pr.node0_cpu:.3f} "
+                     f"| {_err(pr.node0_cpu, pt.node0_cpu)} | {relay} |")
+    return lines
 
 
 def older(points: list[Point], current: list[Point]) -> tuple[list[str], float]:
@@ -182,6 +204,7 @@ def report(bench: Path, with_plot: bool = True) -> str:
     old = load(bench / OLDER)
     val, checks = validation(current)
     old_lines, _ = older(old, current)
+    large_lines = large(load(bench / LARGE), current) if (bench / LARGE).exists() else []
     skew = fit(current, "skew")
     proj, series = projection({split: fit(current, "skew", None, split) for split in SPLITS})
     loo = [abs(e) for e in loo_costs(current).values()]
@@ -189,7 +212,8 @@ def report(bench: Path, with_plot: bool = True) -> str:
     out = [
         "Pure computation from the stored runs (`cd bench && python model.py`, formulas in its docstring). "
         "Points: `wireup.json` (current method: 64x8 and 256x8, nodes over 1 s and lockstep lines, busiest "
-        f"node measured) and `{OLDER}` (older method: 64x8-1024x8, lockstep, node 0 only). Not used: "
+        f"node measured), `{LARGE}` (current method, 1024x8, torch and the tree, skewed: checked, not fitted) and "
+        f"`{OLDER}` (older method: 64x8-1024x8, lockstep, node 0 only). Not used: "
         "`wireup-512x8-7rounds*.json` (older method, torch's agents' traffic through a tree only tierrun's "
         "agents can run).",
         "",
@@ -201,6 +225,7 @@ def report(bench: Path, with_plot: bool = True) -> str:
         "",
         *val,
         "",
+        *([*large_lines, ""] if large_lines else []),
         *old_lines,
         "",
         "**Constants** used for the projection (every current point of the regime):",
