@@ -187,15 +187,16 @@ def plot(current: list[Point], m: Model, series: dict[str, list[tuple[int, float
 
 def falling_costs(current: list, checks: list[float]) -> str:
     """The caveat of constant costs, with this run's figures: torch's server's CPU per
-    request at the smallest and largest size (skewed), and the range of the checks."""
+    request at the smallest and largest size measured by the current method (skewed),
+    and the range of the checks."""
     torch = sorted((pt.k, pt.p, pt.node0_cpu / pt.requests) for pt in current
                    if pt.setup == "torch" and pt.regime == "skew")
     (k0, p0, small), (k1, p1, large) = torch[0], torch[-1]
     return ("**Per-thing costs are constants; measured, they fall with load.** A busier server gets more "
             f"per wake-up (torch: {small * 1e6:.1f} us a request at {k0}x{p0}, {large * 1e6:.1f} at {k1}x{p1}, "
             "skewed), so constants from small points overestimate large ones: the fit-on-64x8 check is "
-            f"{min(checks):+.0%} to {max(checks):+.0%} at 256x8. The extrapolation to 12,500 nodes is 50x beyond "
-            "the largest measured point under the current method (8x beyond the older ones).")
+            f"{min(checks):+.0%} to {max(checks):+.0%} at 256x8. The extrapolation to 12,500 nodes is "
+            f"{12500 / k1:.0f}x beyond the largest measured point under the current method.")
 
 
 def report(bench: Path, with_plot: bool = True) -> str:
@@ -204,7 +205,8 @@ def report(bench: Path, with_plot: bool = True) -> str:
     old = load(bench / OLDER)
     val, checks = validation(current)
     old_lines, _ = older(old, current)
-    large_lines = large(load(bench / LARGE), current) if (bench / LARGE).exists() else []
+    large_points = load(bench / LARGE) if (bench / LARGE).exists() else []
+    large_lines = large(large_points, current) if large_points else []
     skew = fit(current, "skew")
     proj, series = projection({split: fit(current, "skew", None, split) for split in SPLITS})
     loo = [abs(e) for e in loo_costs(current).values()]
@@ -242,7 +244,7 @@ def report(bench: Path, with_plot: bool = True) -> str:
         "",
         "**What the model cannot be trusted for:**",
         "",
-        f"- {falling_costs(current, checks)}",
+        f"- {falling_costs(current + large_points, checks)}",
         *(f"- {c}" for c in CAVEATS),
     ]
     if plotted:
