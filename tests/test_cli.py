@@ -263,3 +263,23 @@ def test_a_port_that_is_not_a_number_is_left_to_the_backend_to_refuse():
     """(Unicode digits pass str.isdigit but not int: no traceback from the launcher.)"""
     assert derived_token("job", "node0:²") == derived_token("job", "node0:²")
     assert derived_token("job", "node0:x", "tierrun") != derived_token("job", "node0", "tierrun")
+
+
+@pytest.mark.parametrize("env, argv, message", [
+    ({"PET_TIERED": "true"}, ["--enable_tiered_parallel_tcpstore", "false"],
+     "PET_TIERED=true and --enable_tiered_parallel_tcpstore false disagree"),
+    ({"PET_TIERED": "yes", "PET_ENABLE_TIERED_PARALLEL_TCPSTORE": "false"}, [],
+     "PET_TIERED=yes and PET_ENABLE_TIERED_PARALLEL_TCPSTORE=false disagree"),
+    ({"PET_TIERED": "1"}, ["--rdzv_conf", "tiered=0"], "PET_TIERED=1 and --rdzv_conf tiered=0 disagree"),
+    ({"PET_TIERED": "false"}, ["--store-fanout", "4"],
+     "--store-fanout 4 stacks the node proxies of tiered wire-up in a tree, but PET_TIERED=false turns"),
+    ({"PET_STORE_FANOUT": "4"}, ["--no-tiered"], "PET_STORE_FANOUT=4 stacks .* but --no-tiered turns"),
+    # a flag given on the command line is named as written, whatever the environment says
+    ({"PET_TIERED": "false"}, ["--tiered", "--rdzv_conf", "tiered=0"], "--tiered and --rdzv_conf tiered=0 disagree"),
+])
+def test_a_contradiction_names_the_environment_variable_that_said_it(monkeypatch, env, argv, message):
+    """A setting that came from a PET_* variable is named as such: the user wrote no flag."""
+    for name, value in env.items():
+        monkeypatch.setenv(name, value)
+    with pytest.raises(UsageError, match=message):
+        parse("--nnodes", "8", *argv)
