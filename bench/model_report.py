@@ -76,23 +76,29 @@ def validation(points: list[Point]) -> tuple[list[str], list[float]]:
 
 def large(points: list[Point], current: list[Point]) -> list[str]:
     """The current method's larger runs (a subset of the set-ups, not fitted on) against
-    the model fitted on every current point of their regime: an extrapolation check."""
+    the model fitted on every current point of their regime, in units of each run's
+    wake-up floor (as the older points): an extrapolation check."""
+    floor_now = statistics.median(pt.floor_us for pt in current)
+    floor_then = statistics.median(pt.floor_us for pt in points)
+    scale = floor_now / floor_then
     lines = [
-        f"Extrapolation check (`{LARGE}`: current method, skewed, torch and the tree only; not fitted on). "
-        "Model: the skewed constants fitted on every `wireup.json` point.",
+        f"Extrapolation check (`{LARGE}`: current method, skewed, torch and the tree only; not fitted on; "
+        f"a wake-up cost {floor_then:.0f} us in it, {floor_now:.0f} us in the current run: its CPU is shown "
+        f"x {scale:.2f}). Model: the skewed constants fitted on every `wireup.json` point.",
         "",
-        "| K x P | set-up | node-0 requests meas / model | node-0 frames meas / model | node-0 CPU s meas / model "
-        "| error | busiest relay CPU s meas / model | error |",
+        "| K x P | set-up | node-0 requests meas / model | node-0 frames meas / model "
+        "| node-0 CPU s (scaled) meas / model | error | busiest relay CPU s (scaled) meas / model | error |",
         "|---|---|---:|---:|---:|---:|---:|---:|",
     ]
     for pt in points:
         m = fit(current, pt.regime)
         pr = predict(m, pt.setup, pt.k, pt.p)
-        relay = f"{pt.relay_cpu:.3f} / {pr.relay_cpu:.3f} | {_err(pr.relay_cpu, pt.relay_cpu)}" \
+        cpu, relay_cpu = pt.node0_cpu * scale, pt.relay_cpu * scale
+        relay = f"{relay_cpu:.3f} / {pr.relay_cpu:.3f} | {_err(pr.relay_cpu, relay_cpu)}" \
             if pt.relay_cpu else "— | —"
         lines.append(f"| {pt.name} | {pt.setup} | {pt.requests:,.0f} / {pr.requests:,.0f} "
-                     f"| {pt.frames:,.0f} / {pr.frames:,.0f} | {pt.node0_cpu:.3f} / {pr.node0_cpu:.3f} "
-                     f"| {_err(pr.node0_cpu, pt.node0_cpu)} | {relay} |")
+                     f"| {pt.frames:,.0f} / {pr.frames:,.0f} | {cpu:.3f} / {pr.node0_cpu:.3f} "
+                     f"| {_err(pr.node0_cpu, cpu)} | {relay} |")
     return lines
 
 
@@ -185,18 +191,21 @@ def plot(current: list[Point], m: Model, series: dict[str, list[tuple[int, float
     return True
 
 
-def falling_costs(current: list, checks: list[float]) -> str:
+def falling_costs(current: list, checks: list[float], measured: list | None = None) -> str:
     """The caveat of constant costs, with this run's figures: torch's server's CPU per
-    request at the smallest and largest size measured by the current method (skewed),
-    and the range of the checks."""
+    request at the smallest and largest size (skewed), the range of the checks, and how
+    far 12,500 nodes lie beyond the fitted points and every ``measured`` one."""
     torch = sorted((pt.k, pt.p, pt.node0_cpu / pt.requests) for pt in current
                    if pt.setup == "torch" and pt.regime == "skew")
     (k0, p0, small), (k1, p1, large) = torch[0], torch[-1]
+    top, fitted = SIZES[-1], max(pt.k for pt in current)
+    largest = max([*current, *(measured or [])], key=lambda pt: pt.k)
     return ("**Per-thing costs are constants; measured, they fall with load.** A busier server gets more "
             f"per wake-up (torch: {small * 1e6:.1f} us a request at {k0}x{p0}, {large * 1e6:.1f} at {k1}x{p1}, "
             "skewed), so constants from small points overestimate large ones: the fit-on-64x8 check is "
-            f"{min(checks):+.0%} to {max(checks):+.0%} at 256x8. The extrapolation to 12,500 nodes is "
-            f"{12500 / k1:.0f}x beyond the largest measured point under the current method.")
+            f"{min(checks):+.0%} to {max(checks):+.0%} at 256x8. The extrapolation to {top:,} nodes is "
+            f"{top / fitted:.0f}x beyond the largest point fitted on ({fitted}x{p1}) and {top / largest.k:.0f}x "
+            f"beyond the largest measured point ({largest.name}, checked, not fitted).")
 
 
 def report(bench: Path, with_plot: bool = True) -> str:
@@ -244,7 +253,7 @@ def report(bench: Path, with_plot: bool = True) -> str:
         "",
         "**What the model cannot be trusted for:**",
         "",
-        f"- {falling_costs(current + large_points, checks)}",
+        f"- {falling_costs(current, checks, [*large_points, *old])}",
         *(f"- {c}" for c in CAVEATS),
     ]
     if plotted:

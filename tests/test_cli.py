@@ -242,3 +242,44 @@ def test_the_derived_token_does_not_depend_on_how_a_node_names_the_store_host():
     assert derived_token("job", "node0:29501") not in same and derived_token("job2", "node0:29500") not in same
     assert derived_token("job", "node0") == derived_token("job", "10.0.0.1")  # (the backend's default port)
     assert derived_token("job", "node0") not in same
+
+
+@pytest.mark.parametrize("backend, spellings", [
+    # the elastic backend reads a missing port as torch's c10d does: 29400
+    ("tierrun", ("localhost", "node0:29400", "[fd00::1]", "fd00::1:29400", "[fd00::1]:29400")),
+    # etcd's client URLs, with or without a scheme, a path or the default port, in any order
+    ("tierrun-etcd", ("http://etcd:2379", "etcd:2379", "etcd", "https://[fd00::1]:2379/", "10.0.0.5",
+                      "http://etcd1:2379, http://etcd2:2379", "etcd2:2379,etcd1")),
+])
+def test_the_derived_token_reads_the_port_as_the_backend_does(backend, spellings):
+    """A node that leaves out the backend's default port, or writes etcd's endpoints as
+    URLs or in another order, is in the same job as one that does not."""
+    assert len({derived_token("job", e, backend) for e in spellings}) == 1, spellings
+    other = "etcd:2380" if backend == "tierrun-etcd" else "node0:29401"
+    assert derived_token("job", other, backend) != derived_token("job", spellings[0], backend)
+
+
+def test_a_port_that_is_not_a_number_is_left_to_the_backend_to_refuse():
+    """(Unicode digits pass str.isdigit but not int: no traceback from the launcher.)"""
+    assert derived_token("job", "node0:²") == derived_token("job", "node0:²")
+    assert derived_token("job", "node0:x", "tierrun") != derived_token("job", "node0", "tierrun")
+
+
+@pytest.mark.parametrize("env, argv, message", [
+    ({"PET_TIERED": "true"}, ["--enable_tiered_parallel_tcpstore", "false"],
+     "PET_TIERED=true and --enable_tiered_parallel_tcpstore false disagree"),
+    ({"PET_TIERED": "yes", "PET_ENABLE_TIERED_PARALLEL_TCPSTORE": "false"}, [],
+     "PET_TIERED=yes and PET_ENABLE_TIERED_PARALLEL_TCPSTORE=false disagree"),
+    ({"PET_TIERED": "1"}, ["--rdzv_conf", "tiered=0"], "PET_TIERED=1 and --rdzv_conf tiered=0 disagree"),
+    ({"PET_TIERED": "false"}, ["--store-fanout", "4"],
+     "--store-fanout 4 stacks the node proxies of tiered wire-up in a tree, but PET_TIERED=false turns"),
+    ({"PET_STORE_FANOUT": "4"}, ["--no-tiered"], "PET_STORE_FANOUT=4 stacks .* but --no-tiered turns"),
+    # a flag given on the command line is named as written, whatever the environment says
+    ({"PET_TIERED": "false"}, ["--tiered", "--rdzv_conf", "tiered=0"], "--tiered and --rdzv_conf tiered=0 disagree"),
+])
+def test_a_contradiction_names_the_environment_variable_that_said_it(monkeypatch, env, argv, message):
+    """A setting that came from a PET_* variable is named as such: the user wrote no flag."""
+    for name, value in env.items():
+        monkeypatch.setenv(name, value)
+    with pytest.raises(UsageError, match=message):
+        parse("--nnodes", "8", *argv)

@@ -4,6 +4,7 @@ stored wire-up results (pure computation, well under a second)."""
 from __future__ import annotations
 
 import math
+import statistics
 import sys
 from pathlib import Path
 
@@ -96,3 +97,26 @@ def test_runs_on_the_stored_results():
     assert "12,500x8 (100,000)" in text and "leave-one-out" in text
     _, checks = validation(points)
     assert f"the fit-on-64x8 check is {min(checks):+.0%} to {max(checks):+.0%} at 256x8" in text
+
+
+def test_the_extrapolation_check_compares_in_units_of_each_runs_wake_up_floor():
+    """A run on a machine state twice as fast per wake-up shows its CPU x 2, as the older
+    method's points are shown: else the check measures the machine, not the model."""
+    from model import Point
+    from model_report import large
+
+    current = model.load(model.DOCS / "bench" / model.CURRENT)
+    floor_now = statistics.median(pt.floor_us for pt in current)
+    m = model.fit(current, "skew")
+    pr = predict(m, "torch", 1024, 8)
+    fast = Point("large", 1024, 8, "torch", "skew", 0, pr.requests, pr.frames, pr.node0_cpu / 2, 0.0, 5.0,
+                 floor_now / 2)
+    text = "\n".join(large([fast], current))
+    assert "x 2.00" in text and f"{pr.node0_cpu:.3f} / {pr.node0_cpu:.3f} | +0% |" in text, text
+
+
+def test_the_caveat_names_the_largest_measured_point():
+    from model_report import report
+
+    text = report(model.DOCS / "bench", with_plot=False)
+    assert "beyond the largest measured point (1024x8" in text, text[-3000:]

@@ -49,6 +49,29 @@ class EnvBooleanOptionalAction(argparse.BooleanOptionalAction):
                 raise UsageError(f"{name}={value!r} is not a boolean: write {name}=true or {name}=false") from None
         super().__init__(option_strings, dest, default=default, **kwargs)
 
+    def __call__(self, parser, namespace, values, option_string=None) -> None:
+        super().__call__(parser, namespace, values, option_string)
+        namespace.flags_given = getattr(namespace, "flags_given", set()) | {self.dest}
+
+
+class EnvFlag(env):
+    """torch's ``env`` action (a ``PET_*`` fallback), remembering on the namespace that the
+    flag itself was given, so a message can name what the user wrote."""
+
+    def __call__(self, parser, namespace, values, option_string=None) -> None:
+        super().__call__(parser, namespace, values, option_string)
+        namespace.flags_given = getattr(namespace, "flags_given", set()) | {self.dest}
+
+
+def _as_written(args: argparse.Namespace, dest: str, flag: str) -> str:
+    """``flag`` if the command line gave it, else ``PET_<DEST>=value``, when the setting
+    came from the environment."""
+    name = f"PET_{dest.upper()}"
+    value = os.environ.get(name, "").strip()
+    if value and dest not in getattr(args, "flags_given", ()):
+        return f"{name}={value}"
+    return flag
+
 
 def build_parser() -> argparse.ArgumentParser:
     parser = get_args_parser()
@@ -71,7 +94,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument(
         "--enable-tiered-parallel-tcpstore",
         "--enable_tiered_parallel_tcpstore",
-        action=env,
+        action=EnvFlag,
         type=parse_bool,
         default=None,
         help="torch_npu_run's flag: tiered store wire-up (a store proxy per node), true or false. "
@@ -104,7 +127,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument(
         "--store-fanout",
         "--store_fanout",
-        action=env,
+        action=EnvFlag,
         type=int,
         default=None,
         help="Tiered wire-up (backends parallel and tierrun/c10d) with the node proxies stacked in "
@@ -208,16 +231,16 @@ def _choose_tiering(args: argparse.Namespace, max_nodes: int, backend: str) -> N
         raise UsageError(f"--rdzv_conf {args.rdzv_conf}: {e}") from None
     said: dict[str, bool] = {}  # setting as written -> whether it tiers
     if args.tiered is not None:
-        said["--tiered" if args.tiered else "--no-tiered"] = args.tiered
+        said[_as_written(args, "tiered", "--tiered" if args.tiered else "--no-tiered")] = args.tiered
     if args.enable_tiered_parallel_tcpstore is not None:
-        said[f"--enable_tiered_parallel_tcpstore {str(args.enable_tiered_parallel_tcpstore).lower()}"] = \
-            args.enable_tiered_parallel_tcpstore
+        flag = f"--enable_tiered_parallel_tcpstore {str(args.enable_tiered_parallel_tcpstore).lower()}"
+        said[_as_written(args, "enable_tiered_parallel_tcpstore", flag)] = args.enable_tiered_parallel_tcpstore
     if conf_tiered is not None:
         said[f"--rdzv_conf tiered={conf['tiered']}"] = conf_tiered
     if len(set(said.values())) > 1:
         raise UsageError(f"{' and '.join(said)} disagree: give one of them")
     tiered = next(iter(said.values()), None)
-    fanout, fanout_setting = args.store_fanout, f"--store-fanout {args.store_fanout}"
+    fanout, fanout_setting = args.store_fanout, _as_written(args, "store_fanout", f"--store-fanout {args.store_fanout}")
     if "store_fanout" in conf:
         raw = conf["store_fanout"]
         try:
@@ -226,7 +249,7 @@ def _choose_tiering(args: argparse.Namespace, max_nodes: int, backend: str) -> N
             raise UsageError(f"--rdzv_conf store_fanout={raw} is not a whole number: write store_fanout=F "
                              "(2 or more; 0: no tree)") from None
         if fanout is not None and given != fanout:
-            raise UsageError(f"--store-fanout {fanout} and --rdzv_conf store_fanout={raw} disagree: give one of them")
+            raise UsageError(f"{fanout_setting} and --rdzv_conf store_fanout={raw} disagree: give one of them")
         if fanout is None:
             fanout, fanout_setting = given, f"--rdzv_conf store_fanout={raw}"
     if fanout:

@@ -11,6 +11,7 @@ import sys
 import uuid
 from dataclasses import replace
 from pathlib import Path
+from urllib.parse import urlsplit
 
 from torch.distributed.elastic.multiprocessing.errors import ChildFailedError, record
 from torch.distributed.elastic.multiprocessing.api import SignalException
@@ -45,29 +46,50 @@ AUTO_TIERING = ("node %s: %s, chosen for --nnodes %s (a store proxy per node; th
                 "its port takes node links only); --no-tiered turns it off, --store-fanout F sets the tree")
 
 
-def derived_token(run_id: str, endpoint: str) -> str:
+def derived_token(run_id: str, endpoint: str, backend: str | None = None) -> str:
     """The job token of a tiered job given no secret: a hash of its id and its endpoint's
     port(s), which every node knows from its flags, and so does anyone who sees them.
 
     Not the host: nodes name the store host as they reach it (node 0 may say
     ``localhost``, the others its address or a name), and a node reaches only the store
-    host it was told of, so the host would guard against nothing but spellings."""
-    return hashlib.sha256(f"tierrun:{run_id}:{endpoint_ports(endpoint)}".encode()).hexdigest()
+    host it was told of, so the host would guard against nothing but spellings.
+    ``backend`` (``--rdzv_backend``, mapped): whose default port an endpoint without one
+    stands for."""
+    return hashlib.sha256(f"tierrun:{run_id}:{endpoint_ports(endpoint, backend)}".encode()).hexdigest()
 
 
-def endpoint_ports(endpoint: str) -> str:
-    """The port of each comma-separated ``host:port`` of ``endpoint``, as numbers
-    (``localhost:029500`` and ``[::1]:29500`` give ``29500``); an item without one gives
-    ``-`` (its backend's default port)."""
-    ports = []
-    for item in endpoint.split(","):
-        host, sep, port = item.strip().rpartition(":")
-        if not sep or not port.isdigit() or (host.startswith("[") and not host.endswith("]")) \
-                or (":" in host and not host.startswith("[")):
-            ports.append("-")  # (no port: "host", "[::1]", or a bare IPv6 address)
-        else:
-            ports.append(str(int(port)))
-    return ",".join(ports)
+#: the port an endpoint without one stands for, per backend (parallel's needs one):
+#: tierrun's elastic backend reads it as torch's c10d does; tierrun-etcd, etcd's client port
+DEFAULT_PORTS = {"tierrun": rendezvous.elastic.DEFAULT_PORT, "tierrun-etcd": 2379}
+
+
+def endpoint_ports(endpoint: str, backend: str | None = None) -> str:
+    """The ports of ``endpoint``'s comma-separated items, as ``backend`` reads them
+    (``host:port``, ``[v6]:port``, torch's ``v6:port``; for tierrun-etcd, URLs too),
+    sorted and once each: ``localhost``, ``node0:29400`` and ``[::1]`` give ``29400`` for
+    tierrun. An item whose port cannot be read, or that has none for a backend with no
+    default, gives ``-``: the backend refuses it, not this."""
+    default = DEFAULT_PORTS.get(backend or "")
+    ports = set()
+    for item in (e.strip() for e in endpoint.split(",")):
+        if not item:
+            continue
+        port: int | str | None = "-"
+        if "://" in item or backend == "tierrun-etcd":  # (as EtcdOptions.parse reads it)
+            try:
+                port = urlsplit(item if "://" in item else f"http://{item}").port
+            except ValueError:
+                pass
+        elif item.startswith("[") and item.endswith("]"):  # (an IPv6 address alone)
+            port = None
+        else:  # (torch's parse_rendezvous_endpoint: after the last colon)
+            _, sep, after = item.rpartition(":")
+            if not sep:
+                port = None
+            elif after.isascii() and after.isdigit():
+                port = int(after)
+        ports.add(str(port if port is not None else default if default is not None else "-"))
+    return ",".join(sorted(ports))
 
 
 def prepare(argv: list[str], settings: Settings):
@@ -108,7 +130,7 @@ def prepare(argv: list[str], settings: Settings):
             else:
                 # torch_npu_run's flags carry no secret; stay drop-in, but say what it costs
                 # (chosen by size, not asked for: still more than a flat store's none)
-                settings = replace(settings, token=derived_token(args.rdzv_id, args.rdzv_endpoint))
+                settings = replace(settings, token=derived_token(args.rdzv_id, args.rdzv_endpoint, args.rdzv_backend))
                 (log.info if args.tiering.auto else log.warning)(
                     DERIVED_TOKEN_WARNING, args.local_addr or socket.gethostname(), args.rdzv_id, args.rdzv_endpoint)
         if args.store_workers > 1:
