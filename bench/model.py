@@ -52,10 +52,11 @@ Wall time (common start to every rank done, as ``wireup.py`` measures it):
 
 Validation: constants fitted on 64x8, checked on 256x8 (the current method: skew 1 s and
 lockstep lines, ``docs/bench/wireup.json``); the costs alone also leave-one-out over every
-current point (measured counts). The older-method points (``wireup_tierrun_agents.json``:
-64x8-1024x8, lockstep only, node 0 only, an older store, no parent lookups, a slower state
-of the machine: a wake-up cost 88 us there against 36 us now) are compared in units of
-each run's wake-up floor (CPU x 36/88), as extrapolation checks only.
+current point (measured counts). The current method's 1024x8 run (``LARGE``: torch and
+the tree, skewed) and the older-method points (``wireup_tierrun_agents.json``:
+64x8-1024x8, lockstep only, node 0 only, an older store, no parent lookups) ran in other
+states of the machine: they are compared in units of each run's wake-up floor (CPU x the
+current run's floor / theirs, both stored in the JSON files), as extrapolation checks only.
 """
 
 from __future__ import annotations
