@@ -1,5 +1,6 @@
 """Flag parsing: torchrun's and torch_npu_run's spellings, and one-line errors."""
 
+import os
 import subprocess
 import sys
 
@@ -56,6 +57,10 @@ def test_the_tiered_flag_falls_back_on_pet_tiered_and_a_flag_wins(monkeypatch):
     monkeypatch.setenv("PET_TIERED", "maybe")
     with pytest.raises(UsageError, match="PET_TIERED='maybe' is not a boolean: write PET_TIERED=true"):
         parse()
+    assert parse("--nnodes", "2", "--tiered").tiered is True  # (a flag wins over any PET_* value)
+    helped = subprocess.run([sys.executable, "-m", "tierrun", "--help"], capture_output=True, text=True,
+                            env={**os.environ, "PET_TIERED": "maybe"})
+    assert helped.returncode == 0 and "--no-tiered" in helped.stdout, helped.stderr
 
 
 @pytest.mark.parametrize(

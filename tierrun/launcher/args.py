@@ -34,10 +34,16 @@ def parse_bool(value: str) -> bool:
     raise argparse.ArgumentTypeError(f"expected true or false, got '{value}'")
 
 
+class InvalidEnvSetting(str):
+    """A ``PET_*`` value that is not one its flag takes: the default it gives, refused by
+    ``normalise`` (not when the parser is built, so ``--help`` still works, and a flag
+    given on the command line wins over it, as over any ``PET_*`` value)."""
+
+
 class EnvBooleanOptionalAction(argparse.BooleanOptionalAction):
     """``--x`` / ``--no-x`` with torchrun's ``PET_X`` fallback (true or false, in
     ``parse_bool``'s spellings), read when the parser is built, as torch's ``env`` does.
-    Raises UsageError on another value."""
+    Another value gives an :class:`InvalidEnvSetting` default."""
 
     def __init__(self, option_strings, dest, default=None, **kwargs) -> None:
         name = f"PET_{dest.upper()}"
@@ -46,7 +52,8 @@ class EnvBooleanOptionalAction(argparse.BooleanOptionalAction):
             try:
                 default = parse_bool(value)
             except argparse.ArgumentTypeError:
-                raise UsageError(f"{name}={value!r} is not a boolean: write {name}=true or {name}=false") from None
+                default = InvalidEnvSetting(
+                    f"{name}={value!r} is not a boolean: write {name}=true or {name}=false")
         super().__init__(option_strings, dest, default=default, **kwargs)
 
     def __call__(self, parser, namespace, values, option_string=None) -> None:
@@ -164,6 +171,8 @@ def build_parser() -> argparse.ArgumentParser:
 
 def normalise(args: argparse.Namespace) -> argparse.Namespace:
     """Map backend aliases and check flags that contradict each other. Raises UsageError."""
+    if isinstance(args.tiered, InvalidEnvSetting):
+        raise UsageError(str(args.tiered))
     backend = args.rdzv_backend
     if backend.startswith("torch-"):
         args.rdzv_backend = backend[len("torch-"):]
