@@ -249,6 +249,11 @@ def _choose_tiering(args: argparse.Namespace, max_nodes: int, backend: str) -> N
     if len(set(said.values())) > 1:
         raise UsageError(f"{' and '.join(said)} disagree: give one of them")
     tiered = next(iter(said.values()), None)
+    if tiered and args.rdzv_backend not in TIERRUN_BACKENDS:
+        raise UsageError(
+            f"{' and '.join(said)} needs a tierrun rendezvous backend, which starts the node proxies, not "
+            f"--rdzv_backend {backend} (torch's own): use tierrun (elastic; c10d maps to it), parallel (fixed "
+            "nodes) or tierrun-etcd, or drop it")
     fanout, fanout_setting = args.store_fanout, _as_written(args, "store_fanout", f"--store-fanout {args.store_fanout}")
     if "store_fanout" in conf:
         raw = conf["store_fanout"]
