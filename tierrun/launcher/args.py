@@ -113,8 +113,8 @@ def build_parser() -> argparse.ArgumentParser:
         default=None,
         help="Tiered store wire-up: a store proxy per node, which alone links to the store host "
         "(tierrun's spelling of --enable_tiered_parallel_tcpstore true; --no-tiered: false). "
-        "Also $PET_TIERED=true/false. Unset, backends tierrun/c10d and parallel tier jobs of 32 nodes or more (--nnodes MAX), "
-        "in a tree of fanout 8 from 64 nodes. Across nodes, give every node the same secret in a "
+        "Also $PET_TIERED=true/false. Unset, backends tierrun/c10d and parallel tier jobs of 32 "
+        "nodes or more (--nnodes MAX), in a tree of fanout 8 from 64 nodes. Across nodes, give every node the same secret in a "
         "file named by $TIERRUN_TOKEN_FILE (or in $TIERRUN_TOKEN) to authenticate the links; "
         "without one, a token derived from --rdzv_id and the store port guards against "
         "accidents only.",
