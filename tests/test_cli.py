@@ -275,14 +275,10 @@ def test_a_port_that_is_not_a_number_is_left_to_the_backend_to_refuse():
 
 
 @pytest.mark.parametrize("env, argv, message", [
-    ({"PET_TIERED": "true"}, ["--enable_tiered_parallel_tcpstore", "false"],
-     "PET_TIERED=true and --enable_tiered_parallel_tcpstore false disagree"),
     ({"PET_TIERED": "yes", "PET_ENABLE_TIERED_PARALLEL_TCPSTORE": "false"}, [],
      "PET_TIERED=yes and PET_ENABLE_TIERED_PARALLEL_TCPSTORE=false disagree"),
-    ({"PET_TIERED": "1"}, ["--rdzv_conf", "tiered=0"], "PET_TIERED=1 and --rdzv_conf tiered=0 disagree"),
-    ({"PET_TIERED": "false"}, ["--store-fanout", "4"],
-     "--store-fanout 4 stacks the node proxies of tiered wire-up in a tree, but PET_TIERED=false turns"),
-    ({"PET_STORE_FANOUT": "4"}, ["--no-tiered"], "PET_STORE_FANOUT=4 stacks .* but --no-tiered turns"),
+    ({"PET_TIERED": "false", "PET_STORE_FANOUT": "4"}, [],
+     "PET_STORE_FANOUT=4 stacks the node proxies of tiered wire-up in a tree, but PET_TIERED=false turns"),
     # a flag given on the command line is named as written, whatever the environment says
     ({"PET_TIERED": "false"}, ["--tiered", "--rdzv_conf", "tiered=0"], "--tiered and --rdzv_conf tiered=0 disagree"),
 ])
@@ -292,3 +288,21 @@ def test_a_contradiction_names_the_environment_variable_that_said_it(monkeypatch
         monkeypatch.setenv(name, value)
     with pytest.raises(UsageError, match=message):
         parse("--nnodes", "8", *argv)
+
+
+@pytest.mark.parametrize("env, argv, tiered, fanout", [
+    ({"PET_TIERED": "true"}, ["--enable_tiered_parallel_tcpstore", "false"], False, 0),
+    ({"PET_ENABLE_TIERED_PARALLEL_TCPSTORE": "false"}, ["--tiered"], True, 0),
+    ({"PET_TIERED": "1"}, ["--rdzv_conf", "tiered=0"], False, 0),
+    ({"PET_TIERED": "false"}, ["--store-fanout", "4"], True, 4),
+    ({"PET_STORE_FANOUT": "4"}, ["--no-tiered"], False, 0),
+    ({"PET_STORE_FANOUT": "4"}, ["--rdzv_conf", "store_fanout=2"], True, 2),
+])
+def test_the_command_line_wins_over_pet_settings_it_contradicts(monkeypatch, env, argv, tiered, fanout):
+    """PET_* values are defaults, as torchrun reads them: a flag or an --rdzv_conf key
+    that says otherwise wins, even when the variable has another name (PET_TIERED and
+    --enable_tiered_parallel_tcpstore); two PET_* values that disagree stop the launch."""
+    for name, value in env.items():
+        monkeypatch.setenv(name, value)
+    a = parse("--nnodes", "8", *argv)
+    assert (a.tiered, a.store_fanout or 0) == (tiered, fanout)

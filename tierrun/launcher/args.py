@@ -80,6 +80,11 @@ def _as_written(args: argparse.Namespace, dest: str, flag: str) -> str:
     return flag
 
 
+def _from_environment(setting: str) -> bool:
+    """Whether a setting as ``_as_written`` wrote it came from a ``PET_*`` variable."""
+    return setting.startswith("PET_")
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = get_args_parser()
     parser.prog = "tierrun"
@@ -246,6 +251,10 @@ def _choose_tiering(args: argparse.Namespace, max_nodes: int, backend: str) -> N
         said[_as_written(args, "enable_tiered_parallel_tcpstore", flag)] = args.enable_tiered_parallel_tcpstore
     if conf_tiered is not None:
         said[f"--rdzv_conf tiered={conf['tiered']}"] = conf_tiered
+    # the command line wins over PET_* values (defaults, as torchrun reads them): those
+    # count only when no flag or --rdzv_conf key says anything
+    if any(not _from_environment(setting) for setting in said):
+        said = {setting: on for setting, on in said.items() if not _from_environment(setting)}
     if len(set(said.values())) > 1:
         raise UsageError(f"{' and '.join(said)} disagree: give one of them")
     tiered = next(iter(said.values()), None)
@@ -262,9 +271,9 @@ def _choose_tiering(args: argparse.Namespace, max_nodes: int, backend: str) -> N
         except ValueError:
             raise UsageError(f"--rdzv_conf store_fanout={raw} is not a whole number: write store_fanout=F "
                              "(2 or more; 0: no tree)") from None
-        if fanout is not None and given != fanout:
+        if fanout is not None and given != fanout and not _from_environment(fanout_setting):
             raise UsageError(f"{fanout_setting} and --rdzv_conf store_fanout={raw} disagree: give one of them")
-        if fanout is None:
+        if fanout is None or _from_environment(fanout_setting):
             fanout, fanout_setting = given, f"--rdzv_conf store_fanout={raw}"
     if fanout:
         if fanout < 2:
@@ -274,9 +283,15 @@ def _choose_tiering(args: argparse.Namespace, max_nodes: int, backend: str) -> N
                 f"{fanout_setting} needs a backend that builds a tree of node proxies, not --rdzv_backend "
                 f"{backend}: use tierrun (elastic; c10d maps to it) or parallel (fixed nodes)")
         if tiered is False:
-            off = " and ".join(setting for setting, on in said.items() if not on)
-            raise UsageError(f"{fanout_setting} stacks the node proxies of tiered wire-up in a tree, but {off} "
-                             "turns tiering off: drop one of them")
+            off = [setting for setting, on in said.items() if not on]
+            env_off = all(_from_environment(setting) for setting in off)
+            if _from_environment(fanout_setting) and not env_off:
+                fanout = None  # (the command line turns tiering off: a PET_* fanout does not apply)
+            elif env_off and not _from_environment(fanout_setting):
+                tiered = None  # (the command line asks for a tree: a PET_* "not tiered" does not apply)
+            else:
+                raise UsageError(f"{fanout_setting} stacks the node proxies of tiered wire-up in a tree, but "
+                                 f"{' and '.join(off)} turns tiering off: drop one of them")
     args.tiering = choose(args.rdzv_backend, max_nodes, tiered, fanout, args.store_workers)
     args.tiered = args.tiering.tiered
     args.store_fanout = args.tiering.fanout
