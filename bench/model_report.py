@@ -74,13 +74,20 @@ def validation(points: list[Point]) -> tuple[list[str], list[float]]:
     return lines, checks
 
 
+def _floor_scale(points: list[Point], current: list[Point]) -> tuple[float, float, float]:
+    """(the points' wake-up floor, the current run's, and the factor that puts the
+    points' CPU in the current run's units)."""
+    floor_now = statistics.median(pt.floor_us for pt in current)
+    floor_then = statistics.median(pt.floor_us for pt in points)
+    return floor_then, floor_now, floor_now / floor_then
+
+
 def large(points: list[Point], current: list[Point]) -> list[str]:
     """The current method's larger runs (a subset of the set-ups, not fitted on) against
     the model fitted on every current point of their regime, in units of each run's
     wake-up floor (as the older points): an extrapolation check."""
-    floor_now = statistics.median(pt.floor_us for pt in current)
-    floor_then = statistics.median(pt.floor_us for pt in points)
-    scale = floor_now / floor_then
+    floor_then, floor_now, scale = _floor_scale(points, current)
+    models = {regime: fit(current, regime) for regime in {pt.regime for pt in points}}
     lines = [
         f"Extrapolation check (`{LARGE}`: current method, skewed, torch and the tree only; not fitted on; "
         f"a wake-up cost {floor_then:.0f} us in it, {floor_now:.0f} us in the current run: its CPU is shown "
@@ -91,8 +98,7 @@ def large(points: list[Point], current: list[Point]) -> list[str]:
         "|---|---|---:|---:|---:|---:|---:|---:|",
     ]
     for pt in points:
-        m = fit(current, pt.regime)
-        pr = predict(m, pt.setup, pt.k, pt.p)
+        pr = predict(models[pt.regime], pt.setup, pt.k, pt.p)
         cpu, relay_cpu = pt.node0_cpu * scale, pt.relay_cpu * scale
         relay = f"{relay_cpu:.3f} / {pr.relay_cpu:.3f} | {_err(pr.relay_cpu, relay_cpu)}" \
             if pt.relay_cpu else "— | —"
@@ -106,9 +112,7 @@ def older(points: list[Point], current: list[Point]) -> tuple[list[str], float]:
     """The older-method points against the lockstep model fitted on every current point, in
     units of each run's wake-up floor; the tree as it was (no parent lookups)."""
     m = fit(current, "lockstep")
-    floor_now = statistics.median(pt.floor_us for pt in current)
-    floor_then = statistics.median(pt.floor_us for pt in points)
-    scale = floor_now / floor_then
+    floor_then, floor_now, scale = _floor_scale(points, current)
     lines = [
         f"Older method (`{OLDER}`: lockstep, node 0 only, the store before this month's changes, no parent "
         f"lookups in the tree; a wake-up cost {floor_then:.0f} us then, {floor_now:.0f} us in the current run: "

@@ -40,7 +40,16 @@ class InvalidEnvSetting(str):
     given on the command line wins over it, as over any ``PET_*`` value)."""
 
 
-class EnvBooleanOptionalAction(argparse.BooleanOptionalAction):
+class _RemembersGiven(argparse.Action):
+    """Notes on the namespace (``flags_given``) that the flag itself was given, so a
+    message can name what the user wrote rather than a ``PET_*`` value."""
+
+    def __call__(self, parser, namespace, values, option_string=None) -> None:
+        super().__call__(parser, namespace, values, option_string)  # type: ignore[misc]
+        namespace.flags_given = getattr(namespace, "flags_given", set()) | {self.dest}
+
+
+class EnvBooleanOptionalAction(_RemembersGiven, argparse.BooleanOptionalAction):
     """``--x`` / ``--no-x`` with torchrun's ``PET_X`` fallback (true or false, in
     ``parse_bool``'s spellings), read when the parser is built, as torch's ``env`` does.
     Another value gives an :class:`InvalidEnvSetting` default."""
@@ -56,18 +65,9 @@ class EnvBooleanOptionalAction(argparse.BooleanOptionalAction):
                     f"{name}={value!r} is not a boolean: write {name}=true or {name}=false")
         super().__init__(option_strings, dest, default=default, **kwargs)
 
-    def __call__(self, parser, namespace, values, option_string=None) -> None:
-        super().__call__(parser, namespace, values, option_string)
-        namespace.flags_given = getattr(namespace, "flags_given", set()) | {self.dest}
 
-
-class EnvFlag(env):
-    """torch's ``env`` action (a ``PET_*`` fallback), remembering on the namespace that the
-    flag itself was given, so a message can name what the user wrote."""
-
-    def __call__(self, parser, namespace, values, option_string=None) -> None:
-        super().__call__(parser, namespace, values, option_string)
-        namespace.flags_given = getattr(namespace, "flags_given", set()) | {self.dest}
+class EnvFlag(_RemembersGiven, env):
+    """torch's ``env`` action (a ``PET_*`` fallback) that remembers it was given."""
 
 
 def _as_written(args: argparse.Namespace, dest: str, flag: str) -> str:
