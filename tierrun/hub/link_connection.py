@@ -95,10 +95,12 @@ class LinkServerConnection(asyncio.Protocol):
                 "(TIERRUN_LINK_HANDSHAKE_TIMEOUT)")
         else:
             self._server.connections.add(self)
-        transport.write(self._handshake.start())
-        if self._initial:
+        if self._initial:  # (HELLO leaves with the answer to what came with the first byte)
             initial, self._initial = self._initial, b""
+            self._corked = [self._handshake.start()]
             self.data_received(initial)
+        else:
+            transport.write(self._handshake.start())
 
     def write(self, data: bytes) -> None:
         """Send whole frames: sealed once WELCOME is out (the sealer numbers them in the
@@ -147,7 +149,8 @@ class LinkServerConnection(asyncio.Protocol):
                 self.abort(self._not_a_link)
                 return
             data = data[1:]
-        self._corked = []
+        if self._corked is None:  # (else HELLO is corked: see connection_made)
+            self._corked = []
         decoder = self._decoder
         try:
             for ftype, payload in decoder.frames(data):
@@ -225,8 +228,8 @@ class LinkServerConnection(asyncio.Protocol):
 
         def send(answer: bytes) -> None:
             self._server.stats.lookups += 1
-            self._uncork()
             self._write_wire(handshake.found(nonce, answer))
+            self._uncork()  # (with HELLO, in one write, when the key was set already)
             if self._transport is not None:
                 self._transport.close()
 
