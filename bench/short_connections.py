@@ -1,16 +1,20 @@
 """Short connections at the store host: what one connection that reads one key and
-closes costs it, torch's server against tierrun's store, in the same run.
+closes costs it, torch's server against tierrun's store, in the same run, and the same
+read as one datagram (a LOOKUP over UDP).
 
-A tree's nodes each read where their parent takes links with one such connection to
-the store host (a LOOKUP, ``tierrun.tier.lookup``), so in a tree the store host pays
-one per node; this measures that cost apart from the rest of a start-up.
+A tree's nodes each read where their parent takes links with one LOOKUP at the store
+host (``tierrun.tier.lookup``: a datagram, or a short connection where UDP does not
+pass), so in a tree the store host pays one per node; this measures that cost apart
+from the rest of a start-up.
 
 Set-ups (each server a process of its own, fresh for every round):
   torch          torch's TCPStore server (libuv); each client: connect, VALIDATE, PING,
                  GET the key, close (what a torch client does to read one key)
   tierrun        tierrun's store, the same client bytes
-  tierrun-lookup tierrun's store with a job token; each client: one LOOKUP frame
-                 (``read_over_link``: connect, the frame, the answer, close)
+  tierrun-lookup tierrun's store with a job token; each client: one LOOKUP frame over
+                 TCP (``read_over_link`` with no UDP: connect, the frame, the answer, close)
+  tierrun-udp    the same LOOKUP as one datagram (``read_over_udp``: what a tree's nodes
+                 send first), its answer a datagram
 
 --clients connections spread uniformly over --seconds (seeded), from threads of this
 process; the key is set before. Reported: the server's CPU from /proc (schedstat) per
@@ -37,11 +41,11 @@ from tierrun.protocol import Op
 from tierrun.protocol.opcodes import VALIDATION_MAGIC
 from tierrun.protocol.requests import encode_request
 from tierrun.server import StoreProcess
-from tierrun.tier.lookup import read_over_link
+from tierrun.tier.lookup import read_over_link, read_over_udp
 
 KEY = b"/tree/parent/7"
 VALUE = b"127.0.3.7:41234"
-SETUPS = ("torch", "tierrun", "tierrun-lookup")
+SETUPS = ("torch", "tierrun", "tierrun-lookup", "tierrun-udp")
 _u64 = struct.Struct("<Q")
 
 
@@ -76,7 +80,7 @@ def set_key(port: int) -> None:
 def start(setup: str, token: bytes) -> ServerHandle:
     if setup == "torch":
         return start_torch()
-    sp = StoreProcess(host="127.0.0.1", port=0, token=token if setup == "tierrun-lookup" else None)
+    sp = StoreProcess(host="127.0.0.1", port=0, token=token if setup in ("tierrun-lookup", "tierrun-udp") else None)
     sp.start()
     return ServerHandle(setup, sp.port, sp.pid, sp.stop)
 
@@ -91,7 +95,13 @@ def measure(setup: str, clients: int, seconds: float, seed: int) -> dict:
         errors: list[BaseException] = []
         if setup == "tierrun-lookup":
             def read() -> bytes:
-                return read_over_link(("127.0.0.1", server.port), token, KEY, 30)
+                return read_over_link(("127.0.0.1", server.port), token, KEY, 30, udp_wait=0)
+        elif setup == "tierrun-udp":
+            def read() -> bytes:
+                value = read_over_udp(("127.0.0.1", server.port), token, KEY, time.monotonic() + 30, None, 5.0)
+                if value is None:
+                    raise RuntimeError("the store host did not answer the LOOKUP datagram")
+                return value
         else:
             def read() -> bytes:
                 return torch_read(server.port)
@@ -142,13 +152,13 @@ def main() -> None:
         f"Medians of {args.repeat} rounds; connections spread uniformly over {args.seconds:g} s; server CPU "
         "per connection (connect, read one key, close), from /proc.",
         "",
-        "| connections | torch: GET | tierrun: GET | tierrun: LOOKUP | LOOKUP / torch |",
-        "|---:|---:|---:|---:|---:|",
+        "| connections | torch: GET | tierrun: GET | tierrun: LOOKUP (TCP) | tierrun: LOOKUP (UDP) | UDP / torch |",
+        "|---:|---:|---:|---:|---:|---:|",
     ]
     for n in args.clients:
         med = {s: statistics.median(r["cpu_us_per_connection"] for r in runs[str(n)][s]) for s in SETUPS}
         lines.append(f"| {n:,} | {med['torch']:.0f} us | {med['tierrun']:.0f} us | {med['tierrun-lookup']:.0f} us "
-                     f"| {med['tierrun-lookup'] / med['torch']:.1f}x |")
+                     f"| {med['tierrun-udp']:.0f} us | {med['tierrun-udp'] / med['torch']:.1f}x |")
     table = "\n".join(lines)
     print(table)
     if args.no_write:

@@ -2,10 +2,12 @@
 (``tier.lookup``, ``hub.lookup``), against a real `tierrun store` process: answered
 once the key is set, in one read of the store host and with no session; refused
 without the token; a forged answer is not believed; bad input closes that connection
-only; a requester that leaves frees its WAIT."""
+only; a requester that leaves frees its WAIT. Over UDP first (``hub.lookup_datagrams``):
+no answer without the token, PENDING then FOUND, TCP when UDP gives nothing."""
 
 from __future__ import annotations
 
+import asyncio
 import os
 import socket
 import struct
@@ -15,10 +17,12 @@ import time
 import pytest
 
 from tierrun.client import StoreClient
+from tierrun.core import StoreCore
+from tierrun.hub import lookup_datagrams
 from tierrun.link import auth
-from tierrun.link.frames import ERROR, FOUND, LINK_MAGIC, LOOKUP, FrameDecoder, LinkError, frame
+from tierrun.link.frames import ERROR, FOUND, LINK_MAGIC, LOOKUP, PENDING, FrameDecoder, LinkError, frame
 from tierrun.server import StoreProcess
-from tierrun.tier.lookup import read_over_link
+from tierrun.tier.lookup import read_over_udp, read_over_link
 
 TOKEN = b"lookup-test"
 
@@ -175,3 +179,150 @@ def test_a_lookup_key_over_the_stores_key_limit_is_refused():
         assert s.exited() is None and s.stats()["waiters"] == 0
     finally:
         s.stop()
+
+
+# -- LOOKUPs over UDP (hub.lookup_datagrams) ------------------------------------------------
+
+
+def udp_exchange(port: int, datagram: bytes, wait: float = 0.5) -> list[tuple[int, bytes]]:
+    """Send one datagram to the store host's port; the frames of the datagrams that
+    come back within ``wait`` seconds."""
+    out = []
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as sock:
+        sock.sendto(datagram, ("127.0.0.1", port))
+        deadline = time.monotonic() + wait
+        while (left := deadline - time.monotonic()) > 0:
+            sock.settimeout(left)
+            try:
+                data = sock.recv(1 << 16)
+            except (TimeoutError, ConnectionRefusedError):
+                break
+            out.append((data[4], data[5:]))
+    return out
+
+
+def test_a_lookup_goes_over_udp_first_and_waits_there_for_its_key(host):
+    """The datagram path: PENDING while the key is not set (the requester keeps waiting
+    on UDP, past the wait that would send it to TCP), FOUND once it is; no connection."""
+    store, client = host
+    got: list[bytes] = []
+    t = threading.Thread(target=lambda: got.append(
+        read_over_udp(("127.0.0.1", store.port), TOKEN, b"/tree/2", time.monotonic() + 20, None, 0.3)))
+    t.start()
+    time.sleep(1.0)  # (past the requester's 0.3 s: PENDING kept it on UDP)
+    assert not got and store.stats()["waiters"] == 1
+    client.set(b"/tree/2", b"10.0.0.3:1")
+    t.join(10)
+    assert got == [b"10.0.0.3:1"]  # (None would have meant: ask over TCP)
+    assert read_over_udp(("127.0.0.1", store.port), TOKEN, b"/tree/2", time.monotonic() + 5, None, 0.5) \
+        == b"10.0.0.3:1"
+    stats = store.stats()
+    assert stats["lookups"] == 2 and stats["links_accepted"] == 0 and stats["waiters"] == 0
+
+
+def test_udp_datagrams_without_the_token_get_no_answer_and_harm_nothing(host):
+    """Garbage, truncated, tampered, wrong-token and wrong-version datagrams: no answer
+    (nothing to reflect), no waiter; the store host serves on, over UDP too."""
+    store, client = host
+    client.set(b"/tree/1", b"v1")
+    request, _ = auth.lookup(TOKEN, b"/tree/1")
+    wrong, _ = auth.lookup(b"another job", b"/tree/1")
+    old = bytearray(request)
+    old[5:7] = struct.pack("<H", 1)  # (another link version, under a MAC that no longer fits)
+    for datagram in (b"", b"\x00", os.urandom(200), bytes([LINK_MAGIC]) + request[:-3],
+                     bytes([LINK_MAGIC]) + request[:-1] + b"2", bytes([LINK_MAGIC]) + wrong,
+                     bytes([LINK_MAGIC]) + bytes(old), bytes([LINK_MAGIC]) + os.urandom(9000)):
+        assert udp_exchange(store.port, datagram, 0.2) == []
+    assert store.stats()["waiters"] == 0 and store.exited() is None
+    assert [f for f, _ in udp_exchange(store.port, bytes([LINK_MAGIC]) + request)] == [FOUND]
+
+
+def test_a_wrong_token_over_udp_ends_in_tcp_s_refusal(host):
+    """With no answer to its datagrams the requester asks over TCP, which says why."""
+    store, client = host
+    client.set(b"/tree/1", b"v1")
+    assert read_over_udp(("127.0.0.1", store.port), b"another job", b"/tree/1",
+                          time.monotonic() + 5, None, 0.3) is None
+    t0 = time.monotonic()
+    with pytest.raises(LinkError, match="wrong job token"):
+        read_over_link(("127.0.0.1", store.port), b"another job", b"/tree/1", 5, udp_wait=0.3)
+    assert time.monotonic() - t0 < 3
+
+
+def test_a_value_too_large_for_a_datagram_comes_over_tcp(host):
+    """An answer past twice the LOOKUP's size is refused on UDP (no amplification):
+    the requester gets it over TCP."""
+    store, client = host
+    client.set(b"/big", b"x" * 3000)
+    assert read_over_udp(("127.0.0.1", store.port), TOKEN, b"/big", time.monotonic() + 5, None, 0.5) is None
+    assert read_over_link(("127.0.0.1", store.port), TOKEN, b"/big", 5) == b"x" * 3000
+
+
+def test_a_resent_lookup_waits_once_and_a_forgotten_one_frees_its_wait(host, monkeypatch):
+    store, client = host
+    request, nonce = auth.lookup(TOKEN, b"/later")
+    datagram = bytes([LINK_MAGIC]) + request
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as sock:
+        sock.settimeout(5)
+        for _ in range(3):  # (resends: PENDING each time, one waiter)
+            sock.sendto(datagram, ("127.0.0.1", store.port))
+            data = sock.recv(4096)
+            assert data[4] == PENDING
+            auth.check_pending(TOKEN, nonce, data[5:])
+        assert store.stats()["waiters"] == 1
+        client.set(b"/later", b"10.0.0.4:1")
+        data = sock.recv(4096)
+        assert data[4] == FOUND and auth.check_found(TOKEN, nonce, data[5:])[8:] == b"10.0.0.4:1"
+    assert store.stats()["waiters"] == 0
+
+
+class _Sent:
+    """A datagram transport that keeps what is sent."""
+
+    def __init__(self) -> None:
+        self.sent: list[tuple[bytes, tuple]] = []
+
+    def sendto(self, data: bytes, addr: tuple) -> None:
+        self.sent.append((data, addr))
+
+    def is_closing(self) -> bool:
+        return False
+
+
+def test_lookups_nobody_resends_are_forgotten_and_waiting_ones_are_bounded(monkeypatch):
+    """In process, on a real core: a requester that went away (no resend within
+    FORGET_AFTER) leaves no WAIT; past MAX_WAITING the oldest is forgotten."""
+    monkeypatch.setattr(lookup_datagrams, "FORGET_AFTER", 0.1)
+    monkeypatch.setattr(lookup_datagrams, "MAX_WAITING", 3)
+
+    async def run() -> None:
+        core = StoreCore()
+        endpoint = lookup_datagrams.LookupDatagrams(TOKEN, core, 1024)
+        transport = _Sent()
+        endpoint.connection_made(transport)
+        for i in range(5):
+            request, _ = auth.lookup(TOKEN, b"/never/%d" % i)
+            endpoint.datagram_received(bytes([LINK_MAGIC]) + request, ("127.0.0.1", 5000 + i))
+        assert [d[4] for d, _ in transport.sent] == [PENDING] * 5
+        assert core.num_waiters == 3  # (the two oldest forgotten)
+        await asyncio.sleep(0.5)
+        assert core.num_waiters == 0
+
+    asyncio.run(run())
+
+
+def test_a_store_whose_udp_port_is_taken_still_answers_over_tcp():
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as squatter:
+        squatter.bind(("127.0.0.1", 0))
+        port = squatter.getsockname()[1]
+        s = StoreProcess(host="127.0.0.1", port=port, controlled=True,
+                         env={**os.environ, "TIERRUN_TOKEN": TOKEN.decode()})
+        s.start()
+        try:
+            with StoreClient(("127.0.0.1", s.port), timeout=10) as c:
+                c.set(b"/tree/1", b"v")
+            t0 = time.monotonic()
+            assert read_over_link(("127.0.0.1", s.port), TOKEN, b"/tree/1", 5, udp_wait=0.3) == b"v"
+            assert time.monotonic() - t0 < 3 and s.exited() is None
+        finally:
+            s.stop()

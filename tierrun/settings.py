@@ -39,6 +39,10 @@ The variables:
     How long (seconds) a link connection may take to authenticate, and how many may be
     authenticating from one address at once (``LinkConfig``'s ``handshake_timeout`` and
     ``max_handshakes_per_address``).
+``TIERRUN_LINK_LOOKUP_UDP_WAIT``
+    Seconds a node of a store tree waits for the store host's answer to its LOOKUP
+    datagram before asking over TCP (``LinkConfig.lookup_udp_wait``; 0: TCP only, for
+    a network that filters UDP to the store's port).
 ``TIERRUN_LOG_LEVEL``
     The launcher's log level (DEBUG, INFO, WARNING, ERROR; default WARNING).
 ``TIERRUN_ETCD_PASSWORD``
@@ -77,6 +81,7 @@ LINK_VARIABLES = {
     "hold_grid": "TIERRUN_LINK_HOLD_GRID",
     "handshake_timeout": "TIERRUN_LINK_HANDSHAKE_TIMEOUT",
     "max_handshakes_per_address": "TIERRUN_LINK_HANDSHAKES_PER_ADDRESS",
+    "lookup_udp_wait": "TIERRUN_LINK_LOOKUP_UDP_WAIT",
 }
 
 class SettingsError(ValueError):

@@ -89,6 +89,33 @@ def _tcp_listen_socket(host: str | None, port: int, backlog: int, reuse_port: bo
     raise last_error
 
 
+#: Receive buffer asked for a UDP socket (the kernel caps it at net.core.rmem_max): a
+#: burst of datagrams waits there while the process is busy.
+UDP_RECEIVE_BUFFER = 4 << 20
+
+
+def udp_socket_beside(tcp: socket.socket) -> socket.socket:
+    """A UDP socket bound to the address and port a listening TCP socket is bound to
+    (dual-stack too, if it is). Raises ``OSError`` (the UDP port is someone else's)."""
+    family = tcp.family
+    addr = tcp.getsockname()
+    sock = socket.socket(family, socket.SOCK_DGRAM)
+    try:
+        if family == socket.AF_INET6:
+            v6only = tcp.getsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY)
+            sock.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY, v6only)
+        try:
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, UDP_RECEIVE_BUFFER)
+        except OSError:
+            pass
+        sock.bind(addr[:2] if family == socket.AF_INET else addr)
+        sock.setblocking(False)
+        return sock
+    except OSError:
+        sock.close()
+        raise
+
+
 def _keepalive(sock: socket.socket) -> None:
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_KEEPALIVE, 1)
     for option, value in (("TCP_KEEPIDLE", KEEPALIVE_IDLE), ("TCP_KEEPINTVL", KEEPALIVE_INTERVAL),

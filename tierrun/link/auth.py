@@ -18,7 +18,7 @@ import hmac
 import secrets
 import struct
 
-from .frames import AUTH, ERROR, FOUND, HELLO, LOOKUP, VERSION, WELCOME, LinkError, frame
+from .frames import AUTH, ERROR, FOUND, HELLO, LOOKUP, PENDING, VERSION, WELCOME, LinkError, frame
 
 NONCE = 32
 _ver = struct.Struct("<H")
@@ -98,6 +98,17 @@ def check_found(token: bytes, nonce: bytes, payload: bytes) -> bytes:
     if len(payload) < 32 or not hmac.compare_digest(payload[:32], _mac(token, b"tierrun-found", nonce, answer)):
         raise LinkError("the store host does not know the job token (wrong token, or not tierrun)")
     return answer
+
+
+def pending(token: bytes, nonce: bytes) -> bytes:
+    """A LOOKUP over UDP was heard, its key is not set yet (``hub.lookup_datagrams``)."""
+    return frame(PENDING, _mac(token, b"tierrun-pending", nonce, b""))
+
+
+def check_pending(token: bytes, nonce: bytes, payload: bytes) -> None:
+    """Requester side: raises LinkError unless PENDING's HMAC is the store host's."""
+    if not hmac.compare_digest(payload, _mac(token, b"tierrun-pending", nonce, b"")):
+        raise LinkError("the store host does not know the job token (wrong token, or not tierrun)")
 
 
 def error(message: str) -> bytes:

@@ -46,3 +46,8 @@ class LinkConfig:
     #: of one storm (a barrier) reach the store host together, and it takes them in
     #: one wake-up (512x8 wire-up: ~10% fewer frames and context switches at node 0).
     hold_grid: float = 0.01
+    #: A node of a store tree asks where its parent takes links with a LOOKUP datagram
+    #: first (UDP, to the store's port: the cheapest for the store host), and over TCP
+    #: if no authenticated answer came within this many seconds (UDP filtered, an older
+    #: store host). 0: TCP only.
+    lookup_udp_wait: float = 0.5

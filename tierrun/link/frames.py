@@ -52,6 +52,8 @@
                node's parent in a tree takes links); no session
     FOUND   := 32-byte HMAC | the GET's torch-encoded reply   core -> front-end, then
                the core closes (the HMACs: ``auth``)
+    PENDING := 32-byte HMAC                              core -> front-end: a LOOKUP sent
+               over UDP (``hub.lookup_datagrams``) was heard; its key is not set yet
 
 Watches (docs/architecture.md: standing watches). A WATCH entry's answer is a watch state
 (``tierrun.core.watch_state``) followed by the request's own answer; the core then tells the
@@ -91,7 +93,7 @@ VERSION = 9  # 2: sessions, resumption, heartbeats; 3: a client per namespace, C
 # 9: LOOKUP
 
 HELLO, AUTH, WELCOME, ERROR, BATCH, REPLIES, SESSION, RESUMED, ACK, PONG, INVALIDATE, INVALIDATED = range(1, 13)
-LOOKUP, FOUND = 13, 14
+LOOKUP, FOUND, PENDING = 13, 14, 15
 OPEN, REQUEST, CANCEL, WAITS, WATCH, WATCHES, FETCHES, PEEKS = range(8)
 #: A front-end answers from a watch only this long (seconds) after sending an ACK that
 #: the core answered with a PONG; the core, holding its answers for a front-end that

@@ -207,7 +207,8 @@ class JobStore:
             while True:  # the store host may not be up yet
                 try:
                     value = read_over_link((self.host, self.port), self.token, key,
-                                           max(deadline - time.monotonic(), 1.0))
+                                           max(deadline - time.monotonic(), 1.0),
+                                           udp_wait=self.link_config.lookup_udp_wait)
                     return value.decode()
                 except (ConnectionRefusedError, ConnectionResetError):
                     if time.monotonic() + delay > deadline:

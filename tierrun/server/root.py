@@ -16,6 +16,7 @@ from ..frontend import Upstream
 from ..frontend.namespace import NamespacedUpstream
 from ..link.config import LinkConfig
 from ..hub.link_server import LinkServer
+from ..hub.lookup_datagrams import LookupDatagrams
 from ..hub.reply_gate import break_watches
 from ..hub.session import core_upstreams
 from .control import Event
@@ -70,9 +71,18 @@ async def serve_root(
         node = Service(node_frontend, make_upstream, dict,
                        lambda event: announce(dataclasses.replace(event, node=True)), gate=links.gate)
     pool = FrontEndPool(config.workers, links, config.frontend, config.links_only) if config.workers > 1 else None
+
+    def count_lookup() -> None:
+        links.stats.lookups += 1
+
+    def datagrams() -> LookupDatagrams:
+        assert token is not None
+        return LookupDatagrams(token, core, config.frontend.limits.max_key_bytes, count_lookup)
+
     service = Service(
         config, make_upstream, stats, announce,
         link_acceptor=links.take, pool=pool, gate=links.gate, node=node,
+        datagrams=datagrams if token else None,
     )
     try:
         await service.serve(stop)

@@ -21,7 +21,7 @@ from dataclasses import dataclass, field
 from ..frontend import FrontEnd, FrontEndConfig, Upstream
 from ..frontend.contracts import LinkAcceptor
 from ..frontend.listen import (
-    DEFAULT_BACKLOG, UnixFile, describe, remove_unix_file, tcp_listen_socket, unix_listen_socket,
+    DEFAULT_BACKLOG, UnixFile, describe, remove_unix_file, tcp_listen_socket, udp_socket_beside, unix_listen_socket,
 )
 from ..hub.reply_gate import ReplyGate
 from .control import (
@@ -66,11 +66,14 @@ class Service:
         pool: FrontEndPool | None = None,
         gate: ReplyGate | None = None,
         node: Service | None = None,
+        datagrams: Callable[[], asyncio.DatagramProtocol] | None = None,
     ) -> None:
         """With ``pool``, the pool's processes serve the listeners; this one only
         adopts the links they hand over. ``gate``: the store's invalidation rounds,
         which hold this process's answers to clients too. ``node``: the store host's
-        own node front-end, served along (started, controlled, stopped) with this one."""
+        own node front-end, served along (started, controlled, stopped) with this one.
+        ``datagrams``: the protocol of a UDP endpoint on the public port (a store host's
+        LOOKUPs: ``hub.lookup_datagrams``), if that UDP port is free."""
         self.config = config
         self.make_upstream = make_upstream
         self.stats = stats
@@ -83,6 +86,8 @@ class Service:
         self._unix_files: list[UnixFile] = []  # removed when the service stops
         self.pool = pool
         self.node = node
+        self._datagrams = datagrams
+        self._udp: asyncio.BaseTransport | None = None
 
     async def serve(self, stop: asyncio.Event | None = None) -> None:
         """Listen, then serve until ``stop`` is set (or SIGINT/SIGTERM when it is None)."""
@@ -117,6 +122,8 @@ class Service:
             sockets.append(unix)
             self._unix_files.append(owned)
         described = [describe(sock) for sock in sockets]
+        if self._datagrams is not None:
+            await self._listen_udp(sockets[0])
         if pooled:
             await pool.start([self._pool_listener("", s) for s in sockets])
         else:
@@ -127,7 +134,18 @@ class Service:
         for address in described:
             self.announce(Listening(address))
 
+    async def _listen_udp(self, tcp: socket.socket) -> None:
+        assert self._datagrams is not None
+        try:
+            udp = udp_socket_beside(tcp)
+        except OSError as e:  # (its requesters use TCP: slower for this host, not wrong)
+            log.warning("no LOOKUPs over UDP on port %d (%s): nodes will use TCP", tcp.getsockname()[1], e)
+            return
+        self._udp, _ = await asyncio.get_running_loop().create_datagram_endpoint(self._datagrams, sock=udp)
+
     async def close(self) -> None:
+        if self._udp is not None:
+            self._udp.close()
         for frontend in self.frontends:
             await frontend.close()
         if self.pool is not None:
