@@ -28,8 +28,8 @@ Counts at the store host (node 0), from the traffic ``wireup_sim.py`` replays:
                     relay in place (q-F+1) // F (``TreePlace``: a heap, so the top
                     subtrees are unequal, n_top,j); levels = front-ends stacked above
                     the deepest leaf, ~ ceil(log_F K); node 0: F - 1 links, K - F parent
-                    lookups (a LOOKUP each: a connection, 1 frame, 2 requests),
-                    frames sum_j f(n_top,j) + 2 (K-F) + o,
+                    lookups (a LOOKUP each: a datagram, 1 frame, 2 requests),
+                    frames sum_j f(n_top,j) + (K-F) + o,
                     requests sum_j r(n_top,j) + 2 (K-F) + o.
   a relay           children subtrees n_1..n_F: F links, relays R = sum r(n_i) + o requests.
 

@@ -29,8 +29,9 @@ CAVEATS = [
     "its data. The floor `u n` (requests no front-end merges) is what keeps it honest there, and it is "
     "an estimate (u = 6).",
     "**Parent lookups.** Every node with a parent reads its parent's address with a LOOKUP at node 0 (a "
-    "connection and one frame each): K - F of them at node 0, so in the model the tree's node 0 stays "
-    "linear in K and the lookups dominate it at 12,500 nodes. The "
+    "datagram each, or a short connection where UDP does not pass): K - F of them at node 0, priced as a "
+    "link (one fitted cost for both: the runs measured the datagrams), so in the model the tree's node 0 "
+    "stays linear in K and the lookups dominate it at 12,500 nodes. The "
     "*no lookups* line shows the same tree if a node learned its parent's address without node 0.",
     "**Wall time on one machine.** Every process shares 2 cores here: the tree's measured wall grows "
     "with its 32 proxy processes' CPU, which the model (a cluster: a node per machine) leaves out "
