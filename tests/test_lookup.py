@@ -326,3 +326,24 @@ def test_a_store_whose_udp_port_is_taken_still_answers_over_tcp():
             assert time.monotonic() - t0 < 3 and s.exited() is None
         finally:
             s.stop()
+
+
+def test_a_udp_lookup_uses_the_first_address_its_source_can_bind(host, monkeypatch):
+    """A store host's name that resolves to IPv6 first, a requester with an IPv4
+    ``source``: TCP (``socket.create_connection``) goes on to the IPv4 address; so does
+    the datagram, instead of failing the launch with the bind's error."""
+    store, client = host
+    client.set(b"/tree/1", b"10.0.0.2:1")
+    real = socket.getaddrinfo
+
+    def resolve(host, port, family=0, type=0, proto=0, flags=0):
+        if host != "storehost":
+            return real(host, port, family, type, proto, flags)
+        return [(socket.AF_INET6, type or socket.SOCK_STREAM, 0, "", ("::1", port, 0, 0)),
+                (socket.AF_INET, type or socket.SOCK_STREAM, 0, "", ("127.0.0.1", port))]
+
+    monkeypatch.setattr(socket, "getaddrinfo", resolve)
+    assert read_over_link(("storehost", store.port), TOKEN, b"/tree/1", 5, udp_wait=0) == b"10.0.0.2:1"
+    assert read_over_udp(("storehost", store.port), TOKEN, b"/tree/1", time.monotonic() + 5,
+                         "127.0.0.1", 0.5) == b"10.0.0.2:1"
+    assert read_over_link(("storehost", store.port), TOKEN, b"/tree/1", 5, "127.0.0.1") == b"10.0.0.2:1"

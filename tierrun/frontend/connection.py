@@ -144,9 +144,10 @@ class ClientConnection(asyncio.Protocol):
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         self._transport = transport  # type: ignore[assignment]
         peer = transport.get_extra_info("peername")
-        # (TCP: a (host, port, ...) tuple, and TCP_NODELAY is already set: uvloop and
-        # asyncio set it on every TCP transport. The socket object is fetched only for a
-        # Unix socket's credentials: making one costs each connection ~5% of its CPU.)
+        # (TCP: a (host, port, ...) tuple, and TCP_NODELAY is already set: uvloop sets it
+        # on every TCP transport, asyncio on those whose socket's protocol is TCP, as
+        # ``listen.tcp_listen_socket`` makes them. The socket object is fetched only for
+        # a Unix socket's credentials: making one costs each connection ~5% of its CPU.)
         sock = None if isinstance(peer, tuple) else transport.get_extra_info("socket")
         if sock is None and isinstance(peer, tuple):
             self.peer = f"{peer[0]}:{peer[1]}"

@@ -64,8 +64,9 @@ def _tcp_listen_socket(host: str | None, port: int, backlog: int, reuse_port: bo
         candidates = [(family, addr) for family, _, _, _, addr in infos]
     last_error: OSError | None = None
     for family, addr in candidates:
-        try:
-            sock = socket.socket(family, socket.SOCK_STREAM)
+        try:  # (protocol TCP, not 0: what it accepts has it too, and asyncio sets TCP_NODELAY
+            # only on those; uvloop sets it on every TCP socket: see frontend.connection)
+            sock = socket.socket(family, socket.SOCK_STREAM, socket.IPPROTO_TCP)
         except OSError as e:  # no IPv6 on this machine
             last_error = e
             continue

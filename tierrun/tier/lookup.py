@@ -71,13 +71,13 @@ def read_over_udp(address: tuple[str, int], token: bytes, key: bytes, deadline: 
     answer, then every ``UDP_RESEND``), or None: no authenticated answer within
     ``give_up`` seconds, or the store host said to use TCP. Datagrams whose HMAC fails
     are ignored. Raises ``TimeoutError`` past ``deadline``."""
-    host, port = address
-    family, _, _, _, where = socket.getaddrinfo(host, port, type=socket.SOCK_DGRAM)[0]
+    made = _udp_socket(address, source)
+    if made is None:  # (TCP says why, or finds a way)
+        return None
+    sock, where = made
     request, nonce = auth.lookup(token, key)
     datagram = bytes([LINK_MAGIC]) + request
-    with socket.socket(family, socket.SOCK_DGRAM) as sock:
-        if source is not None:
-            sock.bind((source, 0))
+    with sock:
         start = time.monotonic()
         heard = False  # the store host answered PENDING: it will answer FOUND
         retry = 0.2
@@ -120,6 +120,26 @@ def read_over_udp(address: tuple[str, int], token: bytes, key: bytes, deadline: 
                     return None
             except (LinkError, struct.error):
                 continue  # (not the store host's: ignored)
+
+
+def _udp_socket(address: tuple[str, int], source: str | None) -> tuple[socket.socket, tuple] | None:
+    """A UDP socket for the first of ``address``'s resolved addresses it can be made
+    for, bound to ``source`` if given (as ``socket.create_connection`` picks the first it
+    can connect to), and that address; None if none. Forward lookups only."""
+    host, port = address
+    for family, _, _, _, where in socket.getaddrinfo(host, port, type=socket.SOCK_DGRAM):
+        try:
+            sock = socket.socket(family, socket.SOCK_DGRAM)
+        except OSError:  # (no IPv6 here)
+            continue
+        try:
+            if source is not None:
+                sock.bind((source, 0))
+        except OSError:  # (another family than the source's)
+            sock.close()
+            continue
+        return sock, where
+    return None
 
 
 def _frames(sock: socket.socket, decoder: FrameDecoder, deadline: float):
