@@ -19,7 +19,7 @@ refused with an ERROR that sends its requester to TCP), so a recorded LOOKUP rep
 with a forged source cannot amplify traffic much. Waiting LOOKUPs are
 bounded (``MAX_WAITING``; past it the oldest is forgotten: its requester resends or falls
 back to TCP), and each is forgotten ``FORGET_AFTER`` seconds after its last resend (its
-WAIT at the store goes with it).
+WAIT at the store goes with it); so are the answers queued unsent (``MAX_QUEUED``).
 """
 
 from __future__ import annotations
@@ -43,6 +43,10 @@ FORGET_AFTER = 10.0
 #: The largest answer sent in a datagram (no IP fragments on any path), and at most twice
 #: the LOOKUP's size: a larger one is refused with an ERROR that sends its requester to TCP.
 MAX_DATAGRAM = 1200
+#: Bytes of answers the transport may hold unsent (the socket's send buffer full: asyncio
+#: and uvloop queue the rest without bound); past it answers are dropped, as the network
+#: would drop them, and their requesters resend.
+MAX_QUEUED = 1 << 20
 
 
 class LookupDatagrams(asyncio.DatagramProtocol):
@@ -137,8 +141,9 @@ class LookupDatagrams(asyncio.DatagramProtocol):
             del answered[nonce]
 
     def _send(self, frame: bytes, addr: tuple) -> None:
-        if self._transport is not None and not self._transport.is_closing():
-            self._transport.sendto(frame, addr)
+        transport = self._transport
+        if transport is not None and not transport.is_closing() and transport.get_write_buffer_size() < MAX_QUEUED:
+            transport.sendto(frame, addr)
 
     def error_received(self, exc: Exception) -> None:
         pass  # (an ICMP error for an answer: its requester resends, or uses TCP)
