@@ -174,6 +174,8 @@ def test_a_lookup_key_over_the_stores_key_limit_is_refused():
                      env={**os.environ, "TIERRUN_TOKEN": TOKEN.decode()}, extra_args=["--max-key-bytes", "64"])
     s.start()
     try:
+        request, _ = auth.lookup(TOKEN, b"/" + b"k" * 99)  # (over UDP: sent to TCP, which says why)
+        assert [f for f, _ in udp_exchange(s.port, bytes([LINK_MAGIC]) + request)] == [ERROR]
         with pytest.raises(LinkError, match="a LOOKUP key of 100 bytes, over the store's 64"):
             read_over_link(("127.0.0.1", s.port), TOKEN, b"/" + b"k" * 99, 5)
         assert s.exited() is None and s.stats()["waiters"] == 0
@@ -258,7 +260,7 @@ def test_a_value_too_large_for_a_datagram_comes_over_tcp(host):
     assert read_over_link(("127.0.0.1", store.port), TOKEN, b"/big", 5) == b"x" * 3000
 
 
-def test_a_resent_lookup_waits_once_and_a_forgotten_one_frees_its_wait(host, monkeypatch):
+def test_a_resent_lookup_waits_once(host):
     store, client = host
     request, nonce = auth.lookup(TOKEN, b"/later")
     datagram = bytes([LINK_MAGIC]) + request

@@ -18,7 +18,7 @@ answer is never more than twice the size of the LOOKUP it answers (a larger valu
 refused with an ERROR that sends its requester to TCP), so a recorded LOOKUP replayed
 with a forged source cannot amplify traffic much. Waiting LOOKUPs are
 bounded (``MAX_WAITING``; past it the oldest is forgotten: its requester resends or falls
-back to TCP), and each is forgotten ``FORGET_AFTER`` seconds after its last resend (its
+back to TCP), and each is forgotten 1-2 x ``FORGET_AFTER`` seconds after its last resend (its
 WAIT at the store goes with it); so are the answers queued unsent (``MAX_QUEUED``).
 """
 
@@ -79,7 +79,8 @@ class LookupDatagrams(asyncio.DatagramProtocol):
             nonce, key = auth.check_lookup(self._token, data[6:])
         except LinkError:
             return  # (not from a holder of the token: no answer at all)
-        if len(key) > self._max_key:
+        if len(key) > self._max_key:  # (authenticated: TCP will say why)
+            self._send(auth.error("the key is over the store's limit: ask over TCP"), addr)
             return
         now = monotonic()
         done = self._answered.get(nonce)
@@ -105,8 +106,9 @@ class LookupDatagrams(asyncio.DatagramProtocol):
             self._send(frame, addr if entry is None else entry[1])
 
         def fail(reason: str) -> None:
-            waiting.pop(nonce, None)
+            entry = waiting.pop(nonce, None)
             log.warning("a LOOKUP over UDP from %s failed: %s", addr[0], reason)
+            self._send(auth.error("the LOOKUP failed: ask over TCP"), addr if entry is None else entry[1])
 
         answer = LookupAnswer(self._upstream, key, send, fail)
         waiting[nonce] = (answer, addr, now)

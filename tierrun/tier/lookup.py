@@ -18,6 +18,7 @@ import struct
 import time
 
 from ..link import auth
+from ..link.config import LinkConfig
 from ..link.frames import ERROR, FOUND, HELLO, LINK_MAGIC, PENDING, FrameDecoder, LinkError
 
 _u64 = struct.Struct("<Q")
@@ -30,7 +31,7 @@ UDP_RESEND = 1.0
 
 
 def read_over_link(address: tuple[str, int], token: bytes, key: bytes, timeout: float,
-                   source: str | None = None, udp_wait: float = 0.5) -> bytes:
+                   source: str | None = None, udp_wait: float = LinkConfig.lookup_udp_wait) -> bytes:
     """The value of ``key`` (as stored: torch's clients add a leading ``/``), once it is
     set, connecting from the local address ``source`` if given. Blocks up to ``timeout``
     seconds in all. Raises ``OSError`` (unreachable; a ``TimeoutError`` past
@@ -94,7 +95,7 @@ def read_over_udp(address: tuple[str, int], token: bytes, key: bytes, deadline: 
                 except OSError:  # (no route for UDP: TCP may have one)
                     return None
                 resend_at = now + (UDP_RESEND if heard else retry)
-                retry *= 2
+                retry = min(2 * retry, UDP_RESEND)
             limit = min(resend_at, deadline) if heard else min(resend_at, deadline, start + give_up)
             sock.settimeout(max(limit - now, 0.001))
             try:
