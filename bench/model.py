@@ -35,7 +35,8 @@ Counts at the store host (node 0), from the traffic ``wireup_sim.py`` replays:
 
 CPU of a node (costs per thing, fitted by non-negative least squares on relative errors):
   torch's server    cpu = c_torch x requests
-  tierrun's store   cpu = c_link x (links + lookups) + c_frame x frames + c_req x requests
+  tierrun's store   cpu = c_link x links + c_lookup x lookups + c_frame x frames
+                    + c_req x requests
                     (the data barely separate c_frame from c_req: frames and requests
                     grow together; the projection also gives the busiest node with all
                     of the store's cost on frames, and all of it on requests)
@@ -153,12 +154,13 @@ class Costs:
 
     torch_req: float = 10e-6
     link: float = 500e-6
+    lookup: float = 200e-6  # c_lookup: a parent LOOKUP at node 0 (a datagram and its answer)
     frame: float = 20e-6
     req: float = 0.0
     relay: float = 100e-6  # c_relay: a relay's CPU per request relayed
 
-    def store(self, links: float, frames: float, requests: float) -> float:
-        return self.link * links + self.frame * frames + self.req * requests
+    def store(self, links: float, lookups: float, frames: float, requests: float) -> float:
+        return self.link * links + self.lookup * lookups + self.frame * frames + self.req * requests
 
 
 @dataclass
@@ -244,6 +246,7 @@ def predict(m: Model, setup: str, k: int, p: int, fanout: int = 8) -> Prediction
         req = PER_RANK * k * p + TORCH_AGENT * k + TORCH_NODE0
         cpu = cost.torch_req * req
         return Prediction(req, req, 0, cpu, 0.0, 0, m.timing.wall(m.skew, 0, cpu))
+    lookups = 0.0
     if setup == "tierrun-flat":
         req = PER_RANK * k * p + c.agent * k
         frames, links = req, 0.0
@@ -254,13 +257,13 @@ def predict(m: Model, setup: str, k: int, p: int, fanout: int = 8) -> Prediction
     else:  # a tree
         t = tree(k, fanout)
         lookups = max(k - fanout, 0) if m.lookups else 0
-        links, levels = len(t.top) + lookups, t.levels
+        links, levels = len(t.top), t.levels
         frames = sum(c.frames(n) for n in t.top) + c.lookup_frames * lookups + c.own(p)
         req = sum(c.requests(n) for n in t.top) + c.lookup_requests * lookups + c.own(p)
         relay = max((cost.link * links_ + cost.relay * reqs
                      for links_, reqs in (relay_units(m, ch, p) for ch, _ in t.relays)), default=0.0)
-    cpu = cost.store(links, frames, req)
-    return Prediction(req, frames, links, cpu, relay, levels, m.timing.wall(m.skew, levels, max(cpu, relay)))
+    cpu = cost.store(links, lookups, frames, req)
+    return Prediction(req, frames, links + lookups, cpu, relay, levels, m.timing.wall(m.skew, levels, max(cpu, relay)))
 
 
 # -- fitting ----------------------------------------------------------------------------
@@ -303,14 +306,15 @@ def nnls(rows: list[list[float]], ys: list[float]) -> list[float]:
 
 
 def store_row(pt: Point, fanout: int = 8) -> list[float]:
-    """A measured tierrun point's (links + lookups, frames, requests) at node 0."""
-    links = {"tierrun-flat": 0, "tiered": pt.k - 1}.get(pt.setup, fanout - 1 + max(pt.k - fanout, 0))
-    return [links, pt.frames, pt.requests]
+    """A measured tierrun point's (links, lookups, frames, requests) at node 0."""
+    links = {"tierrun-flat": 0, "tiered": pt.k - 1}.get(pt.setup, fanout - 1)
+    lookups = 0 if pt.setup in ("tierrun-flat", "tiered") else max(pt.k - fanout, 0)
+    return [links, lookups, pt.frames, pt.requests]
 
 
 #: How the store's cost is split between frames and requests: both fitted ("free"), or
 #: all of it on one of them (the data barely tell them apart: the projection shows both).
-SPLITS = {"free": (0, 1, 2), "frames": (0, 1), "requests": (0, 2)}
+SPLITS = {"free": (0, 1, 2, 3), "frames": (0, 1, 2), "requests": (0, 1, 3)}
 
 
 def fit_costs(points: list[Point], split: str = "free") -> Costs:
@@ -322,10 +326,10 @@ def fit_costs(points: list[Point], split: str = "free") -> Costs:
     if store:
         cols = SPLITS[split]
         x = nnls([[store_row(pt)[i] for i in cols] for pt in store], [pt.node0_cpu for pt in store])
-        full = [0.0, 0.0, 0.0]
+        full = [0.0, 0.0, 0.0, 0.0]
         for i, v in zip(cols, x):
             full[i] = v
-        c.link, c.frame, c.req = full
+        c.link, c.lookup, c.frame, c.req = full
     return c
 
 

@@ -29,9 +29,9 @@ CAVEATS = [
     "its data. The floor `u n` (requests no front-end merges) is what keeps it honest there, and it is "
     "an estimate (u = 6).",
     "**Parent lookups.** Every node with a parent reads its parent's address with a LOOKUP at node 0 (a "
-    "datagram each, or a short connection where UDP does not pass): K - F of them at node 0, priced as a "
-    "link (one fitted cost for both: the runs measured the datagrams), so in the model the tree's node 0 "
-    "stays linear in K and the lookups dominate it at 12,500 nodes. The "
+    "datagram each, or a short connection where UDP does not pass): K - F of them at node 0, each at a fitted "
+    "cost of its own (c_lookup; measured apart by `bench/short_connections.py`), so in the model the tree's "
+    "node 0 stays linear in K and the lookups dominate it at 12,500 nodes. The "
     "*no lookups* line shows the same tree if a node learned its parent's address without node 0.",
     "**Wall time on one machine.** Every process shares 2 cores here: the tree's measured wall grows "
     "with its 32 proxy processes' CPU, which the model (a cluster: a node per machine) leaves out "
@@ -164,7 +164,7 @@ def projection(models: dict[str, Model]) -> tuple[list[str], dict[str, list[tupl
 def constants(m: Model, label: str) -> str:
     c, k, t = m.counts, m.costs, m.timing
     return (f"{label}: c_torch = {k.torch_req * 1e6:.1f} us/request; c_link = {k.link * 1e6:.0f} us, "
-            f"c_frame = {k.frame * 1e6:.1f} us, c_req = {k.req * 1e6:.1f} us, c_relay = {k.relay * 1e6:.0f} us; "
+            f"c_lookup = {k.lookup * 1e6:.0f} us, c_frame = {k.frame * 1e6:.1f} us, c_req = {k.req * 1e6:.1f} us, c_relay = {k.relay * 1e6:.0f} us; "
             f"a = {c.agent:.1f}, f1 = {c.f1:.1f}, alpha = {c.alpha:.3f}, r1 = {c.r1:.1f}, beta = {c.beta:.3f}, "
             f"u = {c.unmergeable:g}; w0 = {t.base:.2f} s")
 

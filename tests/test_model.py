@@ -28,7 +28,7 @@ def test_tree_of_ten_nodes_fanout_three():
 
 def hand_model() -> Model:
     return Model(Counts(agent=1, f1=2, alpha=1, r1=3, beta=1, unmergeable=0),
-                 Costs(torch_req=10e-6, link=1e-3, frame=1e-5, req=1e-6, relay=1e-4),
+                 Costs(torch_req=10e-6, link=1e-3, lookup=1e-3, frame=1e-5, req=1e-6, relay=1e-4),
                  Timing(base=2.0, spawn=0.3, held_phases=5, hold=0.01, grid=0.01), skew=1.0)
 
 
@@ -88,9 +88,11 @@ def test_runs_on_the_stored_results():
         for pt in points:
             if pt.regime == regime:
                 err = predict(m, pt.setup, pt.k, pt.p).node0_cpu / pt.node0_cpu - 1
-                # the points it was fitted on, closely; the others are its checks, whose
-                # error (large where costs fall with load) the report states, not hides
-                assert math.isfinite(err) and (pt.k != 64 or abs(err) < 0.1), (pt, err)
+                # the points it was fitted on, closely (within the runs' noise: tree and
+                # tree-proxies bring node 0 the same counts, and their CPU differs by up to
+                # ~40% from run to run); the others are its checks, whose error (large
+                # where costs fall with load) the report states, not hides
+                assert math.isfinite(err) and (pt.k != 64 or abs(err) < 0.25), (pt, err)
     from model_report import report, validation
 
     text = report(model.DOCS / "bench", with_plot=False)
