@@ -36,8 +36,9 @@ APPEND to the arrivals, WAIT for all_arrived, GET the count; while the ranks run
 standing WAIT on the round's failed key and the heartbeat (ADD its beat counter at
 once, then on every whole second of the wall clock; nodes 0-2 also MULTI_GET every
 other node's half a second later); then the same exit barrier. In a tree, a node with a
-parent first reads where its parent takes links with a LOOKUP at the store host (one
-frame, no session: ``tier.lookup``), and a relay's agent SETs that address.
+parent first reads where its parent takes links with a LOOKUP at the store host (a UDP
+datagram and its answer, as ``tier.lookup`` sends it first), and a relay's agent SETs
+that address.
 Per rank, --traffic nccl (default): connect, VALIDATE+PING, ADD init/; NCCL's unique-id
 broadcast; a barrier; then --heartbeats CHECKs one second apart. --traffic gloo:
 Gloo's full-mesh address exchange instead (O(W^2) requests; small K only).
@@ -50,7 +51,7 @@ leaf front-ends are not measured); the wall time from the common start to every 
 done (it includes the skew window). Real proxy processes are started (level by level)
 before the common start, and every process's CPU counts from that start: their own
 link handshakes (at most F per upstream) are not counted, the parent lookups' (one
-short link to node 0 per node with a parent, made at the node's start) are; node 0's
+datagram to node 0 per node with a parent, at the node's start) are; node 0's
 CPU while the proxies start is kept in the JSON (node0_cpu_proxies_start_s). Medians of --repeat rounds. Writes
 docs/bench/wireup.json, docs/bench/wireup.png and the table section of
 docs/benchmarks.md, unless --no-write.

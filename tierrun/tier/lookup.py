@@ -67,11 +67,11 @@ def read_over_link(address: tuple[str, int], token: bytes, key: bytes, timeout: 
 
 
 def read_over_udp(address: tuple[str, int], token: bytes, key: bytes, deadline: float,
-                   source: str | None, give_up: float) -> bytes | None:
-    """``key``'s value by LOOKUP datagrams (sent at 0, 0.2, 0.6 s... until the first
-    answer, then every ``UDP_RESEND``), or None: no authenticated answer within
-    ``give_up`` seconds, or the store host said to use TCP. Datagrams whose HMAC fails
-    are ignored. Raises ``TimeoutError`` past ``deadline``."""
+                  source: str | None, give_up: float) -> bytes | None:
+    """``key``'s value by LOOKUP datagrams (sent at 0, 0.2, 0.6, 1.6 s..., then every
+    ``UDP_RESEND`` once the store host answered PENDING), or None: no authenticated
+    answer within ``give_up`` seconds, or the store host said to use TCP. Datagrams
+    whose HMAC fails are ignored. Raises ``TimeoutError`` past ``deadline``."""
     made = _udp_socket(address, source)
     if made is None:  # (TCP says why, or finds a way)
         return None
