@@ -148,11 +148,10 @@ class ClientConnection(asyncio.Protocol):
         # on every TCP transport, asyncio on those whose socket's protocol is TCP, as
         # ``listen.tcp_listen_socket`` makes them. The socket object is fetched only for
         # a Unix socket's credentials: making one costs each connection ~5% of its CPU.)
-        sock = None if isinstance(peer, tuple) else transport.get_extra_info("socket")
-        if sock is None and isinstance(peer, tuple):
+        if isinstance(peer, tuple):
             self.peer = f"{peer[0]}:{peer[1]}"
             self.scan_source = peer[0]
-        elif sock is not None and sock.family == socket.AF_UNIX:
+        elif (sock := transport.get_extra_info("socket")) is not None and sock.family == socket.AF_UNIX:
             pid, uid, _ = struct.unpack("3i", sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, 12))
             self.peer = f"unix pid {pid}"
             self.scan_source = f"unix uid {uid}"
