@@ -288,3 +288,56 @@ def test_a_busy_links_heartbeat_rides_with_its_batches():
         await task
 
     run(main())
+
+
+def test_a_connection_lost_as_it_resumes_is_reconnected_not_left_idle():
+    """A new connection is lost right after the store host resumed the session on it,
+    before the task that reconnected it has run again (the peer died as it answered).
+    The link must go on reconnecting (and an ADD go through), never sit with no
+    connection and nothing trying: a node that would neither recover nor give up."""
+
+    async def main():
+        port, stop, task = await start_root()
+        relay, link, lost = await relayed_link(port)
+        assert counter(await request(link, (Op.ADD, b"/n", 1))) == 1
+        established = link.established
+        to_lose = [2]
+
+        def established_then_lost(conn, *args):
+            established(conn, *args)
+            if to_lose[0]:
+                to_lose[0] -= 1
+                asyncio.get_running_loop().call_soon(conn.abort, "lost as it resumed")
+
+        link.established = established_then_lost
+        relay.cut_all()
+        reply = await asyncio.wait_for(request(link, (Op.ADD, b"/n", 1)), FAST.grace + 2)
+        assert counter(reply) == 2 and not to_lose[0] and not lost
+        link.close()
+        relay.close()
+        stop.set()
+        await task
+
+    run(main())
+
+
+def test_a_link_left_with_no_connection_and_nothing_reconnecting_reconnects_at_its_next_heartbeat(caplog):
+    """Whatever path could leave the link with no connection and no reconnecting task
+    (a loss its handler never heard of), the next heartbeat notices, says so, and
+    reconnects: a node must never sit neither recovering nor giving up."""
+
+    async def main():
+        port, stop, task = await start_root()
+        relay, link, lost = await relayed_link(port)
+        assert counter(await request(link, (Op.ADD, b"/n", 1))) == 1
+        unnoticed, link._conn = link._conn, None  # (its loss below is not the current one's)
+        unnoticed.abort("lost unnoticed")
+        reply = await asyncio.wait_for(request(link, (Op.ADD, b"/n", 1)), FAST.heartbeat_interval * 3 + 2)
+        assert counter(reply) == 2 and not lost
+        assert any("was not reconnecting" in r.message for r in caplog.records)
+        link.close()
+        relay.close()
+        stop.set()
+        await task
+
+    run(main())

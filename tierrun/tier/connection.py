@@ -170,6 +170,11 @@ class SessionEnd:
         heartbeat with its next batch instead (in one write), or at the next beat if none
         comes: heartbeats at most two intervals apart, well within the watch lease."""
         conn = self._conn
+        if conn is None and self._reconnecting is None and self.dead is None and self.address is not None:
+            # (no connection and nothing reconnecting: a state no path should leave, but
+            # one that would hang the node for good, neither recovering nor giving up)
+            log.error("the link had no connection and was not reconnecting; reconnecting")
+            self._reconnecting = asyncio.ensure_future(_reconnect(self, "link to the store host lost (unnoticed)"))
         if conn is not None:
             now = monotonic()
             if conn.heartbeat.expired(now):
@@ -190,7 +195,12 @@ class SessionEnd:
         self._conn = None
         if self.down_since is None:
             self.down_since = asyncio.get_running_loop().time()
-        self.on_disconnected()
+        try:
+            self.on_disconnected()
+        except Exception as e:  # (fail-stop: never a link left with nothing reconnecting it)
+            log.exception("unexpected error dropping the watches of a lost link connection")
+            self.die(f"internal error in the node's link to the store host: {e!r}")
+            return
         if self.dead is None and self._reconnecting is None and self.address is not None:
             self._reconnecting = asyncio.ensure_future(_reconnect(self, reason))
         elif self.address is None:
@@ -201,16 +211,18 @@ class SessionEnd:
         if self.dead is not None:
             return
         self.dead = reason
-        if not self.ready.done():
-            self.ready.set_exception(LinkError(reason))
-        if self._heartbeat is not None:
-            self._heartbeat.cancel()
-        if self._conn is not None:
-            self._conn.abort(reason)
-            self._conn = None
-        self.on_dead(reason)
-        self.acked()  # (clients waiting to write learn, at their next request, that it is over)
-        self._on_lost(reason)
+        try:
+            if not self.ready.done():
+                self.ready.set_exception(LinkError(reason))
+            if self._heartbeat is not None:
+                self._heartbeat.cancel()
+            if self._conn is not None:
+                self._conn.abort(reason)
+                self._conn = None
+            self.on_dead(reason)
+            self.acked()  # (clients waiting to write learn, at their next request, that it is over)
+        finally:  # (whatever failed above, the node's agent hears that the link is over)
+            self._on_lost(reason)
 
     def close(self) -> None:
         """End the session cleanly: the store host drops it at once."""
@@ -407,8 +419,12 @@ async def _reconnect(link: SessionEnd, reason: str) -> None:
         while link.dead is None:  # (it may give up meanwhile, e.g. its buffer overflowed)
             try:
                 await open_connection(link, link.config.heartbeat_timeout)
-                log.warning("link to the store host resumed after %.1f s", loop.time() - since)
-                return
+                if link._conn is not None:
+                    log.warning("link to the store host resumed after %.1f s", loop.time() - since)
+                    return
+                # (resumed, and lost again before this task ran: its loss started no
+                # reconnecting, this is still it)
+                last = ConnectionError("lost again as it resumed")
             except Unauthenticated as e:  # not proved to be the store host's: try again
                 log.warning("link attempt to the store host %s:%d failed: %s", host, port, e)
                 last = e
@@ -423,5 +439,8 @@ async def _reconnect(link: SessionEnd, reason: str) -> None:
                 return
             await asyncio.sleep(delay)
             delay = min(delay * 2, 1.0)
+    except Exception as e:  # a bug, or no memory: fail-stop, never a link that stops trying
+        log.exception("unexpected error reconnecting the link")
+        link.die(f"internal error reconnecting the node's link to the store host: {e!r}")
     finally:
         link._reconnecting = None
