@@ -27,6 +27,7 @@ docs/benchmarks.md and the raw runs to docs/bench/tier_ab.json. Usage:
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import random
 import secrets
@@ -87,7 +88,8 @@ class TierrunJob:
 
     def _start(self, env: dict, argv: list[str], host: str, port: int, what: str) -> subprocess.Popen:
         proc = subprocess.Popen([sys.executable, "-m", "tierrun", *argv, "--log-level", "WARNING"],
-                                env=env, cwd=self.tree, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+                                env=env, cwd=self.tree, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
+                                stderr=subprocess.DEVNULL, text=True)
         self.procs.append(proc)
         wait_listening(host, port, proc, what)
         return proc
@@ -96,11 +98,13 @@ class TierrunJob:
         return (process_cpu_seconds(self.store.pid),
                 [process_cpu_seconds(p.pid) for p, _ in self.proxies])
 
-    def close(self) -> None:
+    def close(self) -> dict:
+        """Stop every process; the store's last statistics (it prints them as it stops)."""
         for p in self.procs:
             p.terminate()
-        for p in self.procs:
-            p.wait(timeout=30)
+        outs = [p.communicate(timeout=30)[0] for p in self.procs]
+        stats = [line.split(" stats ", 1)[1] for line in outs[0].splitlines() if " stats {" in line]
+        return json.loads(stats[-1]) if stats else {}
 
 
 def trickle(addresses: list[tuple[str, int]], clients: int, ops: int, seed: int) -> int:
@@ -162,9 +166,13 @@ def measure_tierrun(tree: Path, workload: str, args: argparse.Namespace, seed: i
         wall = time.monotonic() - t
         store1, proxies1 = job.cpu()
     finally:
-        job.close()
+        stats = job.close()
     busiest = max(b - a for a, b in zip(proxies0, proxies1))
-    return {"store_us": (store1 - store0) / n * 1e6, "proxy_us": busiest / n * 1e6, "wall": wall}
+    # (frames the store host read per request: how much the proxies merged, which the
+    # pace of answers decides; per-request CPU follows it)
+    frames = stats.get("link_batches", float("nan")) / n
+    return {"store_us": (store1 - store0) / n * 1e6, "proxy_us": busiest / n * 1e6, "wall": wall,
+            "frames_per_request": frames}
 
 
 def measure_torch(workload: str, args: argparse.Namespace, seed: int) -> dict:
@@ -179,7 +187,7 @@ def measure_torch(workload: str, args: argparse.Namespace, seed: int) -> dict:
         after = server.cpu_seconds()
     finally:
         server.stop()
-    return {"store_us": (after - before) / n * 1e6, "proxy_us": 0.0, "wall": wall}
+    return {"store_us": (after - before) / n * 1e6, "proxy_us": 0.0, "wall": wall, "frames_per_request": 0.0}
 
 
 def run(workload: str, addresses: list[tuple[str, int]], args: argparse.Namespace, seed: int) -> int:
@@ -190,7 +198,8 @@ def run(workload: str, addresses: list[tuple[str, int]], args: argparse.Namespac
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--baseline", type=Path, default=None, help="source tree of an older tierrun to compare")
+    p.add_argument("--baseline", type=Path, action="append", default=[],
+                   help="source tree of another tierrun to compare (repeatable)")
     p.add_argument("--rounds", type=int, default=5)
     p.add_argument("--clients", type=int, default=32)
     p.add_argument("--ops", type=int, default=100)
@@ -201,10 +210,10 @@ def main() -> None:
     args = p.parse_args()
     this = "tierrun (this tree)"
     targets: dict[str, Path | None] = {"torch": None, this: HERE.parent}
-    if args.baseline is not None:  # (named by its commit; printed and kept in the raw runs, not in the docs' table)
-        rev = subprocess.run(["git", "-C", str(args.baseline), "rev-parse", "--short", "HEAD"],
-                             capture_output=True, text=True).stdout.strip() or args.baseline.name
-        targets[f"tierrun {rev}"] = args.baseline.resolve()
+    for tree in args.baseline:  # (named by commit and folder; printed and kept in the raw runs, not in the docs' table)
+        rev = subprocess.run(["git", "-C", str(tree), "rev-parse", "--short", "HEAD"],
+                             capture_output=True, text=True).stdout.strip()
+        targets[f"tierrun {rev} ({tree.name})"] = tree.resolve()
     raw: dict[str, dict[str, list[dict]]] = {}
     lines = [f"Medians of {args.rounds} rounds, CPU microseconds per request (requests sent by the clients). "
              f"trickle: one proxy, {args.clients} clients x {args.ops} ADDs, a 0-20 ms pause before each; "
@@ -224,9 +233,10 @@ def main() -> None:
         raw[workload] = results
         med = {name: {k: statistics.median(m[k] for m in runs) for k in runs[0]} for name, runs in results.items()}
         print(f"\n{workload}: medians of {args.rounds} rounds (us of CPU per request)")
-        print(f"{'':32} {'store host':>11} {'busiest proxy':>14} {'wall s':>7}")
+        print(f"{'':36} {'store host':>11} {'busiest proxy':>14} {'wall s':>7} {'frames/request':>15}")
         for name, m in med.items():
-            print(f"{name:32} {m['store_us']:11.1f} {m['proxy_us']:14.1f} {m['wall']:7.2f}")
+            print(f"{name:36} {m['store_us']:11.1f} {m['proxy_us']:14.1f} {m['wall']:7.2f} "
+                  f"{m['frames_per_request']:15.2f}")
             ratio = "—" if name == "torch" else f"{med['torch']['store_us'] / m['store_us']:.2f}x"
             proxy = "—" if name == "torch" else f"{m['proxy_us']:.1f}"
             if name in ("torch", this):
