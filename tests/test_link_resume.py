@@ -341,3 +341,71 @@ def test_a_link_left_with_no_connection_and_nothing_reconnecting_reconnects_at_i
         await task
 
     run(main())
+
+
+@pytest.mark.parametrize("lost_after", [None, 0.05])
+def test_a_healthy_resume_lost_before_or_after_its_task_ran_again_gets_a_fresh_grace_period(lost_after):
+    """Down 2 s of a 3 s grace period, then resumed, healthy (its first PONG came with
+    RESUMED), and lost at once: before the reconnecting task ran again (None) or just
+    after (0.05 s). Either way the new loss starts a new grace period: the link comes
+    back, not a "not back within the grace period" from the first outage's clock."""
+
+    async def main():
+        port, stop, task = await start_root()
+        relay, link, lost = await relayed_link(port)
+        assert counter(await request(link, (Op.ADD, b"/n", 1))) == 1
+        loop = asyncio.get_running_loop()
+        established = link.established
+        healthy = []
+        to_lose = [1]
+
+        def established_then_lost(conn, *args):
+            established(conn, *args)
+            if to_lose[0]:
+                to_lose[0] -= 1
+                loop.call_soon(lambda: healthy.append(link.down_since is None))  # (before the abort)
+                if lost_after is None:
+                    loop.call_soon(conn.abort, "lost as it resumed")
+                else:
+                    loop.call_later(lost_after, conn.abort, "lost just after it resumed")
+
+        link.established = established_then_lost
+        relay.refusing = True
+        relay.cut_all()
+        await asyncio.sleep(FAST.grace - 1.0)
+        relay.refusing = False
+        reply = await asyncio.wait_for(request(link, (Op.ADD, b"/n", 1)), FAST.grace + 2)
+        assert healthy == [True] and not lost, lost
+        assert counter(reply) == 2
+        link.close()
+        relay.close()
+        stop.set()
+        await task
+
+    run(main())
+
+
+def test_an_error_in_a_heartbeat_ends_the_session_and_the_agent_hears_it():
+    """A bug in a heartbeat (here its subclass hook raising) must not stop the
+    heartbeats silently, which would leave a node that notices no silence and no lost
+    connection again: the session ends fail-stop, with the reason."""
+
+    async def main():
+        port, stop, task = await start_root()
+        relay, link, lost = await relayed_link(port)
+        assert counter(await request(link, (Op.ADD, b"/n", 1))) == 1
+
+        def failing_on_beat():
+            raise RuntimeError("a bug in on_beat")
+
+        link.on_beat = failing_on_beat
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + FAST.heartbeat_interval * 3
+        while not lost and loop.time() < deadline:
+            await asyncio.sleep(0.02)
+        assert lost and "internal error" in lost[0] and "a bug in on_beat" in lost[0], lost
+        relay.close()
+        stop.set()
+        await task
+
+    run(main())

@@ -169,25 +169,32 @@ class SessionEnd:
         connection. A link that sent a batch during the last interval sends its
         heartbeat with its next batch instead (in one write), or at the next beat if none
         comes: heartbeats at most two intervals apart, well within the watch lease."""
-        conn = self._conn
-        if conn is None and self._reconnecting is None and self.dead is None and self.address is not None:
-            # (no connection and nothing reconnecting: a state no path should leave, but
-            # one that would hang the node for good, neither recovering nor giving up)
-            log.error("the link had no connection and was not reconnecting; reconnecting")
-            self._reconnecting = asyncio.ensure_future(_reconnect(self, "link to the store host lost (unnoticed)"))
-        if conn is not None:
-            now = monotonic()
-            if conn.heartbeat.expired(now):
-                conn.abort(f"nothing heard from the store host for {conn.heartbeat.silent(now):.1f} s")
-            elif self._sent_since_beat and not self._beat_with_next_batch:
-                self._beat_with_next_batch = True
-            else:
-                self._beat_with_next_batch = False
-                conn.ack()
-        self._sent_since_beat = False
-        self.on_beat()
-        if self.dead is None:
-            self._schedule_heartbeat()
+        try:
+            conn = self._conn
+            if conn is None and self._reconnecting is None and self.dead is None and self.address is not None:
+                # (no connection and nothing reconnecting: a state no path should leave,
+                # but one that would hang the node for good, neither recovering nor giving up)
+                log.error("the link had no connection and was not reconnecting; reconnecting")
+                if self.down_since is None:
+                    self.down_since = asyncio.get_running_loop().time()
+                self._reconnecting = asyncio.ensure_future(_reconnect(self, "link to the store host lost (unnoticed)"))
+            if conn is not None:
+                now = monotonic()
+                if conn.heartbeat.expired(now):
+                    conn.abort(f"nothing heard from the store host for {conn.heartbeat.silent(now):.1f} s")
+                elif self._sent_since_beat and not self._beat_with_next_batch:
+                    self._beat_with_next_batch = True
+                else:
+                    self._beat_with_next_batch = False
+                    conn.ack()
+            self._sent_since_beat = False
+            self.on_beat()
+        except Exception as e:  # (fail-stop: a link whose heartbeats stopped would notice nothing)
+            log.exception("unexpected error in the link's heartbeat")
+            self.die(f"internal error in the node's link to the store host: {e!r}")
+        finally:
+            if self.dead is None:
+                self._schedule_heartbeat()
 
     def connection_lost(self, conn: LinkConnection, reason: str) -> None:
         if conn is not self._conn:
@@ -358,9 +365,13 @@ class LinkConnection(asyncio.Protocol):
             link.die(f"internal error in the node's link to the store host: {e!r}")
 
     def abort(self, reason: str) -> None:
-        if self._transport is not None and not self._transport.is_closing():
-            log.warning("dropping the link connection: %s", reason)
-            self._transport.abort()
+        """Drop the connection now, even one already closing (a graceful close waits
+        for its unsent bytes, forever if the peer stopped reading)."""
+        transport = self._transport
+        if transport is not None:
+            if not transport.is_closing():
+                log.warning("dropping the link connection: %s", reason)
+            transport.abort()
 
     def close(self) -> None:
         if self._transport is not None:
@@ -423,8 +434,11 @@ async def _reconnect(link: SessionEnd, reason: str) -> None:
                     log.warning("link to the store host resumed after %.1f s", loop.time() - since)
                     return
                 # (resumed, and lost again before this task ran: its loss started no
-                # reconnecting, this is still it)
+                # reconnecting, this is still it, from that loss: a resume that was
+                # healthy gets a fresh grace period)
                 last = ConnectionError("lost again as it resumed")
+                since = link.down_since if link.down_since is not None else loop.time()
+                delay = 0.1
             except Unauthenticated as e:  # not proved to be the store host's: try again
                 log.warning("link attempt to the store host %s:%d failed: %s", host, port, e)
                 last = e
