@@ -409,3 +409,40 @@ def test_an_error_in_a_heartbeat_ends_the_session_and_the_agent_hears_it():
         await task
 
     run(main())
+
+
+def test_a_session_resumed_as_its_first_attempt_times_out_is_kept_not_dropped(monkeypatch):
+    """The store host resumes the session on the first connection in the very loop pass
+    in which the attempt's timeout fires (here: the attempt never sees it, as when the
+    timeout's callback runs first). The connection the session is on is kept. Before,
+    the attempt dropped it: ``connect_link``, its deadline passed, said the store host
+    could not be reached, while the drop started reconnecting a session nobody used."""
+
+    async def main():
+        port, stop, task = await start_root()
+        relay = Relay(port)
+        relay_port = await relay.start()
+        real_shield = asyncio.shield
+        missed = []
+
+        def shield_missing_the_first(fut):
+            if not missed:  # (the first attempt's wait never completes: it times out)
+                missed.append(fut)
+                return asyncio.get_running_loop().create_future()
+            return real_shield(fut)
+
+        monkeypatch.setattr(asyncio, "shield", shield_missing_the_first)
+        lost: list[str] = []
+        link = await connect_link("127.0.0.1", relay_port, b"tok", lost.append, 1.0, FAST)
+        monkeypatch.setattr(asyncio, "shield", real_shield)
+        assert missed and missed[0].done() and missed[0].exception() is None  # (it had resumed)
+        assert counter(await request(link, (Op.ADD, b"/n", 1))) == 1
+        await asyncio.sleep(FAST.heartbeat_interval * 3)
+        assert relay.connections == 1 and link._reconnecting is None and not lost
+        assert counter(await request(link, (Op.ADD, b"/n", 1))) == 2
+        link.close()
+        relay.close()
+        stop.set()
+        await task
+
+    run(main())

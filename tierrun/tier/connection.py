@@ -402,6 +402,13 @@ async def open_connection(link: SessionEnd, timeout: float) -> None:
         raise ConnectionRefusedError(f"nothing listens on {link.address[0]}:{link.address[1]} yet")
     try:
         await asyncio.wait_for(asyncio.shield(conn.established), timeout)
+    except asyncio.TimeoutError:
+        established = conn.established
+        if established.done() and not established.cancelled() and established.exception() is None:
+            return  # (resumed as the timeout fired: the session is on this connection now;
+            # dropping it would start a reconnect while the caller retried: two resumes)
+        transport.abort()
+        raise
     except BaseException:
         transport.abort()
         raise
