@@ -334,6 +334,24 @@ def test_a_store_whose_udp_port_is_taken_still_answers_over_tcp():
             s.stop()
 
 
+@pytest.mark.parametrize("address", ["127.0.0.1", "::1"])
+def test_a_lookup_before_the_store_host_is_up_is_refused_at_once_not_after_udp_wait(address):
+    """Nothing listens on the store's port yet (a node that starts before node 0): the
+    datagram's ICMP refusal ends the UDP attempt at once, and TCP's refusal reaches the
+    caller, who retries; before, every retry waited out ``udp_wait`` first."""
+    family = socket.AF_INET6 if ":" in address else socket.AF_INET
+    try:
+        with socket.socket(family, socket.SOCK_DGRAM) as probe:
+            probe.bind((address, 0))
+            port = probe.getsockname()[1]
+    except OSError:
+        pytest.skip(f"no {address} here")
+    t0 = time.monotonic()
+    with pytest.raises(ConnectionRefusedError):
+        read_over_link((address, port), TOKEN, b"/tree/1", 10, udp_wait=3.0)
+    assert time.monotonic() - t0 < 1.0
+
+
 def test_a_udp_lookup_uses_the_first_address_its_source_can_bind(host, monkeypatch):
     """A store host's name that resolves to IPv6 first, a requester with an IPv4
     ``source``: TCP (``socket.create_connection``) goes on to the IPv4 address; so does

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import socket
 import struct
+import sys
 import time
 
 from ..link import auth
@@ -70,7 +71,8 @@ def read_over_udp(address: tuple[str, int], token: bytes, key: bytes, deadline: 
                   source: str | None, give_up: float) -> bytes | None:
     """``key``'s value by LOOKUP datagrams (sent at 0, 0.2, 0.6, 1.6 s..., then every
     ``UDP_RESEND`` once the store host answered PENDING), or None: no authenticated
-    answer within ``give_up`` seconds, or the store host said to use TCP. Datagrams
+    answer within ``give_up`` seconds, nothing listening on the port (refused: at once
+    on Linux), or the store host said to use TCP. Datagrams
     whose HMAC fails are ignored. Raises ``TimeoutError`` past ``deadline``."""
     made = _udp_socket(address, source)
     if made is None:  # (TCP says why, or finds a way)
@@ -102,6 +104,8 @@ def read_over_udp(address: tuple[str, int], token: bytes, key: bytes, deadline: 
                 data = sock.recv(MAX_ANSWER + 64)
             except TimeoutError:
                 continue
+            except ConnectionRefusedError:  # (nothing on the port, yet: TCP is refused at once too)
+                return None
             # (from any address: a store host listening on every address may answer from
             # another than the one asked; FOUND and PENDING prove the token by their HMAC)
             if len(data) < 5 or int.from_bytes(data[:4], "little") != len(data) - 4:
@@ -139,6 +143,7 @@ def _udp_socket(address: tuple[str, int], source: str | None) -> tuple[socket.so
         except OSError:  # (another family than the source's)
             sock.close()
             continue
+        _report_refusals(sock, family)
         return sock, where
     return None
 
@@ -151,3 +156,20 @@ def _frames(sock: socket.socket, decoder: FrameDecoder, deadline: float):
         if not data:
             raise ConnectionError("the store host closed the link")
         yield from decoder.frames(data)
+
+
+#: Linux's IP_RECVERR and IPV6_RECVERR (not in Python's socket module).
+_RECVERR = {socket.AF_INET: (socket.IPPROTO_IP, 11), socket.AF_INET6: (socket.IPPROTO_IPV6, 25)}
+
+
+def _report_refusals(sock: socket.socket, family: int) -> None:
+    """Have an unconnected UDP socket's ``recv`` raise ``ConnectionRefusedError`` when a
+    datagram it sent meets a closed port (an ICMP port unreachable), as a connected one
+    would: while the store host is not up yet, a LOOKUP learns it at once instead of
+    waiting out ``udp_wait``. Linux only; elsewhere the wait stays."""
+    option = _RECVERR.get(family)
+    if option is not None and sys.platform.startswith("linux"):
+        try:
+            sock.setsockopt(*option, 1)
+        except OSError:
+            pass
