@@ -85,11 +85,15 @@ def test_wrong_validate_magic():
         RequestParser().feed(b"\x00" + struct.pack("<I", 0x12345678) + b"\xff" * 8)
 
 
-def test_wrong_magic_on_a_later_validate():
+@pytest.mark.parametrize("magic", [VALIDATION_MAGIC, VALIDATION_MAGIC + 1])
+def test_a_validate_after_the_first_request_is_invalid_as_torch_has_it(magic):
+    """torch's server closes a connection that sends VALIDATE again; the requests
+    before it are still answered (``ProtocolError.requests``)."""
     p = RequestParser()
     p.feed(encode_handshake(1))
-    with pytest.raises(ProtocolError, match="VALIDATE magic"):
-        p.feed(b"\x00" + struct.pack("<I", VALIDATION_MAGIC + 1))
+    with pytest.raises(ProtocolError, match="VALIDATE after the connection's first request") as e:
+        p.feed(encode_request((Op.GET, b"/a")) + b"\x00" + struct.pack("<I", magic))
+    assert e.value.requests == [(Op.GET, b"/a")]
 
 
 def test_unknown_opcode():

@@ -15,7 +15,8 @@ A request is a tuple ``(op, *args)`` with ``op`` in the torch 2.2+ numbering
 
 VALIDATE is checked here and produces no request. The numbering (2.1 or 2.2+) is
 decided from the first bytes of the connection: a 2.2+ client always opens with
-``00 ce f7 85 3c``.
+``00 ce f7 85 3c``, and only there: a VALIDATE later on is invalid, as torch's server
+has it (it closes the connection).
 
 Cost: every byte is examined once (a request split across reads resumes where it
 stopped), so parsing is O(bytes read). Nothing is allocated from a length the client
@@ -320,10 +321,8 @@ class RequestParser:
             if not complete:
                 break
             self._op = -1
-            if args[0] == Op.VALIDATE:
-                if args[1] != VALIDATION_MAGIC:
-                    raise ProtocolError(f"wrong VALIDATE magic {args[1]:#x}")
-                continue
+            if args[0] == Op.VALIDATE:  # (the connection's first one went with the numbering)
+                raise ProtocolError("VALIDATE after the connection's first request")
             out.append(tuple(args))
         if pos:
             del buf[:pos]
@@ -412,6 +411,7 @@ class RequestParser:
             return False
         if buf[: len(_MAGIC_BYTES)] == _MAGIC_BYTES:
             self._numbering = _TORCH22
+            del buf[: len(_MAGIC_BYTES)]  # (checked: the only VALIDATE a connection may send)
             return True
         # Opcode 0 without the magic: a 2.1 SET, unless the key length is absurd, in
         # which case it is most likely a VALIDATE with a wrong magic.
