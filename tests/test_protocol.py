@@ -160,3 +160,50 @@ def test_partial_multi_key_request_is_resumed_not_reparsed():
         out += p.feed(data[i : i + 7])
         assert p.buffered < 7 + 8 + 16  # consumed keys are not kept in the buffer
     assert out == [(Op.PING, 1), (Op.MULTI_GET, keys)]
+
+
+def _multi_set_bytes(pairs) -> bytes:
+    out = bytes([Op.MULTI_SET]) + struct.pack("<Q", len(pairs))
+    for key, value in pairs:
+        out += struct.pack("<Q", len(key)) + key + struct.pack("<Q", len(value)) + value
+    return out
+
+
+@pytest.mark.parametrize("pairs,partial", [
+    # a key past the limit: the pairs before it
+    ([(b"/a", b"1"), (b"k" * 9, b"2"), (b"/c", b"3")], (Op.MULTI_SET, (b"/a",), (b"1",))),
+    # a value past the limit: the pairs before its key's
+    ([(b"/a", b"1"), (b"/b", b"22"), (b"/c", b"3" * 9)], (Op.MULTI_SET, (b"/a", b"/b"), (b"1", b"22"))),
+    # the first pair bad: nothing
+    ([(b"k" * 9, b"1"), (b"/b", b"2")], None),
+    ([(b"/a", b"1" * 9)], None),
+])
+def test_a_multi_set_with_a_bad_pair_sets_the_pairs_before_it_as_torch_does(pairs, partial):
+    """torch's server sets each pair of a MULTI_SET as it reads it and closes the
+    connection at the first past a limit: the pairs before it take effect."""
+    p = RequestParser(Limits(max_key_bytes=8, max_value_bytes=8))
+    p.feed(encode_handshake(1))
+    with pytest.raises(ProtocolError, match="exceeds the limit") as e:
+        p.feed(encode_request((Op.GET, b"/x")) + _multi_set_bytes(pairs))
+    assert e.value.requests == [(Op.GET, b"/x")] + ([partial] if partial else [])
+
+
+def test_a_multi_set_with_a_bad_pair_arriving_in_pieces_still_sets_the_pairs_before_it():
+    p = RequestParser(Limits(max_key_bytes=8, max_value_bytes=8))
+    p.feed(encode_handshake(1))
+    data = _multi_set_bytes([(b"/a", b"1"), (b"/b", b"2"), (b"/c", b"3" * 9)])
+    cut = data.index(b"/b") + 2  # (the second pair's key in, its value not yet)
+    assert p.feed(data[:cut]) == []
+    with pytest.raises(ProtocolError) as e:
+        p.feed(data[cut:])
+    assert e.value.requests == [(Op.MULTI_SET, (b"/a", b"/b"), (b"1", b"2"))]
+
+
+def test_pairs_before_a_bad_one_past_the_request_bytes_limit_are_not_set():
+    """tierrun's own limit on a request's bytes (torch has none): a MULTI_SET past it is
+    refused whole, never split into a part that passes it."""
+    p = RequestParser(Limits(max_key_bytes=8, max_value_bytes=8, max_request_bytes=40))
+    p.feed(encode_handshake(1))
+    with pytest.raises(ProtocolError) as e:
+        p.feed(_multi_set_bytes([(b"/a", b"11111111"), (b"/b", b"22222222"), (b"/c", b"3" * 9)]))
+    assert e.value.requests == []

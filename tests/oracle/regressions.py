@@ -45,8 +45,6 @@ KNOWN_DEVIATIONS = {
     "append-past-value-limit": "by design (issue 33's budgets): an APPEND whose result would pass the value "
                                "limit (8 MiB) is refused and its client closed; torch's server grows the value "
                                "without bound",
-    "multi-set-partial": "a MULTI_SET with a key or value past the limits is refused whole; torch's server "
-                         "applies the pairs before the bad one, then closes the connection",
     "wait-on-queue-key": "a WAIT on several keys, one of them a non-empty queue's: tierrun counts the queue as "
                          "present (as CHECK does, and as torch does when every key is present) and waits for the "
                          "others; torch registers every key missing from its key-value map, the queue's too, and "

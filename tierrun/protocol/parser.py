@@ -36,9 +36,11 @@ Request = tuple
 
 class ProtocolError(Exception):
     """The peer sent something no torch client sends; the connection must be closed.
-    ``requests``: those completed before it in the same ``RequestParser.feed``."""
+    ``requests``: those completed before it in the same ``RequestParser.feed`` (and a
+    MULTI_SET's pairs before a bad one: see ``RequestParser``), to execute first."""
 
     requests: list = []
+    partial: tuple | None = None  # (a MULTI_SET of the pairs before the bad one)
 
 
 class LimitExceeded(ProtocolError):
@@ -247,7 +249,7 @@ class RequestParser:
         try:
             self._feed(data, out)
         except ProtocolError as e:
-            e.requests = out
+            e.requests = out if e.partial is None else out + [e.partial]
             raise
         return out
 
@@ -364,7 +366,7 @@ class RequestParser:
             # length is past its limit
             (n,) = _u64(buf, pos)
             if n > limit_of[j & 1]:
-                raise _too_long(n, limit_of[j & 1], pairs and j & 1)
+                raise self._item_too_long(n, limit_of[j & 1], pairs, j)
             return pos, False
         else:
             data = bytes(buf[pos:end])  # (slices of bytes are bytes: one copy per item)
@@ -376,7 +378,7 @@ class RequestParser:
                 break
             (n,) = _u64(data, p)
             if n > limit_of[j & 1]:
-                raise _too_long(n, limit_of[j & 1], pairs and j & 1)
+                raise self._item_too_long(n, limit_of[j & 1], pairs, j)
             q = p + 8 + n
             if q > size:
                 break
@@ -398,6 +400,19 @@ class RequestParser:
         self._items_bytes = 0
         self._remaining = -1
         return pos, True
+
+    def _item_too_long(self, n: int, limit: int, pairs: bool, j: int) -> ProtocolError:
+        """Item ``j`` of a _KEYS/_PAIRS field claims ``n`` bytes, past ``limit``. In a
+        MULTI_SET the pairs before it still take effect, as on torch's server, which
+        sets each pair as it reads it and closes the connection at the bad one: they
+        go as a MULTI_SET of their own (``ProtocolError.partial``), unless that would
+        pass the request-bytes limit (a request tierrun refuses whole anyway)."""
+        e = _too_long(n, limit, pairs and j & 1)
+        if pairs and j >= 2:
+            items = self._items[: j - (j & 1)]
+            if 9 + sum(8 + len(item) for item in items) <= self._limits.max_request_bytes:
+                e.partial = (Op.MULTI_SET, tuple(items[0::2]), tuple(items[1::2]))
+        return e
 
     def _decide_numbering(self) -> bool:
         """Tell torch >= 2.2 (opens with VALIDATE) from torch 2.1 (no VALIDATE)."""
