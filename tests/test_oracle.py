@@ -3,8 +3,9 @@ tierrun flat, tiered (a real ``tierrun proxy``), a two-level tree (proxy -> prox
 store) and clients spread over every level, on raw-protocol histories.
 
 - every minimized difference found so far (oracle/regressions.py): the cases of
-  KNOWN_BUGS / KNOWN_DEVIATIONS are strict xfails on the targets where they show, a
-  hand-over: fix tierrun, remove the entry, and they must pass;
+  KNOWN_BUGS are strict xfails on the targets where they show, a hand-over: fix
+  tierrun, remove the entry, and they must pass; those of KNOWN_DEVIATIONS must differ
+  from torch exactly as decided (``Case.deviates``);
 - a bounded seeded budget of random sequential histories (answers byte for byte as
   torch's) and concurrent ones (linearizable), drawn away from the known patterns.
 
@@ -23,7 +24,7 @@ import pytest
 from oracle import concurrent, sequential
 from oracle.driver import Oracle
 from oracle.history import CI, generate
-from oracle.regressions import ALL, CASES, CONCURRENT, KNOWN
+from oracle.regressions import ALL, CASES, CONCURRENT, KNOWN, KNOWN_BUGS
 from oracle.sequential import Trace
 
 #: The seeded budget (the whole module stays well within two minutes on 2 cores).
@@ -50,17 +51,22 @@ def _params(cases):
             marks = []
             if getattr(case, "heavy", False) and not HEAVY:
                 marks.append(pytest.mark.skip(reason="moves hundreds of megabytes: ORACLE_HEAVY=1 runs it"))
-            if case.bug is not None and case.bug in KNOWN and target in case.fails_on:
-                marks.append(pytest.mark.xfail(strict=True, reason=f"{case.bug}: {KNOWN[case.bug]}"))
+            if case.bug in KNOWN_BUGS and target in case.fails_on:
+                marks.append(pytest.mark.xfail(strict=True, reason=f"{case.bug}: {KNOWN_BUGS[case.bug]}"))
             out.append(pytest.param(case, target, marks=marks, id=f"{case.name}-{target}"))
     return out
 
 
 @pytest.mark.parametrize("case,target", _params(CASES))
 def test_regression(oracle, case, target):
+    deviates = case.deviates if target in case.fails_on else None
     for _ in range(case.runs):
         mismatch = oracle.mismatch_of(case.history, target)
-        assert mismatch is None, f"{case.note}\n{mismatch}\n{case.history.source()}"
+        if deviates is None:
+            assert mismatch is None, f"{case.note}\n{mismatch}\n{case.history.source()}"
+        else:  # (a decided deviation: exactly it, and nothing before it)
+            assert mismatch is not None and (mismatch.step, mismatch.got) == deviates, \
+                f"{case.bug}: {KNOWN[case.bug]}\n{mismatch or 'no difference'}\n{case.history.source()}"
 
 
 @pytest.mark.parametrize("case,target", _params(CONCURRENT))
