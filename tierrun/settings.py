@@ -43,6 +43,10 @@ The variables:
     Seconds a node of a store tree waits for the store host's answer to its LOOKUP
     datagram before asking over TCP (``LinkConfig.lookup_udp_wait``; 0: TCP only, for
     a network that filters UDP to the store's port).
+``TIERRUN_LINK_LOOKUP_PACE``
+    Seconds the store host leaves its LOOKUP port unwatched after reading it, so that
+    the datagrams of a tree's start-up are read in batches (``LinkConfig.lookup_pace``;
+    0: each as it comes).
 ``TIERRUN_LOG_LEVEL``
     The launcher's log level (DEBUG, INFO, WARNING, ERROR; default WARNING).
 ``TIERRUN_ETCD_PASSWORD``
@@ -82,6 +86,7 @@ LINK_VARIABLES = {
     "handshake_timeout": "TIERRUN_LINK_HANDSHAKE_TIMEOUT",
     "max_handshakes_per_address": "TIERRUN_LINK_HANDSHAKES_PER_ADDRESS",
     "lookup_udp_wait": "TIERRUN_LINK_LOOKUP_UDP_WAIT",
+    "lookup_pace": "TIERRUN_LINK_LOOKUP_PACE",
 }
 
 class SettingsError(ValueError):

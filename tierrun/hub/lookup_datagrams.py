@@ -50,7 +50,8 @@ MAX_QUEUED = 1 << 20
 
 
 class LookupDatagrams(asyncio.DatagramProtocol):
-    """The store host's UDP endpoint for LOOKUPs, on the port of its links."""
+    """The store host's UDP endpoint for LOOKUPs, on the port of its links (read in
+    paced batches: ``hub.paced_udp``)."""
 
     def __init__(self, token: bytes, upstream: Upstream, max_key_bytes: int,
                  counted: Callable[[], None] = lambda: None) -> None:

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import socket
 from collections.abc import Callable
 
 from ..core import StoreCore
@@ -17,6 +18,7 @@ from ..frontend.namespace import NamespacedUpstream
 from ..link.config import LinkConfig
 from ..hub.link_server import LinkServer
 from ..hub.lookup_datagrams import LookupDatagrams
+from ..hub.paced_udp import PacedDatagramEndpoint
 from ..hub.reply_gate import break_watches
 from ..hub.session import core_upstreams
 from .control import Event
@@ -75,9 +77,10 @@ async def serve_root(
     def count_lookup() -> None:
         links.stats.lookups += 1
 
-    def datagrams() -> LookupDatagrams:
+    def datagrams(sock: socket.socket) -> PacedDatagramEndpoint:
         assert token is not None
-        return LookupDatagrams(token, core, config.frontend.limits.max_key_bytes, count_lookup)
+        lookups = LookupDatagrams(token, core, config.frontend.limits.max_key_bytes, count_lookup)
+        return PacedDatagramEndpoint(sock, lookups, links.config.lookup_pace)
 
     service = Service(
         config, make_upstream, stats, announce,

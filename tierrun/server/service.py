@@ -17,6 +17,7 @@ import socket
 import sys
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import Protocol
 
 from ..frontend import FrontEnd, FrontEndConfig, Upstream
 from ..frontend.contracts import LinkAcceptor
@@ -28,6 +29,11 @@ from .control import (
     CloseNamespace, Event, Listening, NamespaceListening, OpenNamespace, SendStats, Stats, parse_command,
 )
 from .frontend_pool import FrontEndPool, Listener
+
+
+class Closable(Protocol):
+    def close(self) -> None: ...
+
 
 log = logging.getLogger("tierrun.store")
 
@@ -66,14 +72,14 @@ class Service:
         pool: FrontEndPool | None = None,
         gate: ReplyGate | None = None,
         node: Service | None = None,
-        datagrams: Callable[[], asyncio.DatagramProtocol] | None = None,
+        datagrams: Callable[[socket.socket], Closable] | None = None,
     ) -> None:
         """With ``pool``, the pool's processes serve the listeners; this one only
         adopts the links they hand over. ``gate``: the store's invalidation rounds,
         which hold this process's answers to clients too. ``node``: the store host's
         own node front-end, served along (started, controlled, stopped) with this one.
-        ``datagrams``: the protocol of a UDP endpoint on the public port (a store host's
-        LOOKUPs: ``hub.lookup_datagrams``), if that UDP port is free."""
+        ``datagrams``: what serves a UDP socket bound beside the public port (a store
+        host's LOOKUPs: ``hub.lookup_datagrams``), given it if that UDP port is free."""
         self.config = config
         self.make_upstream = make_upstream
         self.stats = stats
@@ -87,7 +93,7 @@ class Service:
         self.pool = pool
         self.node = node
         self._datagrams = datagrams
-        self._udp: asyncio.BaseTransport | None = None
+        self._udp: Closable | None = None
 
     async def serve(self, stop: asyncio.Event | None = None) -> None:
         """Listen, then serve until ``stop`` is set (or SIGINT/SIGTERM when it is None)."""
@@ -141,7 +147,7 @@ class Service:
         except OSError as e:  # (its requesters use TCP: slower for this host, not wrong)
             log.warning("no LOOKUPs over UDP on port %d (%s): nodes will use TCP", tcp.getsockname()[1], e)
             return
-        self._udp, _ = await asyncio.get_running_loop().create_datagram_endpoint(self._datagrams, sock=udp)
+        self._udp = self._datagrams(udp)
 
     async def close(self) -> None:
         if self._udp is not None:

@@ -1,0 +1,114 @@
+"""The store host's paced UDP endpoint (``hub.paced_udp``): a lone datagram is read at
+once; those that follow within the pace wait for one read together; a flood is read
+at most MAX_PER_WAKEUP at a time; answers go at once; closing stops it cleanly."""
+
+from __future__ import annotations
+
+import asyncio
+import socket
+import time
+
+from tierrun.hub import paced_udp
+from tierrun.hub.paced_udp import PacedDatagramEndpoint
+
+
+class Echo(asyncio.DatagramProtocol):
+    def __init__(self) -> None:
+        self.transport = None
+        self.received: list[tuple[float, bytes]] = []
+        self.lost = False
+
+    def connection_made(self, transport) -> None:
+        self.transport = transport
+
+    def datagram_received(self, data: bytes, addr) -> None:
+        self.received.append((time.monotonic(), data))
+        self.transport.sendto(b"echo " + data, addr)
+
+    def connection_lost(self, exc) -> None:
+        self.lost = True
+
+
+def _bound() -> socket.socket:
+    sock = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 1 << 20)
+    sock.bind(("127.0.0.1", 0))
+    sock.setblocking(False)
+    return sock
+
+
+async def _answers(client: socket.socket, n: int, timeout: float = 5.0) -> list[bytes]:
+    out: list[bytes] = []
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + timeout
+    while len(out) < n and loop.time() < deadline:
+        try:
+            out.append(client.recv(1 << 16))
+        except BlockingIOError:
+            await asyncio.sleep(0.002)
+    return out
+
+
+def test_a_lone_datagram_is_read_at_once_and_those_following_it_wait_for_one_read_together():
+    async def main():
+        sock, echo = _bound(), Echo()
+        endpoint = PacedDatagramEndpoint(sock, echo, pace=0.3)
+        where = sock.getsockname()
+        with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as client:
+            client.setblocking(False)
+            t0 = time.monotonic()
+            client.sendto(b"a", where)
+            assert await _answers(client, 1) == [b"echo a"]
+            assert time.monotonic() - t0 < 0.2 and endpoint.wakeups == 1  # (at once)
+            for data in (b"b", b"c", b"d"):  # (within the pace: they wait, and come in one read)
+                client.sendto(data, where)
+            assert sorted(await _answers(client, 3)) == [b"echo b", b"echo c", b"echo d"]
+            times = [t for t, _ in echo.received]
+            assert times[1] - times[0] >= 0.25 and endpoint.wakeups == 2
+            await asyncio.sleep(0.4)  # (the pace over, nothing came: the next is read at once)
+            t1 = time.monotonic()
+            client.sendto(b"e", where)
+            assert await _answers(client, 1) == [b"echo e"]
+            assert time.monotonic() - t1 < 0.2 and endpoint.wakeups == 3
+        endpoint.close()
+        assert echo.lost and endpoint.is_closing()
+        endpoint.close()  # (twice: nothing more)
+
+    asyncio.run(main())
+
+
+def test_a_flood_is_read_at_most_max_per_wakeup_datagrams_at_a_time():
+    async def main():
+        sock, echo = _bound(), Echo()
+        endpoint = PacedDatagramEndpoint(sock, echo, pace=0.05)
+        where = sock.getsockname()
+        n = paced_udp.MAX_PER_WAKEUP * 2 + 10
+        with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as client:
+            client.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 1 << 20)
+            for i in range(n):
+                client.sendto(b"%d" % i, where)
+            await asyncio.sleep(0)  # (no read yet: the loop had no turn)
+            client.setblocking(False)
+            answers = await _answers(client, n)
+        assert len(answers) == n and len(echo.received) == n
+        assert endpoint.wakeups >= 3  # (256 + 256 + 10, each read a pace apart)
+        endpoint.close()
+
+    asyncio.run(main())
+
+
+def test_unpaced_every_datagram_is_read_as_it_comes():
+    async def main():
+        sock, echo = _bound(), Echo()
+        endpoint = PacedDatagramEndpoint(sock, echo, pace=0)
+        where = sock.getsockname()
+        with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as client:
+            client.setblocking(False)
+            for data in (b"a", b"b"):
+                t0 = time.monotonic()
+                client.sendto(data, where)
+                assert await _answers(client, 1) == [b"echo " + data]
+                assert time.monotonic() - t0 < 0.2
+        endpoint.close()
+
+    asyncio.run(main())
