@@ -15,7 +15,7 @@ Set-ups (each server a process of its own, fresh for every round):
                  TCP (``read_over_link`` with no UDP: connect, the frame, the answer, close)
   tierrun-udp    the same LOOKUP as one datagram (``read_over_udp``: what a tree's nodes
                  send first), its answer a datagram; the store host reads its LOOKUP
-                 port in paced batches (``TIERRUN_LINK_LOOKUP_PACE``, 10 ms)
+                 port in paced batches while they come often (``TIERRUN_LINK_LOOKUP_PACE``, 20 ms)
   tierrun-udp-unpaced  the same, each datagram read as it comes (``..._PACE=0``)
 
 --clients connections spread uniformly over --seconds (seeded), from threads of this

@@ -1,6 +1,6 @@
-"""The store host's paced UDP endpoint (``hub.paced_udp``): a lone datagram is read at
-once; those that follow within the pace wait for one read together; a flood is read
-at most MAX_PER_WAKEUP at a time; answers go at once; closing stops it cleanly."""
+"""The store host's paced UDP endpoint (``hub.paced_udp``): datagrams far apart are read
+as they come; once they come often, those of each pace are read together; a flood is
+read at most MAX_PER_WAKEUP at a time; answers go at once; closing stops it cleanly."""
 
 from __future__ import annotations
 
@@ -49,27 +49,33 @@ async def _answers(client: socket.socket, n: int, timeout: float = 5.0) -> list[
     return out
 
 
-def test_a_lone_datagram_is_read_at_once_and_those_following_it_wait_for_one_read_together():
+def test_datagrams_far_apart_are_read_as_they_come_and_those_coming_often_in_paced_batches():
     async def main():
         sock, echo = _bound(), Echo()
         endpoint = PacedDatagramEndpoint(sock, echo, pace=0.3)
         where = sock.getsockname()
         with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as client:
             client.setblocking(False)
-            t0 = time.monotonic()
-            client.sendto(b"a", where)
-            assert await _answers(client, 1) == [b"echo a"]
-            assert time.monotonic() - t0 < 0.2 and endpoint.wakeups == 1  # (at once)
-            for data in (b"b", b"c", b"d"):  # (within the pace: they wait, and come in one read)
+            for data in (b"a", b"b"):  # (the first ever, then one within the pace: both at once)
+                t0 = time.monotonic()
                 client.sendto(data, where)
-            assert sorted(await _answers(client, 3)) == [b"echo b", b"echo c", b"echo d"]
+                assert await _answers(client, 1) == [b"echo " + data]
+                assert time.monotonic() - t0 < 0.2
+            assert endpoint.wakeups == 2  # (now polling: datagrams come often)
+            for data in (b"c", b"d", b"e"):
+                client.sendto(data, where)
+            assert sorted(await _answers(client, 3)) == [b"echo c", b"echo d", b"echo e"]
             times = [t for t, _ in echo.received]
-            assert times[1] - times[0] >= 0.25 and endpoint.wakeups == 2
-            await asyncio.sleep(0.4)  # (the pace over, nothing came: the next is read at once)
+            assert times[2] - times[1] >= 0.25 and times[4] - times[2] < 0.05  # (one read, a pace on)
+            assert endpoint.wakeups == 3
+            await asyncio.sleep(0.7)  # (the next poll finds nothing: watching again)
+            assert endpoint.wakeups == 4
             t1 = time.monotonic()
-            client.sendto(b"e", where)
-            assert await _answers(client, 1) == [b"echo e"]
-            assert time.monotonic() - t1 < 0.2 and endpoint.wakeups == 3
+            client.sendto(b"f", where)
+            assert await _answers(client, 1) == [b"echo f"]
+            assert time.monotonic() - t1 < 0.2 and endpoint.wakeups == 5
+            await asyncio.sleep(0.7)  # (far apart from the last: no polling, no timer)
+            assert endpoint.wakeups == 5
         endpoint.close()
         assert echo.lost and endpoint.is_closing()
         endpoint.close()  # (twice: nothing more)

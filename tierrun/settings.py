@@ -44,9 +44,8 @@ The variables:
     datagram before asking over TCP (``LinkConfig.lookup_udp_wait``; 0: TCP only, for
     a network that filters UDP to the store's port).
 ``TIERRUN_LINK_LOOKUP_PACE``
-    Seconds the store host leaves its LOOKUP port unwatched after reading it, so that
-    the datagrams of a tree's start-up are read in batches (``LinkConfig.lookup_pace``;
-    0: each as it comes).
+    While LOOKUP datagrams come often, the store host reads them in batches this many
+    seconds apart (``LinkConfig.lookup_pace``; 0: each as it comes).
 ``TIERRUN_LOG_LEVEL``
     The launcher's log level (DEBUG, INFO, WARNING, ERROR; default WARNING).
 ``TIERRUN_ETCD_PASSWORD``

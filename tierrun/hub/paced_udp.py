@@ -1,15 +1,21 @@
-"""A UDP endpoint that reads its datagrams in paced batches: the store host's LOOKUP
-port, which takes one datagram per node of a store tree as the nodes start.
+"""A UDP endpoint that reads its datagrams in paced batches while they come often: the
+store host's LOOKUP port, which takes one datagram per node of a store tree as the
+nodes start.
 
 Datagrams of a start-up arrive one by one, spread over the seconds the nodes take to
 start; read as they come (``loop.create_datagram_endpoint``), each costs the store
 host a wake-up of its own, most of a datagram's cost (~100 us here, against ~10 us
-to check and answer it). So after each read the endpoint stops watching its socket
-for ``pace`` seconds: what arrives meanwhile waits in the socket's receive buffer and
-is read in the next wake-up, however many nodes sent it. A lone datagram is read at
-once (nothing is paced while none came within ``pace``); one that follows another
-waits at most ``pace``. An idle endpoint costs nothing: no timer runs while nothing
-arrives.
+to check and answer it). So the endpoint has two modes:
+
+- *watching* (idle, or datagrams far apart): the loop watches the socket and a
+  datagram is read as it comes, one wake-up each, as before; no timer runs, so an
+  idle endpoint costs nothing;
+- *polling* (entered when a datagram comes within ``pace`` seconds of the last read):
+  the socket is left unwatched, and read every ``pace`` seconds on a timer, all that
+  came meanwhile in one wake-up; back to watching after a read that finds nothing.
+
+So a burst of N datagrams over T seconds costs about T / pace wake-ups (plus one
+empty read at its end) instead of N, and a datagram waits at most ``pace``.
 
 Worst case per wake-up: ``MAX_PER_WAKEUP`` datagrams (then the loop runs its other
 work and comes back after ``pace``), so a flood of datagrams, which cost an HMAC each,
@@ -23,6 +29,7 @@ from __future__ import annotations
 
 import asyncio
 import socket
+from time import monotonic
 
 #: Datagrams read in one wake-up at most.
 MAX_PER_WAKEUP = 256
@@ -41,34 +48,55 @@ class PacedDatagramEndpoint:
         self._pace = pace
         self._loop = asyncio.get_running_loop()
         self._closed = False
-        self._resume: asyncio.TimerHandle | None = None  # (paced: when reading starts again)
+        self._poll: asyncio.TimerHandle | None = None  # (polling: the next read)
+        self._last_read = -float("inf")  # (monotonic) when the socket was last read
         self.wakeups = 0  # reads of the socket so far (each a wake-up of the store host)
         protocol.connection_made(self)  # type: ignore[arg-type]
         self._loop.add_reader(sock.fileno(), self._readable)
 
     def _readable(self) -> None:
-        """Read what the socket holds (up to MAX_PER_WAKEUP datagrams); then, paced,
-        stop reading for ``pace`` seconds. O(datagrams read)."""
-        sock, received = self._sock, self._protocol.datagram_received
+        """Watching: a datagram came. Read what the socket holds; if the last read was
+        less than ``pace`` ago, datagrams come often: poll instead of watching."""
+        now = monotonic()
+        self._read()
+        if self._pace > 0 and not self._closed and now - self._last_read < self._pace:
+            self._loop.remove_reader(self._sock.fileno())
+            self._poll = self._loop.call_later(self._pace, self._polled)
+        self._last_read = now
+
+    def _polled(self) -> None:
+        """Polling: read what came during the pace; poll again if anything did, else
+        watch again."""
+        self._poll = None
+        if self._closed:
+            return
+        self._last_read = monotonic()
+        n = self._read()
+        if self._closed:
+            return
+        if n:
+            self._poll = self._loop.call_later(self._pace, self._polled)
+        else:
+            self._loop.add_reader(self._sock.fileno(), self._readable)
+
+    def _read(self) -> int:
+        """Read up to MAX_PER_WAKEUP datagrams; how many. O(datagrams read)."""
         self.wakeups += 1
-        for _ in range(MAX_PER_WAKEUP):
+        sock, received = self._sock, self._protocol.datagram_received
+        n = 0
+        while n < MAX_PER_WAKEUP:
             try:
                 data, addr = sock.recvfrom(MAX_DATAGRAM_READ)
             except (BlockingIOError, InterruptedError):
                 break
             except OSError:  # (an ICMP error for an answer sent: its requester resends)
+                n += 1
                 continue
+            n += 1
             received(data, addr)
             if self._closed:
-                return
-        if self._pace > 0 and not self._closed:
-            self._loop.remove_reader(sock.fileno())
-            self._resume = self._loop.call_later(self._pace, self._read_again)
-
-    def _read_again(self) -> None:
-        self._resume = None
-        if not self._closed:
-            self._loop.add_reader(self._sock.fileno(), self._readable)
+                break
+        return n
 
     # -- the transport's side the protocol uses ---------------------------------------
 
@@ -90,8 +118,8 @@ class PacedDatagramEndpoint:
         if self._closed:
             return
         self._closed = True
-        if self._resume is not None:
-            self._resume.cancel()
+        if self._poll is not None:
+            self._poll.cancel()
         else:
             self._loop.remove_reader(self._sock.fileno())
         self._sock.close()

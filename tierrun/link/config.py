@@ -51,8 +51,8 @@ class LinkConfig:
     #: if no authenticated answer came within this many seconds (UDP filtered, an older
     #: store host). 0: TCP only.
     lookup_udp_wait: float = 0.5
-    #: The store host reads LOOKUP datagrams in batches: after a read it leaves its UDP
-    #: socket unwatched this long (seconds), so a start-up's datagrams, which come one
-    #: by one, cost it a wake-up per batch, not one each (``hub.paced_udp``). 0: each
-    #: read as it comes.
-    lookup_pace: float = 0.01
+    #: While LOOKUP datagrams come often (a tree's start-up, one per node), the store
+    #: host reads them in batches this many seconds apart, on a timer, one wake-up per
+    #: batch instead of one each (``hub.paced_udp``); a LOOKUP waits at most this long.
+    #: 0: each read as it comes.
+    lookup_pace: float = 0.02
