@@ -47,7 +47,7 @@ def _err(model: float, measured: float) -> str:
 
 
 def validation(points: list[Point]) -> tuple[list[str], list[float]]:
-    """Fit on 64x8, check on 256x8, per regime; the costs' leave-one-out alongside."""
+    """Fit on the smallest size, check on the others, per regime; the costs' leave-one-out alongside."""
     loo = loo_costs(points)
     lines = [
         "| K x P | set-up | regime | role | node-0 requests meas / model | node-0 frames meas / model "
@@ -207,10 +207,15 @@ def falling_costs(current: list, checks: list[float], measured: list | None = No
     largest = max([*current, *(measured or [])], key=lambda pt: pt.k)
     return ("**Per-thing costs are constants; measured, they fall with load.** A busier server gets more "
             f"per wake-up (torch: {small * 1e6:.1f} us a request at {k0}x{p0}, {large * 1e6:.1f} at {k1}x{p1}, "
-            "skewed), so constants from small points overestimate large ones: the fit-on-64x8 check is "
-            f"{min(checks):+.0%} to {max(checks):+.0%} at 256x8. The extrapolation to {top:,} nodes is "
+            f"skewed), so constants from small points overestimate large ones: the fit-on-{k0}x{p0} check is "
+            f"{min(checks):+.0%} to {max(checks):+.0%} at {_sizes(current, k0)}. The extrapolation to {top:,} nodes is "
             f"{top / fitted:.0f}x beyond the largest point fitted on ({fitted}x{p1}) and {top / largest.k:.0f}x "
             f"beyond the largest measured point ({largest.name}, checked, not fitted).")
+
+
+def _sizes(points: list[Point], but: int | None = None) -> str:
+    """The sizes among ``points`` (but ``but`` nodes), as "64x8, 256x8"."""
+    return ", ".join(f"{k}x{p}" for k, p in sorted({(pt.k, pt.p) for pt in points if pt.k != but}))
 
 
 def report(bench: Path, with_plot: bool = True) -> str:
@@ -225,15 +230,18 @@ def report(bench: Path, with_plot: bool = True) -> str:
     proj, series = projection({split: fit(current, "skew", None, split) for split in SPLITS})
     loo = [abs(e) for e in loo_costs(current).values()]
     plotted = with_plot and plot(current, skew, series, bench / "model.png")
+    smallest_k = min(pt.k for pt in current)
+    smallest = _sizes([pt for pt in current if pt.k == smallest_k])
     out = [
         "Pure computation from the stored runs (`cd bench && python model.py`, formulas in its docstring). "
-        "Points: `wireup.json` (current method: 64x8 and 256x8, nodes over 1 s and lockstep lines, busiest "
-        f"node measured), `{LARGE}` (current method, 1024x8, torch and the tree, skewed: checked, not fitted) and "
+        f"Points: `wireup.json` (current method: {_sizes(current)}, nodes over 1 s and lockstep lines, busiest "
+        f"node measured), `{LARGE}` (current method, 1024x8, torch and the tree, skewed, another run: checked, not fitted) and "
         f"`{OLDER}` (older method: 64x8-1024x8, lockstep, node 0 only). Not used: "
         "`wireup-512x8-7rounds*.json` (older method, torch's agents' traffic through a tree only tierrun's "
         "agents can run).",
         "",
-        "**Validation.** Every constant fitted on the 64x8 points of a regime, then checked on 256x8: "
+        f"**Validation.** Every constant fitted on the {smallest} points of a regime, then checked on "
+        f"{_sizes(current, smallest_k)}: "
         f"node-0 CPU error on the checks {', '.join(f'{e:+.0%}' for e in checks)} (median |error| "
         f"{statistics.median(abs(e) for e in checks):.0%}, worst {max(abs(e) for e in checks):.0%}). The costs "
         f"alone, leave-one-out on measured counts: median |error| {statistics.median(loo):.0%}, worst "
