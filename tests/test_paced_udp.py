@@ -118,3 +118,35 @@ def test_unpaced_every_datagram_is_read_as_it_comes():
         endpoint.close()
 
     asyncio.run(main())
+
+
+def test_a_datagram_whose_handling_fails_leaves_the_port_serving_the_others(caplog):
+    """A bug (or no memory) handling one datagram, in either mode, must not stop the
+    endpoint: a store host whose LOOKUP port went deaf would leave every later node of
+    a tree waiting out its UDP wait."""
+
+    class Failing(Echo):
+        def datagram_received(self, data, addr):
+            if data.startswith(b"bad"):
+                raise RuntimeError("a bug")
+            super().datagram_received(data, addr)
+
+    async def main():
+        sock, echo = _bound(), Failing()
+        endpoint = PacedDatagramEndpoint(sock, echo, pace=0.05)
+        where = sock.getsockname()
+        with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as client:
+            client.setblocking(False)
+            client.sendto(b"bad1", where)  # (watching)
+            client.sendto(b"a", where)
+            assert await _answers(client, 1) == [b"echo a"]
+            for data in (b"bad2", b"b", b"bad3", b"c"):  # (polling now)
+                client.sendto(data, where)
+            assert sorted(await _answers(client, 2)) == [b"echo b", b"echo c"]
+            await asyncio.sleep(0.3)
+            client.sendto(b"d", where)
+            assert await _answers(client, 1) == [b"echo d"]
+        endpoint.close()
+
+    asyncio.run(main())
+    assert sum("could not be handled" in r.message for r in caplog.records) == 3

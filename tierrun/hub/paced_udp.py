@@ -28,8 +28,11 @@ dropped, and its requester resends.
 from __future__ import annotations
 
 import asyncio
+import logging
 import socket
 from time import monotonic
+
+log = logging.getLogger("tierrun.store")
 
 #: Datagrams read in one wake-up at most.
 MAX_PER_WAKEUP = 256
@@ -93,7 +96,10 @@ class PacedDatagramEndpoint:
                 n += 1
                 continue
             n += 1
-            received(data, addr)
+            try:
+                received(data, addr)
+            except Exception:  # (one datagram's bug, or no memory for it: the port keeps serving)
+                log.exception("a datagram from %s could not be handled", addr[0])
             if self._closed:
                 break
         return n
