@@ -394,3 +394,50 @@ def test_answers_are_dropped_while_the_transport_holds_too_many_unsent():
         assert core.num_waiters == 0
 
     asyncio.run(run())
+
+
+class _IcmpError:
+    """A requester's UDP socket whose ``recv`` raises what Linux reports with IP_RECVERR
+    for an ICMP error other than port unreachable (host unreachable; a firewall's
+    ``REJECT --reject-with icmp-host-prohibited``, RHEL's and firewalld's default:
+    EHOSTUNREACH)."""
+
+    def __init__(self, sock: socket.socket, errno_: int) -> None:
+        self._sock, self._errno = sock, errno_
+
+    def __getattr__(self, name):
+        return getattr(self._sock, name)
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._sock.close()
+
+    def recv(self, n: int) -> bytes:
+        raise OSError(self._errno, os.strerror(self._errno))
+
+
+@pytest.mark.parametrize("errno_name", ["EHOSTUNREACH", "ENETUNREACH", "EACCES"])
+def test_an_icmp_error_other_than_a_refusal_on_udp_sends_the_lookup_to_tcp(host, monkeypatch, errno_name):
+    """UDP filtered by a firewall that rejects with an ICMP error (host prohibited,
+    admin prohibited, net unreachable): with IP_RECVERR on the requester's socket the
+    kernel now reports it, and it must send the LOOKUP to TCP as the wait did before,
+    not end the node's rendezvous (review: only ConnectionRefusedError was caught, so
+    an OSError escaped read_over_link, which the caller does not retry)."""
+    import errno
+
+    from tierrun.tier import lookup
+
+    store, client = host
+    client.set(b"/tree/1", b"10.0.0.2:1")
+    real = lookup._udp_socket
+
+    def filtered(address, source):
+        made = real(address, source)
+        return None if made is None else (_IcmpError(made[0], getattr(errno, errno_name)), made[1])
+
+    monkeypatch.setattr(lookup, "_udp_socket", filtered)
+    t0 = time.monotonic()
+    assert read_over_link(("127.0.0.1", store.port), TOKEN, b"/tree/1", 5, udp_wait=3.0) == b"10.0.0.2:1"
+    assert time.monotonic() - t0 < 2.0  # (at once, as a refusal: not after udp_wait)

@@ -207,3 +207,16 @@ def test_pairs_before_a_bad_one_past_the_request_bytes_limit_are_not_set():
     with pytest.raises(ProtocolError) as e:
         p.feed(_multi_set_bytes([(b"/a", b"11111111"), (b"/b", b"22222222"), (b"/c", b"3" * 9)]))
     assert e.value.requests == []
+
+
+@pytest.mark.parametrize("tail", [b"", b"\xce", b"\xce\xf7\x85"])
+def test_a_later_validate_is_refused_at_its_opcode_as_torch_has_it(tail):
+    """torch's server closes the connection as soon as it reads a VALIDATE opcode after
+    the first request (its switch has no case for it): a client that sends the opcode
+    and stops (or fewer than the 4 bytes of its magic) is closed at once, not held
+    open waiting for the rest (review: tierrun kept such a connection open)."""
+    p = RequestParser()
+    p.feed(encode_handshake(1))
+    with pytest.raises(ProtocolError, match="VALIDATE after the connection's first request") as e:
+        p.feed(encode_request((Op.GET, b"/a")) + b"\x00" + tail)
+    assert e.value.requests == [(Op.GET, b"/a")]

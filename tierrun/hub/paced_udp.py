@@ -15,7 +15,8 @@ to check and answer it). So the endpoint has two modes:
   came meanwhile in one wake-up; back to watching after a read that finds nothing.
 
 So a burst of N datagrams over T seconds costs about T / pace wake-ups (plus one
-empty read at its end) instead of N, and a datagram waits at most ``pace``.
+empty read at its end) instead of N, and a datagram waits at most ``pace`` (while
+fewer than ``MAX_PER_WAKEUP`` come per ``pace``; past that, the rest wait their turn).
 
 Worst case per wake-up: ``MAX_PER_WAKEUP`` datagrams (then the loop runs its other
 work and comes back after ``pace``), so a flood of datagrams, which cost an HMAC each,

@@ -71,8 +71,9 @@ def read_over_udp(address: tuple[str, int], token: bytes, key: bytes, deadline: 
                   source: str | None, give_up: float) -> bytes | None:
     """``key``'s value by LOOKUP datagrams (sent at 0, 0.2, 0.6, 1.6 s..., then every
     ``UDP_RESEND`` once the store host answered PENDING), or None: no authenticated
-    answer within ``give_up`` seconds, nothing listening on the port (refused: at once
-    on Linux), or the store host said to use TCP. Datagrams
+    answer within ``give_up`` seconds, an ICMP error (nothing listening on the port
+    yet, unreachable, a firewall's reject: at once on Linux), or the store host said to
+    use TCP. Datagrams
     whose HMAC fails are ignored. Raises ``TimeoutError`` past ``deadline``."""
     made = _udp_socket(address, source)
     if made is None:  # (TCP says why, or finds a way)
@@ -104,7 +105,9 @@ def read_over_udp(address: tuple[str, int], token: bytes, key: bytes, deadline: 
                 data = sock.recv(MAX_ANSWER + 64)
             except TimeoutError:
                 continue
-            except ConnectionRefusedError:  # (nothing on the port, yet: TCP is refused at once too)
+            except OSError:  # (an ICMP error, reported by IP_RECVERR: refused, nothing on the
+                # port yet, and TCP is refused at once too; or unreachable, or a firewall's
+                # REJECT of UDP: TCP says why, or finds a way)
                 return None
             # (from any address: a store host listening on every address may answer from
             # another than the one asked; FOUND and PENDING prove the token by their HMAC)
@@ -163,10 +166,11 @@ _RECVERR = {socket.AF_INET: (socket.IPPROTO_IP, 11), socket.AF_INET6: (socket.IP
 
 
 def _report_refusals(sock: socket.socket, family: int) -> None:
-    """Have an unconnected UDP socket's ``recv`` raise ``ConnectionRefusedError`` when a
-    datagram it sent meets a closed port (an ICMP port unreachable), as a connected one
-    would: while the store host is not up yet, a LOOKUP learns it at once instead of
-    waiting out ``udp_wait``. Linux only; elsewhere the wait stays."""
+    """Have an unconnected UDP socket's ``recv`` raise the ICMP errors its datagrams
+    meet (``ConnectionRefusedError`` for a closed port, host unreachable, a firewall's
+    reject), as a connected one would: while the store host is not up yet, or where
+    UDP is rejected, a LOOKUP learns it at once instead of waiting out ``udp_wait``.
+    Linux only; elsewhere the wait stays."""
     option = _RECVERR.get(family)
     if option is not None and sys.platform.startswith("linux"):
         try:
