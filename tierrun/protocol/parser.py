@@ -53,7 +53,6 @@ class LimitExceeded(ProtocolError):
 _KEY, _VALUE, _U32, _I64, _KEYS, _PAIRS = range(6)
 
 _PLANS: dict[int, tuple[int, ...]] = {
-    Op.VALIDATE: (_U32,),
     Op.SET: (_KEY, _VALUE),
     Op.COMPARE_SET: (_KEY, _VALUE, _VALUE),
     Op.GET: (_KEY,),
