@@ -25,8 +25,8 @@ CAVEATS = [
     "pessimistic when they trickle in over the skew window. Whether it is a few seconds of queueing or "
     "none depends on how the requests bunch, which the model does not see.",
     "**Traffic growth of a link (`f1 n^alpha`, `max(r1 n^beta, u n)`)** is an empirical power law "
-    "through n = 1, 9 and 36 nodes per top link; at n = 1,786 (12,500 nodes, F = 8) it is far outside "
-    "its data. The floor `u n` (requests no front-end merges) is what keeps it honest there, and it is "
+    "through the top links' sizes of the measured points (up to 1,024 nodes, F = 8); at n = 1,786 "
+    "(12,500 nodes, F = 8) it is outside its data. The floor `u n` (requests no front-end merges) is what keeps it honest there, and it is "
     "an estimate (u = 6).",
     "**Parent lookups.** Every node with a parent reads its parent's address with a LOOKUP at node 0 (a "
     "datagram each, or a short connection where UDP does not pass): K - F of them at node 0, each at a fitted "
@@ -34,11 +34,11 @@ CAVEATS = [
     "node 0 stays linear in K and the lookups dominate it at 12,500 nodes. The "
     "*no lookups* line shows the same tree if a node learned its parent's address without node 0.",
     "**Wall time on one machine.** Every process shares 2 cores here: the tree's measured wall grows "
-    "with its 32 proxy processes' CPU, which the model (a cluster: a node per machine) leaves out "
-    "(-10% to -20% at 256x8). No network latency, no NIC, no real spawn or imports in the replay, so "
+    "with its proxy processes' CPU (128 at 1024x8), which the model (a cluster: a node per machine) "
+    "leaves out (-8% at 256x8, -48% at 1024x8). No network latency, no NIC, no real spawn or imports in the replay, so "
     "neither in the model.",
     "**Relays** are priced per request relayed (one constant, from the busiest relay measured at "
-    "64x8-256x8, up to 32 relays); at 12,500 nodes a top relay relays 1,786 nodes' requests, untested.",
+    "64x8-1024x8, up to 128 relays); at 12,500 nodes a top relay relays 1,786 nodes' requests, untested.",
 ]
 
 

@@ -93,12 +93,12 @@ def test_runs_on_the_stored_results():
                 # ~40% from run to run); the others are its checks, whose error (large
                 # where costs fall with load) the report states, not hides
                 assert math.isfinite(err) and (pt.k != 64 or abs(err) < 0.25), (pt, err)
-    from model_report import report, validation
+    from model_report import _sizes, report, validation
 
     text = report(model.DOCS / "bench", with_plot=False)
     assert "12,500x8 (100,000)" in text and "leave-one-out" in text
     _, checks = validation(points)
-    assert f"the fit-on-64x8 check is {min(checks):+.0%} to {max(checks):+.0%} at 256x8" in text
+    assert f"the fit-on-64x8 check is {min(checks):+.0%} to {max(checks):+.0%} at {_sizes(points, 64)}" in text
 
 
 def test_the_extrapolation_check_compares_in_units_of_each_runs_wake_up_floor():
