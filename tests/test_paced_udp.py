@@ -29,12 +29,20 @@ class Echo(asyncio.DatagramProtocol):
         self.lost = True
 
 
-def _bound() -> socket.socket:
+def _serve(protocol: asyncio.DatagramProtocol, pace: float) -> tuple[PacedDatagramEndpoint, tuple]:
+    """An endpoint driving ``protocol`` on a new loopback UDP socket, and its address."""
     sock = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 1 << 20)
     sock.bind(("127.0.0.1", 0))
     sock.setblocking(False)
-    return sock
+    return PacedDatagramEndpoint(sock, protocol, pace), sock.getsockname()
+
+
+def _client() -> socket.socket:
+    client = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+    client.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 1 << 20)
+    client.setblocking(False)
+    return client
 
 
 async def _answers(client: socket.socket, n: int, timeout: float = 5.0) -> list[bytes]:
@@ -51,11 +59,9 @@ async def _answers(client: socket.socket, n: int, timeout: float = 5.0) -> list[
 
 def test_datagrams_far_apart_are_read_as_they_come_and_those_coming_often_in_paced_batches():
     async def main():
-        sock, echo = _bound(), Echo()
-        endpoint = PacedDatagramEndpoint(sock, echo, pace=0.3)
-        where = sock.getsockname()
-        with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as client:
-            client.setblocking(False)
+        echo = Echo()
+        endpoint, where = _serve(echo, pace=0.3)
+        with _client() as client:
             for data in (b"a", b"b"):  # (the first ever, then one within the pace: both at once)
                 t0 = time.monotonic()
                 client.sendto(data, where)
@@ -85,17 +91,13 @@ def test_datagrams_far_apart_are_read_as_they_come_and_those_coming_often_in_pac
 
 def test_a_flood_is_read_at_most_max_per_wakeup_datagrams_at_a_time():
     async def main():
-        sock, echo = _bound(), Echo()
-        endpoint = PacedDatagramEndpoint(sock, echo, pace=0.05)
-        where = sock.getsockname()
+        echo = Echo()
+        endpoint, where = _serve(echo, pace=0.05)
         n = paced_udp.MAX_PER_WAKEUP * 2 + 10
-        with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as client:
-            client.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 1 << 20)
+        with _client() as client:
             for i in range(n):
                 client.sendto(b"%d" % i, where)
-            await asyncio.sleep(0)  # (no read yet: the loop had no turn)
-            client.setblocking(False)
-            answers = await _answers(client, n)
+            answers = await _answers(client, n)  # (none read before: the loop had no turn)
         assert len(answers) == n and len(echo.received) == n
         assert endpoint.wakeups >= 3  # (256 + 256 + 10, each read a pace apart)
         endpoint.close()
@@ -105,11 +107,9 @@ def test_a_flood_is_read_at_most_max_per_wakeup_datagrams_at_a_time():
 
 def test_unpaced_every_datagram_is_read_as_it_comes():
     async def main():
-        sock, echo = _bound(), Echo()
-        endpoint = PacedDatagramEndpoint(sock, echo, pace=0)
-        where = sock.getsockname()
-        with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as client:
-            client.setblocking(False)
+        echo = Echo()
+        endpoint, where = _serve(echo, pace=0)
+        with _client() as client:
             for data in (b"a", b"b"):
                 t0 = time.monotonic()
                 client.sendto(data, where)
@@ -132,11 +132,9 @@ def test_a_datagram_whose_handling_fails_leaves_the_port_serving_the_others(capl
             super().datagram_received(data, addr)
 
     async def main():
-        sock, echo = _bound(), Failing()
-        endpoint = PacedDatagramEndpoint(sock, echo, pace=0.05)
-        where = sock.getsockname()
-        with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as client:
-            client.setblocking(False)
+        echo = Failing()
+        endpoint, where = _serve(echo, pace=0.05)
+        with _client() as client:
             client.sendto(b"bad1", where)  # (watching)
             client.sendto(b"a", where)
             assert await _answers(client, 1) == [b"echo a"]
@@ -150,3 +148,37 @@ def test_a_datagram_whose_handling_fails_leaves_the_port_serving_the_others(capl
 
     asyncio.run(main())
     assert sum("could not be handled" in r.message for r in caplog.records) == 3
+
+
+def test_an_answer_the_socket_cannot_take_now_is_dropped_not_queued(caplog):
+    """A flood of replayed LOOKUPs (recorded, with forged sources) while the socket's
+    send buffer is full: asyncio's and uvloop's transports queue what they cannot send,
+    without bound; the endpoint drops it, as the network would (requesters resend), and
+    goes on serving."""
+
+    class Full(socket.socket):
+        full = True
+
+        def sendto(self, data, addr):  # type: ignore[override]
+            if self.full:
+                raise BlockingIOError("the send buffer is full")
+            return super().sendto(data, addr)
+
+    async def main():
+        echo = Echo()
+        sock = Full(socket.AF_INET, socket.SOCK_DGRAM)
+        sock.bind(("127.0.0.1", 0))
+        sock.setblocking(False)
+        endpoint = PacedDatagramEndpoint(sock, echo, pace=0)
+        where = sock.getsockname()
+        with _client() as client:
+            client.sendto(b"a", where)
+            assert await _answers(client, 1, timeout=0.3) == []  # (dropped)
+            assert [d for _, d in echo.received] == [b"a"]
+            sock.full = False
+            client.sendto(b"b", where)
+            assert await _answers(client, 1) == [b"echo b"]
+        endpoint.close()
+
+    asyncio.run(main())
+    assert not [r for r in caplog.records if r.levelname in ("ERROR", "WARNING")]  # (dropped quietly)

@@ -19,7 +19,9 @@ refused with an ERROR that sends its requester to TCP), so a recorded LOOKUP rep
 with a forged source cannot amplify traffic much. Waiting LOOKUPs are
 bounded (``MAX_WAITING``; past it the oldest is forgotten: its requester resends or falls
 back to TCP), and each is forgotten 1-2 x ``FORGET_AFTER`` seconds after its last resend (its
-WAIT at the store goes with it); so are the answers queued unsent (``MAX_QUEUED``).
+WAIT at the store goes with it). Answers are never queued unsent: one the socket cannot
+take now is dropped, as the network would drop it (``hub.paced_udp``), and its requester
+resends.
 """
 
 from __future__ import annotations
@@ -43,10 +45,6 @@ FORGET_AFTER = 10.0
 #: The largest answer sent in a datagram (no IP fragments on any path), and at most twice
 #: the LOOKUP's size: a larger one is refused with an ERROR that sends its requester to TCP.
 MAX_DATAGRAM = 1200
-#: Bytes of answers the transport may hold unsent (the socket's send buffer full: asyncio
-#: and uvloop queue the rest without bound); past it answers are dropped, as the network
-#: would drop them, and their requesters resend.
-MAX_QUEUED = 1 << 20
 
 
 class LookupDatagrams(asyncio.DatagramProtocol):
@@ -145,7 +143,7 @@ class LookupDatagrams(asyncio.DatagramProtocol):
 
     def _send(self, frame: bytes, addr: tuple) -> None:
         transport = self._transport
-        if transport is not None and not transport.is_closing() and transport.get_write_buffer_size() < MAX_QUEUED:
+        if transport is not None and not transport.is_closing():
             transport.sendto(frame, addr)
 
     def error_received(self, exc: Exception) -> None:

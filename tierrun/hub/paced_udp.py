@@ -115,9 +115,6 @@ class PacedDatagramEndpoint:
             except OSError:
                 pass
 
-    def get_write_buffer_size(self) -> int:
-        return 0  # (nothing is ever queued)
-
     def is_closing(self) -> bool:
         return self._closed
 
