@@ -15,7 +15,7 @@ def test_cancel_drops_only_the_waits_queued_before_it():
     assert not b.cancel_waits("c0")  # (nothing of c0's left to cancel)
     b.add("c0", b"", (Op.WAIT, (b"/a",)))  # after its CANCEL_WAIT: stays
     assert [(w, r[0]) for w, _, r in b.take()] == [("c0", Op.SET), ("c1", Op.WAIT), ("c0", Op.WAIT)]
-    assert not b and b.take() == []
+    assert not b.items and b.take() == []
 
 
 def test_a_watching_read_counts_as_its_request():

@@ -237,7 +237,9 @@ class ClientConnection(asyncio.Protocol):
         reading until it owes less (``_resume``). O(requests) besides their execution."""
         execute = self._upstream.execute
         self._out = out = []
-        room = REPLY_BUFFER - self.owed()
+        owed, transport = self._owed, self._transport
+        assert transport is not None
+        room = REPLY_BUFFER - (transport.get_write_buffer_size() + owed.held + owed.reserved)  # (owed(), inlined)
         i = 0
         try:
             for i, req in enumerate(requests):
@@ -284,11 +286,12 @@ class ClientConnection(asyncio.Protocol):
                     if op == _CANCEL_WAIT:
                         self._owed.cancelled()
                 elif op not in NO_REPLY_OPS:
-                    room -= self._owed.sent(req, self._limits)
+                    room -= owed.sent(req, self._limits)
                     if op not in _ANSWERED_LATER:
                         self._fence = True
-                        self._write(out)
-                        out.clear()
+                        if out:
+                            self._write(out)
+                            out.clear()
                         if i + 1 < len(requests):
                             self._backlog = requests[i + 1:]
                             assert self._transport is not None
@@ -395,10 +398,12 @@ class ClientConnection(asyncio.Protocol):
             return
         self._write([reply])
         if not self.closed:
-            if self.owed() > self._limits.max_unread_bytes:
+            owed, transport = self._owed, self._transport
+            assert transport is not None
+            if transport.get_write_buffer_size() + owed.held + owed.reserved > self._limits.max_unread_bytes:
                 self.drop(f"{self.owed():,} bytes of answers not read, past the limit (--max-unread-bytes) "
                           f"of {self._limits.max_unread_bytes:,}: it is not reading its answers")
-            elif self._backlog or not self._transport.is_reading():  # type: ignore[union-attr]
+            elif self._backlog or not transport.is_reading():
                 self._resume()  # (also when nothing is kept: reading may have stopped while
                 # writing was paused, and resume_writing found the fence up)
 

@@ -38,9 +38,12 @@ HELD_WRITES = frozenset({Op.ADD, Op.SET, Op.MULTI_SET, Op.APPEND})
 _NOTED_READS = frozenset({Op.GET, Op.WAIT, Op.CHECK})
 
 
+_DIGITS = b"0123456789"
+
+
 def family(ns: bytes, key: bytes) -> tuple[bytes, bytes]:
     """A key's family: the key less its trailing number, in its namespace."""
-    return ns, key.rstrip(b"0123456789")
+    return ns, key.rstrip(_DIGITS)
 
 
 def issuer(waiter: Any) -> Any:
@@ -68,8 +71,9 @@ class HoldPolicy:
         ``CONTENDED_WITHIN`` seconds; notes this write. O(key)."""
         if req[0] == Op.MULTI_SET and not req[1]:
             return False  # (no keys: nothing to hold for)
-        k = family(ns, req[1][0] if req[0] == Op.MULTI_SET else req[1])
-        waiter = issuer(waiter)  # (a relayed write's ticket: its link client, as its ADDs)
+        # (family() and issuer(), inlined: this runs for every write while holds are on)
+        k = (ns, (req[1][0] if req[0] == Op.MULTI_SET else req[1]).rstrip(_DIGITS))
+        waiter = getattr(waiter, "client", waiter)  # (a relayed write's ticket: its link client, as its ADDs)
         writers = self._family_writer
         if len(writers) >= MAX_FAMILIES:
             writers.clear()

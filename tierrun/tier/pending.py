@@ -31,13 +31,10 @@ class PendingBatch:
         self._waits: dict[Any, int] = {}  # waiter -> its WAITs and BARRIERs in items
         self._cancelled: dict[Any, int] = {}  # waiter -> its waits in items[:n] are dropped
 
-    def __bool__(self) -> bool:
-        return bool(self.items)
-
     def add(self, waiter: Any, ns: bytes, req: Request) -> None:
         """O(1)."""
         self.items.append((waiter, ns, req))
-        if opcode_of(req) in WAITING_OPS:
+        if (req[1][0] if req[0] < 0 else req[0]) in WAITING_OPS:  # (opcode_of, inlined: every request)
             self._waits[waiter] = self._waits.get(waiter, 0) + 1
 
     def cancel_waits(self, waiter: Any) -> bool:

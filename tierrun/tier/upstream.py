@@ -85,7 +85,7 @@ class LinkUpstream(SessionEnd):
     # -- the session's events (see .connection) ----------------------------------------
 
     def on_beat(self) -> None:
-        if self._batches_awaiting and (self._pending or self._extra):
+        if self._batches_awaiting and (self._pending.items or self._extra):
             # (belt and braces: a held batch never waits on an answer for more than a beat)
             self._batches_awaiting.clear()
             self._schedule_flush()
@@ -236,7 +236,7 @@ class LinkUpstream(SessionEnd):
                 read = req[1] if req[0] < 0 else req
                 policy.note_read(ns, read, now)
                 waits_on_held = read[0] == Op.WAIT and issuer(waiter) in policy.writers
-        if not self._pending and not self._extra:
+        if not self._pending.items and not self._extra:
             if contended:
                 self.stats.held_batches += 1
                 self._held = True
@@ -311,7 +311,7 @@ class LinkUpstream(SessionEnd):
             self._answered(waiter)
 
     def _queue_extra(self, entry: bytes) -> None:
-        if not self._pending and not self._extra:
+        if not self._pending.items and not self._extra:
             self._schedule_flush()
         self._extra.append(entry)
 
@@ -339,14 +339,14 @@ class LinkUpstream(SessionEnd):
         pending = self._pending.take()
         extra, self._extra = self._extra, []
         plan = plan_batch(pending, self.limits) if pending else Plan()
-        self._note_plan(plan)
+        if not plan.lone:  # (a lone ADD or SET: nothing for the watch cache to note)
+            self._note_plan(plan)
         self._send_plan(plan, extra)
         self.queued_writes = 0
-        self.acked()
+        if self.down_since is not None or self._stalled:  # (acked()'s conditions, checked here first)
+            self.acked()
 
     def _note_plan(self, plan: Plan) -> None:
-        if plan.lone:
-            return
         stats, counts, watches = self.stats, plan.counts, self.watches
         for name, n in vars(counts).items():
             if n:
@@ -400,7 +400,7 @@ class LinkUpstream(SessionEnd):
                 awaiting.discard(rid)
                 if self._held and self._hold is None:  # (held meanwhile: it leaves when its hold is over)
                     self._hold = asyncio.get_running_loop().call_soon(self._hold_over)
-                elif self._pending or self._extra:
+                elif self._pending.items or self._extra:
                     self._schedule_flush()
             if status != OK:
                 self.watches.failed(u)
