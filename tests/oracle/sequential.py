@@ -153,9 +153,9 @@ def run(history: History, target: Target, reference: Trace | None = None, stop_a
             else:
                 want = reference.steps[s].seen
 
-                def done():
-                    return all(len(conns[j].reader.tokens) - marks[j] >= len(want[j][0])
-                               and (conns[j].closed or not want[j][1]) for j in want)
+                def done():  # (a closed connection gets nothing more: done, whatever it got)
+                    return all(conns[j].closed or (len(conns[j].reader.tokens) - marks[j] >= len(want[j][0])
+                                                   and not want[j][1]) for j in want)
 
                 _wait(conns, done, time.monotonic() + _deadline(sent))
             _settle(target, where[client], conns, step_slack)
