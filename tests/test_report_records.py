@@ -187,3 +187,44 @@ def test_collective_failures_after_a_death_are_consequences_not_the_root_cause()
     assert "1 failure(s) in collectives after it (consequences): rank 0 on 10.0.0.1 (-0.15 s)" in text
     both = FailureReport.build("job", node("10.0.0.1", 0, 1, gloo, 10.05), [node("10.0.0.2", 1, 1, nccl, 9.9)])
     assert [fr.failure.global_rank for fr in both.failed] == [1, 0] and not any(fr.consequence for fr in both.failed)
+
+
+def _record(addr, state, workers=1, pid=1):
+    from tierrun.report.board import Attempt
+    ended = workers if state != "RUNNING" else 0
+    return NodeRecord(f"{addr}:{pid}", addr, 100.0, [Attempt(0, state=state, workers=workers, workers_ended=ended)])
+
+
+class _Board:
+    def __init__(self, records):
+        self.records, self.reads = records, 0
+
+    def read_all(self):
+        self.reads += 1
+        return list(self.records)
+
+
+def test_a_report_waits_only_for_members_that_may_still_end(monkeypatch):
+    """The reporting node counts itself as ended (its workers may have been stopped with
+    no final state: another node stopped the job), and the members it declared dead
+    (they publish nothing more): it waited REPORT_GRACE (5 s) for each."""
+    from tierrun.launcher import reporting
+
+    monkeypatch.setattr(reporting, "REPORT_GRACE", 1.0)
+    job = reporting.JobReporting("r", "10.0.0.1", None)
+    me = job.recorder.node.node
+    mine = NodeRecord(me, "10.0.0.1", 100.0, _record("10.0.0.1", "RUNNING").attempts)
+    board = _Board([mine, _record("10.0.0.2", "RUNNING")])
+    t = time.monotonic()
+    job._read_when_all_ended(board, 3, lambda: {"10.0.0.2", "10.0.0.3"})
+    assert time.monotonic() - t < 0.5 and board.reads == 1
+    # a dead member that did publish its end counts once; a running one is awaited
+    board = _Board([mine, _record("10.0.0.2", "FAILED"), _record("10.0.0.3", "RUNNING")])
+    t = time.monotonic()
+    job._read_when_all_ended(board, 3, lambda: {"10.0.0.2"})
+    assert time.monotonic() - t >= 1.0 and board.reads > 5
+    # ... and so is an agent of the same address as this node, but another process
+    board = _Board([mine, _record("10.0.0.1", "RUNNING", pid=2)])
+    t = time.monotonic()
+    job._read_when_all_ended(board, 2, lambda: set())
+    assert time.monotonic() - t >= 1.0

@@ -153,7 +153,8 @@ def test_a_dead_proxy_in_the_tree_stops_the_static_job_with_a_message(tmp_path):
                      "--master_port", port, "--node_rank", k, "--tiered", "--store-fanout", 2,
                      "--nproc_per_node", 1, "--local_addr", f"127.0.1.{k + 1}",
                      SCRIPTS / "sleep_worker.py", log=logs[k],
-                     env={"TIERRUN_TOKEN": "tree-job-token"}) for k in range(5)]
+                     env={"TIERRUN_TOKEN": "tree-job-token", "TIERRUN_LINK_GRACE": "4", "TIERRUN_LINK_TIMEOUT": "2"})
+             for k in range(5)]
     try:
         deadline = time.monotonic() + 90
         while len(results(*logs, tag="UP")) < 5 and time.monotonic() < deadline:

@@ -17,6 +17,7 @@ import sys
 import time
 from datetime import datetime
 from pathlib import Path
+from typing import Callable
 
 from torch.distributed.elastic import events
 from torch.distributed.elastic.events import handlers as event_handlers
@@ -101,7 +102,7 @@ class JobReporting:
             if hosting or (mine is not None and mine.state == "FAILED"):
                 # (a node that failed waits for the others' records too: the rank whose
                 # death failed its workers' collectives may be reported a moment later)
-                self._read_when_all_ended(board, mine.world_size if mine else -1)
+                self._read_when_all_ended(board, mine.world_size if mine else -1, self.handler.declared_dead)
         except (OSError, StoreClientError) as e:  # the store host already stopped: report what this node saw
             log.info("could not read the other nodes' records (%s); the report shows what it read", e)
         if hosting and any(a.state == "FAILED" for r in self._others for a in r.attempts[-1:]):
@@ -111,16 +112,22 @@ class JobReporting:
             timeline.write(self.timeline_path, timeline.build(self.run_id, self._others))
             print(f"[tierrun] wire-up timeline written to {self.timeline_path}", file=sys.stderr, flush=True)
 
-    def _read_when_all_ended(self, board: JobBoard, members: int) -> None:
-        """Read every record into ``_others`` until ``members`` agents have published how
-        their round ended (every worker's final state), or no other has for ``REPORT_GRACE`` seconds, or
-        ``REPORT_LIMIT`` seconds have passed. Raises like the board; what was read before
-        stays in ``_others``."""
+    def _read_when_all_ended(self, board: JobBoard, members: int, declared_dead: Callable[[], set[str]]) -> None:
+        """Read every record into ``_others`` until ``members`` agents have ended: this
+        one (it is shutting down: its workers may have been stopped with no final state,
+        when another node stopped the job), those that have published how their round
+        ended (every worker's final state), and those this node declared dead
+        (``declared_dead()``: addresses; a dead agent publishes nothing more); or until no
+        other has ended for ``REPORT_GRACE`` seconds, or ``REPORT_LIMIT`` seconds have
+        passed. Raises like the board; what was read before stays in ``_others``."""
+        me = self.recorder.node.node
         start = time.monotonic()
         deadline, seen = start + REPORT_GRACE, -1
         while True:
             self._others = board.read_all()
-            ended = sum(1 for r in self._others if r.attempts and r.attempts[-1].has_ended())
+            ended_at = [r.addr for r in self._others
+                        if r.node != me and r.attempts and r.attempts[-1].has_ended()]
+            ended = 1 + len(ended_at) + len(declared_dead().difference(ended_at))
             now = time.monotonic()
             if ended > seen:  # another node ended: wait for the rest from now
                 seen, deadline = ended, min(now + REPORT_GRACE, start + REPORT_LIMIT)

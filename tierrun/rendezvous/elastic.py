@@ -339,6 +339,7 @@ class ElasticRendezvousHandler(TreeRounds):
         with StoreClient(self.job.agent_address, timeout=10) as store:
             raw = store.multi_get([("/" + self._k(r, f"node/{index}")).encode()])[0]
             addr = json.loads(raw)["addr"] if raw else f"arrival {index}"
+            self._note_dead(addr)
             log.warning("rendezvous '%s' round %d: node %s has not answered for %.0f s; "
                         "re-forming the job without it", self.run_id, r, addr, self._beat_timeout)
             store.multi_set([("/" + self._k(r, f"dead/{index}")).encode(), ("/" + self._k(r, "changed")).encode()],

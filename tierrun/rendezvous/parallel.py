@@ -147,6 +147,7 @@ class ParallelRendezvousHandler(StoreRendezvousHandler):
         """Called by the heartbeat thread: node ``rank`` went silent."""
         with StoreClient(self.job.agent_address, timeout=10) as store:
             addr = json.loads(store.get(f"/{base}/node/{rank}".encode()))["addr"]
+            self._note_dead(addr)
             reason = f"node rank {rank} ({addr}) has not answered for {self._beat_timeout:.0f} s"
             log.warning("rendezvous '%s': %s; stopping the job", self.run_id, reason)
             store.set(f"/{base}/failed".encode(), reason.encode())
