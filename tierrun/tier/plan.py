@@ -208,13 +208,6 @@ class Plan:
     #: One ADD or SET, planned without the planner: nothing for the watch cache to note.
     lone: bool = False
 
-    def all_ops(self):
-        """Every op, members after the op that carries them."""
-        for u in self.ops:
-            yield u
-            if u.members:
-                yield from u.members
-
 
 def plan_batch(pending: list[tuple[Any, bytes, Request]], limits: PlanLimits = PlanLimits()) -> Plan:
     """Merge and fold ``pending`` (client, namespace, request) by this module's rule.

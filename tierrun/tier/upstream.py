@@ -235,7 +235,7 @@ class LinkUpstream(SessionEnd):
             else:
                 read = req[1] if req[0] < 0 else req
                 policy.note_read(ns, read, now)
-                waits_on_held = read[0] == Op.WAIT and issuer(waiter) in policy.writers
+                waits_on_held = read[0] == Op.WAIT and getattr(waiter, "client", waiter) in policy.writers  # (issuer())
         if not self._pending.items and not self._extra:
             if contended:
                 self.stats.held_batches += 1
@@ -259,7 +259,7 @@ class LinkUpstream(SessionEnd):
             else:
                 policy.joined(monotonic())
         if self._held:
-            policy.writers.add(issuer(waiter))
+            policy.writers.add(getattr(waiter, "client", waiter))  # (issuer(), inlined)
         if req[0] in NO_REPLY_OPS:  # (see SessionEnd.write_room)
             self.queued_writes += write_size(req)
         self._pending.add(waiter, ns, req)
@@ -353,12 +353,13 @@ class LinkUpstream(SessionEnd):
                 setattr(stats, name, getattr(stats, name) + n)
         watches.note_reads(plan.reads)
         wait_of = self._wait_of
-        for u in plan.all_ops():
-            if u.group:
-                for w in u.waiters:
-                    wait_of.add(w, u)
-            if u.wkey is not None:
-                watches.note_sent(u)
+        for op in plan.ops:  # (plan.all_ops(), inlined)
+            for u in (op, *op.members) if op.members else (op,):
+                if u.group:
+                    for w in u.waiters:
+                        wait_of.add(w, u)
+                if u.wkey is not None:
+                    watches.note_sent(u)
         if plan.fetched:
             for ns, keys in self._readahead.after_fetches(plan.fetched, watches):
                 for u in plan_peeks(plan, ns, keys, watches.peeking, self.limits):
@@ -389,9 +390,12 @@ class LinkUpstream(SessionEnd):
         awaiting = self._batches_awaiting
         answered = self._answered
         writes = self._writes
+        # (no write leaves while answers are handed out: flushes are scheduled, never
+        # run from here; so if none is in flight now, none is until this frame is done)
+        writes_in_flight = bool(writes)
         for rid, status, data in decode_replies(payload):
             u = self._inflight.pop(rid, None)
-            refused = writes.answered(rid) if writes else None
+            refused = writes.answered(rid) if writes_in_flight else None
             if u is None:
                 if refused is not None and status != OK:
                     refused_write(*refused, data)
