@@ -112,8 +112,7 @@ def test_a_relay_killed_mid_job_the_survivors_reform_their_tree_and_finish(tmp_p
     start = time.monotonic()
     procs = start_nodes(NODES, logs, "--nnodes", f"3:{NODES}", "--nproc_per_node", 1, "--max_restarts", 3,
                         "--monitor_interval", "0.1", "--rdzv_endpoint", f"127.0.1.1:{port}", "--rdzv_id", "etree",
-                        "--tiered", "--store-fanout", 2, SCRIPTS / "tree_worker.py", "--want", NODES - 1,
-                        env={"TIERRUN_LINK_GRACE": "4", "TIERRUN_LINK_TIMEOUT": "2"})
+                        "--tiered", "--store-fanout", 2, SCRIPTS / "tree_worker.py", "--want", NODES - 1)
     try:
         deadline = time.monotonic() + 90
         while len([r for r in results(*logs, tag="UP") if r["world"] == str(NODES)]) < NODES:

@@ -207,24 +207,54 @@ class _Board:
 def test_a_report_waits_only_for_members_that_may_still_end(monkeypatch):
     """The reporting node counts itself as ended (its workers may have been stopped with
     no final state: another node stopped the job), and the members it declared dead
-    (they publish nothing more): it waited REPORT_GRACE (5 s) for each."""
+    DEAD_GRACE seconds ago (they publish nothing more): it waited REPORT_GRACE (5 s)."""
     from tierrun.launcher import reporting
 
     monkeypatch.setattr(reporting, "REPORT_GRACE", 1.0)
+    monkeypatch.setattr(reporting, "DEAD_GRACE", 0.5)
     job = reporting.JobReporting("r", "10.0.0.1", None)
     me = job.recorder.node.node
     mine = NodeRecord(me, "10.0.0.1", 100.0, _record("10.0.0.1", "RUNNING").attempts)
+    long_ago = time.monotonic() - 10
     board = _Board([mine, _record("10.0.0.2", "RUNNING")])
     t = time.monotonic()
-    job._read_when_all_ended(board, 3, lambda: {"10.0.0.2", "10.0.0.3"})
-    assert time.monotonic() - t < 0.5 and board.reads == 1
+    job._read_when_all_ended(board, 3, lambda: {"10.0.0.2": long_ago, "10.0.0.3": long_ago})
+    assert time.monotonic() - t < 0.3 and board.reads == 1
+    # declared dead just now: waited for DEAD_GRACE, not REPORT_GRACE
+    board = _Board([mine, _record("10.0.0.2", "RUNNING")])
+    now = time.monotonic()
+    job._read_when_all_ended(board, 2, lambda: {"10.0.0.2": now})
+    assert 0.5 <= time.monotonic() - now < 0.9
     # a dead member that did publish its end counts once; a running one is awaited
     board = _Board([mine, _record("10.0.0.2", "FAILED"), _record("10.0.0.3", "RUNNING")])
     t = time.monotonic()
-    job._read_when_all_ended(board, 3, lambda: {"10.0.0.2"})
+    job._read_when_all_ended(board, 3, lambda: {"10.0.0.2": long_ago})
     assert time.monotonic() - t >= 1.0 and board.reads > 5
     # ... and so is an agent of the same address as this node, but another process
     board = _Board([mine, _record("10.0.0.1", "RUNNING", pid=2)])
     t = time.monotonic()
-    job._read_when_all_ended(board, 2, lambda: set())
+    job._read_when_all_ended(board, 2, lambda: {})
     assert time.monotonic() - t >= 1.0
+
+
+def test_a_member_declared_dead_that_publishes_a_moment_later_is_in_the_report():
+    """Declared dead (3 s without a beat) but only stalled: its record, the root cause
+    maybe, comes a moment later and is read (the helper review's case)."""
+    import threading
+
+    from tierrun.launcher import reporting
+    from tierrun.report.board import Attempt, Failure
+
+    job = reporting.JobReporting("r", "10.0.0.1", None)
+    mine = NodeRecord(job.recorder.node.node, "10.0.0.1", 100.0, [Attempt(0, world_size=2, workers=1)])
+    late = NodeRecord("10.0.0.2:7", "10.0.0.2", 100.0, [Attempt(0, world_size=2, workers=1)])
+    declared = time.monotonic()
+
+    def publish():
+        time.sleep(0.3)
+        late.attempts[-1] = Attempt(0, world_size=2, state="FAILED", workers=1, workers_ended=1,
+                                    failures=[Failure(1, 0, -9, 1.0, "killed by signal SIGKILL")])
+
+    threading.Thread(target=publish).start()
+    job._read_when_all_ended(_Board([mine, late]), 2, lambda: {"10.0.0.2": declared})
+    assert any(a.state == "FAILED" for r in job._others for a in r.attempts)

@@ -41,6 +41,10 @@ REPORT_GRACE = 5.0
 REPORT_LIMIT = 30.0
 #: seconds the store host keeps the store up after a failure, for the others' reports
 LINGER = 1.0
+#: seconds after this node declared a member dead that it stops waiting for its record:
+#: a dead agent publishes nothing more, but one that was only stalled (or cut off behind
+#: a relay that stalled) may still publish, the root cause maybe
+DEAD_GRACE = 2.0
 
 
 class JobReporting:
@@ -88,8 +92,9 @@ class JobReporting:
         """Read every agent's record while the store is up; the host writes the timeline.
 
         The store host waits (up to ``REPORT_GRACE`` s) until every member of the last
-        round has published how it ended, and if the job failed keeps the store up
-        ``LINGER`` s more so the others can read the failures too."""
+        round has published how it ended or is dead (see ``_read_when_all_ended``), and if
+        the job failed keeps the store up ``LINGER`` s more so the others can read the
+        failures too."""
         board = self.board()
         if board is None or self.handler is None:
             return
@@ -112,14 +117,16 @@ class JobReporting:
             timeline.write(self.timeline_path, timeline.build(self.run_id, self._others))
             print(f"[tierrun] wire-up timeline written to {self.timeline_path}", file=sys.stderr, flush=True)
 
-    def _read_when_all_ended(self, board: JobBoard, members: int, declared_dead: Callable[[], set[str]]) -> None:
+    def _read_when_all_ended(self, board: JobBoard, members: int,
+                             declared_dead: Callable[[], dict[str, float]]) -> None:
         """Read every record into ``_others`` until ``members`` agents have ended: this
         one (it is shutting down: its workers may have been stopped with no final state,
         when another node stopped the job), those that have published how their round
         ended (every worker's final state), and those this node declared dead
-        (``declared_dead()``: addresses; a dead agent publishes nothing more); or until no
-        other has ended for ``REPORT_GRACE`` seconds, or ``REPORT_LIMIT`` seconds have
-        passed. Raises like the board; what was read before stays in ``_others``."""
+        (``declared_dead()``: address -> when) ``DEAD_GRACE`` seconds ago or more; or
+        until no other has ended for ``REPORT_GRACE`` seconds, or ``REPORT_LIMIT``
+        seconds have passed. Raises like the board; what was read before stays in
+        ``_others``."""
         me = self.recorder.node.node
         start = time.monotonic()
         deadline, seen = start + REPORT_GRACE, -1
@@ -127,8 +134,9 @@ class JobReporting:
             self._others = board.read_all()
             ended_at = [r.addr for r in self._others
                         if r.node != me and r.attempts and r.attempts[-1].has_ended()]
-            ended = 1 + len(ended_at) + len(declared_dead().difference(ended_at))
             now = time.monotonic()
+            gone = {addr for addr, when in declared_dead().items() if now - when >= DEAD_GRACE}
+            ended = 1 + len(ended_at) + len(gone.difference(ended_at))
             if ended > seen:  # another node ended: wait for the rest from now
                 seen, deadline = ended, min(now + REPORT_GRACE, start + REPORT_LIMIT)
             if ended >= members or now > deadline:

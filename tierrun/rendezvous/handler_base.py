@@ -62,7 +62,7 @@ class StoreRendezvousHandler(RendezvousHandler):
         self._watcher: StoreClient | None = None
         self._heartbeat: liveness.Heartbeat | None = None
         self._stopped_beats: list[liveness.Heartbeat] = []  # (see _settle_stopped_beats)
-        self._dead_addrs: set[str] = set()  # members this node declared dead in its round
+        self._dead_addrs: dict[str, float] = {}  # members this node declared dead in its round: when
         #: Workers on this node, from the launcher: lets a round tell torch's agent that
         #: every node runs as many (None: unknown, torch's store-based path).
         self._local_world_size = int(config["local_world_size"]) if "local_world_size" in config else None
@@ -122,7 +122,7 @@ class StoreRendezvousHandler(RendezvousHandler):
         round key as sent on the wire. Replaces the previous round's."""
         self._stop_watching()
         with self._lock:
-            self._dead_addrs = set()
+            self._dead_addrs = {}
         client = StoreClient(self.job.agent_address, timeout=365 * 24 * 3600)
         self._watcher = client
 
@@ -142,13 +142,14 @@ class StoreRendezvousHandler(RendezvousHandler):
         """This node's watcher declared the member at ``addr`` dead (silent past the
         heartbeat timeout): see :meth:`declared_dead`."""
         with self._lock:
-            self._dead_addrs.add(addr)
+            self._dead_addrs.setdefault(addr, time.monotonic())
 
-    def declared_dead(self) -> set[str]:
-        """Addresses of the members of the current round that this node declared dead:
-        their agents publish nothing more, so a failure report need not wait for them."""
+    def declared_dead(self) -> dict[str, float]:
+        """The members of the current round that this node declared dead: address ->
+        when (``time.monotonic()``). A dead agent publishes nothing more, so a failure
+        report need not wait long for it (one merely stalled may still publish)."""
         with self._lock:
-            return set(self._dead_addrs)
+            return dict(self._dead_addrs)
 
     def _wait_quietly(self, keys: list[str], timeout: float, check: Callable[[], None]) -> None:
         """WAIT for ``keys`` (as torch's client names them, without the leading ``/``) on
