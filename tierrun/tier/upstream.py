@@ -353,11 +353,10 @@ class LinkUpstream(SessionEnd):
                 setattr(stats, name, getattr(stats, name) + n)
         watches.note_reads(plan.reads)
         wait_of = self._wait_of
-        for op in plan.ops:  # (plan.all_ops(), inlined)
+        for op in plan.ops:  # (every op, members after the op that carries them)
             for u in (op, *op.members) if op.members else (op,):
-                if u.group:
-                    for w in u.waiters:
-                        wait_of.add(w, u)
+                for w in u.waiters if u.group else ():
+                    wait_of.add(w, u)
                 if u.wkey is not None:
                     watches.note_sent(u)
         if plan.fetched:
@@ -390,9 +389,7 @@ class LinkUpstream(SessionEnd):
         awaiting = self._batches_awaiting
         answered = self._answered
         writes = self._writes
-        # (no write leaves while answers are handed out: flushes are scheduled, never
-        # run from here; so if none is in flight now, none is until this frame is done)
-        writes_in_flight = bool(writes)
+        writes_in_flight = bool(writes)  # (none leaves meanwhile: flushes are scheduled, not run here)
         for rid, status, data in decode_replies(payload):
             u = self._inflight.pop(rid, None)
             refused = writes.answered(rid) if writes_in_flight else None
