@@ -76,3 +76,42 @@ def test_every_member_beats_at_the_same_moments_of_the_wall_clock(store):
             b.stop()
     assert min(early) >= 1 and early == late
     assert after == [v + 1 for v in late]
+
+
+def test_a_stopped_rounds_late_declaration_does_not_count_in_the_next_round(store):
+    """A round's heartbeat thread may still be declaring a member dead (it reads the
+    member's address first) when the next round's watch replaces it: that declaration
+    is the ended round's, and the next round's failure report must not count its
+    address as dead (``declared_dead``). The new round's own declarations count."""
+    from types import SimpleNamespace
+
+    from tierrun.rendezvous.handler_base import StoreRendezvousHandler
+
+    class Watching(StoreRendezvousHandler):  # (only the round watch is used here)
+        get_backend = is_closed = next_rendezvous = num_nodes_waiting = set_closed = shutdown = None
+
+    handler = Watching(None, "late", "127.0.0.1", {"heartbeat_interval": "0.1", "heartbeat_timeout": "0.5"})
+    handler.job = SimpleNamespace(agent_address=("127.0.0.1", store.port))
+    declaring, go_on, stale_noted, fresh_noted = (threading.Event() for _ in range(4))
+
+    def late(member: int) -> None:  # round 0's: blocks until round 1 has begun
+        declaring.set()
+        go_on.wait(10)
+        handler._note_dead(f"10.0.0.{member}")
+        stale_noted.set()
+
+    def fresh(member: int) -> None:
+        handler._note_dead(f"10.0.0.{member}")
+        fresh_noted.set()
+
+    key = lambda r: lambda name: f"/late/{r}/{name}".encode()  # noqa: E731
+    try:
+        handler._watch_round(key(0), "failed", lambda c: None, 0, [1], late)  # member 1 never beats
+        assert declaring.wait(10)
+        handler._watch_round(key(1), "failed", lambda c: None, 0, [2], fresh)  # nor does member 2
+        go_on.set()
+        assert stale_noted.wait(10) and fresh_noted.wait(10)
+        assert set(handler.declared_dead()) == {"10.0.0.2"}
+    finally:
+        go_on.set()
+        handler._stop_watching()

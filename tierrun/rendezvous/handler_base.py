@@ -140,7 +140,12 @@ class StoreRendezvousHandler(RendezvousHandler):
 
     def _note_dead(self, addr: str) -> None:
         """This node's watcher declared the member at ``addr`` dead (silent past the
-        heartbeat timeout): see :meth:`declared_dead`."""
+        heartbeat timeout): see :meth:`declared_dead`. Called by the round's heartbeat
+        thread; a stopped one of an earlier round, still declaring when the next round's
+        watch began, is not heard (its members are not this round's)."""
+        beat = self._heartbeat
+        if beat is None or not beat.in_its_thread():
+            return
         with self._lock:
             self._dead_addrs.setdefault(addr, time.monotonic())
 

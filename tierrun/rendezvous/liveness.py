@@ -107,6 +107,10 @@ class Heartbeat:
         self._thread.join(timeout)
         return not self._thread.is_alive()
 
+    def in_its_thread(self) -> bool:
+        """Whether the caller runs in this heartbeat's thread (an ``on_dead`` of this one)."""
+        return threading.current_thread() is self._thread
+
     def leave(self, timeout: float = 5.0) -> None:
         """Stop, and tell the watchers this member left in order: its counter becomes
         ``LEFT`` (one SET, on a connection of its own; blocks until it is sent, at most
