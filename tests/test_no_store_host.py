@@ -95,3 +95,32 @@ def test_tierrun_etcd_when_no_node_may_host_the_store_says_why_and_names_store_p
     # the node whose store could not start said so when it happened, naming the setting
     assert (f"could not start the job's store on port {busy} (port {busy} is taken). Pick a "
             "free port with --rdzv_conf store_port=N (0, the default: any free port)") in texts[1], texts[1][-3000:]
+
+
+@pytest.mark.parametrize("backend, conf", [("parallel", "timeout=3"), ("tierrun", "join_timeout=3")])
+def test_a_store_port_that_accepts_but_never_answers_ends_the_node_in_its_timeout(tmp_path, backend, conf):
+    """Something holds the store port and accepts connections but answers nothing (a
+    frozen store host, another program): torch's client would wait past any timeout
+    (it did: a flat node still waited after 55 s of a 5 s timeout, then printed C++
+    stack traces once the listener went away). The node gives up within its timeout,
+    in one line that names the node and what to check."""
+    log = tmp_path / "node.log"
+    with socket.socket() as silent:
+        silent.bind(("127.0.1.1", 0))
+        silent.listen(64)  # (accepts into the backlog, never reads, never answers)
+        port = silent.getsockname()[1]
+        started = time.monotonic()
+        rank = ["--node_rank", 1, "--master_addr", "127.0.1.1", "--master_port", port] if backend == "parallel" \
+            else ["--rdzv_endpoint", f"127.0.1.1:{port}"]
+        p = tierrun("--nnodes", 2, "--nproc_per_node", 1, "--rdzv_backend", backend, *rank,
+                    "--rdzv_conf", conf, "--local_addr", "127.0.1.2", SCRIPTS / "sleep_worker.py", log=log)
+        codes = finish([p], timeout=60)
+    elapsed = time.monotonic() - started
+    text = log.read_text()
+    assert codes == [1] and elapsed < 3 + 25, (codes, elapsed, text[-3000:])
+    assert _errors(text) == [
+        f"tierrun: error: node 127.0.1.2: something at 127.0.1.1:{port} accepts connections but did not answer "
+        "as a store within 3 s: the store host may be frozen (stopped, swapping) or another program holds that "
+        "port. Check node rank 0 / the --rdzv_endpoint host, and that nothing else listens on the store port."
+    ], text[-3000:]
+    assert not CPP_NOISE.search(text) and "Traceback" not in text, text[-3000:]

@@ -35,7 +35,7 @@ from ..tier.lookup import read_over_link
 from .conf import conf_flag
 from .refusals import Refusals
 from .sockets import (
-    LINKS_ONLY, await_listener, bracket, closed_by_peer, last_line, port_in_use, watch_connection,
+    LINKS_ONLY, SILENT, await_listener, bracket, closed_by_peer, last_line, port_in_use, watch_connection,
 )
 from .tree import TreePlace
 
@@ -387,12 +387,18 @@ class JobStore:
                     raise RendezvousConnectionError(self.unreachable())
                 if found == LINKS_ONLY:
                     raise RendezvousConnectionError(self.other_layout(host_tiered=True))
+                if found == SILENT:
+                    raise RendezvousConnectionError(
+                        f"{self.node}: something at {host}:{port} accepts connections but did not answer as a "
+                        f"store within {self.connect_timeout:.0f} s: the store host may be frozen (stopped, "
+                        "swapping) or another program holds that port. Check node rank 0 / the --rdzv_endpoint "
+                        "host, and that nothing else listens on the store port.")
             try:
                 self._client = TCPStore(host, port, is_master=False, timeout=self.timeout,
                                         wait_for_workers=False)
             except Exception as e:
                 raise RendezvousConnectionError(
-                    f"cannot reach the job's store at {host}:{port} within "
+                    f"{self.node}: cannot reach the job's store at {host}:{port} within "
                     f"{self.timeout.total_seconds():.0f} s ({type(e).__name__}). Check that the "
                     "store host (node rank 0 / the --rdzv_endpoint host) is running and that "
                     "the port is open."

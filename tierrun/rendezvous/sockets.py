@@ -15,8 +15,10 @@ from ..protocol.opcodes import VALIDATION_MAGIC
 from ..protocol.requests import encode_request
 
 #: What ``await_listener`` found listening: a store of torch's protocol (a flat job's
-#: store host), or a port that takes node links only (a tiered job's store host).
-TORCH_STORE, LINKS_ONLY = "torch store", "links only"
+#: store host), a port that takes node links only (a tiered job's store host), or
+#: something that accepts connections but never answers (a frozen store host, another
+#: program on the port), where torch's client would wait past any timeout.
+TORCH_STORE, LINKS_ONLY, SILENT = "torch store", "links only", "silent"
 _NONCE = 0x7E57
 
 
@@ -62,29 +64,35 @@ def connect(host: str, port: int, timeout: float) -> socket.socket:
 
 def await_listener(host: str, port: int, timeout: float) -> str | None:
     """What accepts connections on ``host:port`` within ``timeout`` seconds
-    (``TORCH_STORE`` or ``LINKS_ONLY``), or None: nothing. Tries every 0.1 s to 1 s
-    (backing off), with Python's sockets (quiet), and on the connection it gets sends
-    torch's VALIDATE and a PING: a store of torch's protocol answers the PING, a
+    (``TORCH_STORE``, ``LINKS_ONLY`` or ``SILENT``), or None: nothing. Tries every 0.1 s
+    to 1 s (backing off), with Python's sockets (quiet), and on the connection it gets
+    sends torch's VALIDATE and a PING: a store of torch's protocol answers the PING, a
     links-only port greets every connection with a link's HELLO (and closes this one,
     which is no link), where torch's client would retry in C++ stack traces until its
-    timeout. One round trip."""
+    timeout. One round trip; a peer that answers nothing within 5 s (or what is left of
+    ``timeout``) is asked again on a new connection until ``timeout``, then ``SILENT``."""
     deadline = time.monotonic() + timeout
     delay = 0.1
+    silent = False
     while True:
         try:
             with connect(host, port, max(min(deadline - time.monotonic(), 5.0), 0.1)) as sock:
-                return _what_listens(sock)
+                found = _what_listens(sock)
+                if found is not None:
+                    return found
+                silent = True
         except OSError:
-            if time.monotonic() + delay > deadline:
-                return None
-            time.sleep(delay)
-            delay = min(2 * delay, 1.0)
+            pass
+        if time.monotonic() + delay > deadline:
+            return SILENT if silent else None
+        time.sleep(delay)
+        delay = min(2 * delay, 1.0)
 
 
-def _what_listens(sock: socket.socket) -> str:
+def _what_listens(sock: socket.socket) -> str | None:
     """``LINKS_ONLY`` if the peer's first bytes are a link's HELLO frame rather than
-    the answer to a PING; else ``TORCH_STORE`` (also when it cannot tell: torch's
-    client then says what it finds)."""
+    the answer to a PING; None if it sent nothing within the socket's timeout; else
+    ``TORCH_STORE`` (also when it cannot tell: torch's client then says what it finds)."""
     sock.sendall(encode_request((Op.VALIDATE, VALIDATION_MAGIC)) + encode_request((Op.PING, _NONCE)))
     pong, head = struct.pack("<I", _NONCE), b""
     try:
@@ -93,6 +101,9 @@ def _what_listens(sock: socket.socket) -> str:
             if not chunk:
                 break
             head += chunk
+    except TimeoutError:
+        if not head:
+            return None
     except OSError:
         pass
     return LINKS_ONLY if len(head) == 5 and head[:4] != pong and head[4] == HELLO else TORCH_STORE
