@@ -1,9 +1,10 @@
 # `make demo` runs a small simulated multi-node job; `make test` runs the test suite.
-# Both install what they need first (torch 2.13.0 CPU from the local wheel cache,
-# Debian's etcd-server for the etcd rendezvous tests, and Debian's Slurm and munge for
-# the Slurm example's test).
+# Both install what they need first: the demo torch 2.13.0 CPU (from the local wheel
+# cache) and this package; the tests also its test extras, Debian's etcd-server for the
+# etcd rendezvous tests, and Debian's Slurm and munge for the Slurm example's test.
 PYTHON ?= python3
 STAMP := .install.stamp
+DEMO_STAMP := .demo.stamp
 
 .PHONY: install etcd slurm demo test bench
 
@@ -19,6 +20,11 @@ $(STAMP): pyproject.toml
 
 install: $(STAMP)
 
+$(DEMO_STAMP): pyproject.toml
+	$(PYTHON) -m pip install --quiet torch==2.13.0
+	$(PYTHON) -m pip install --quiet -e .
+	@touch $(DEMO_STAMP)
+
 # a real etcd server for the etcd rendezvous tests (Debian's etcd-server package)
 etcd:
 	$(SUDO) apt-get install -y -q etcd-server || { $(SUDO) apt-get update -q && $(SUDO) apt-get install -y -q etcd-server; }
@@ -30,7 +36,7 @@ slurm:
 	$(SUDO) env DEBIAN_FRONTEND=noninteractive apt-get install -y -q $(SLURM_PACKAGES) \
 	    || { $(SUDO) apt-get update -q && $(SUDO) env DEBIAN_FRONTEND=noninteractive apt-get install -y -q $(SLURM_PACKAGES); }
 
-demo: $(STAMP)
+demo: $(DEMO_STAMP)
 	$(PYTHON) examples/demo.py
 
 test: $(STAMP)

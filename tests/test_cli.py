@@ -32,6 +32,31 @@ def test_pet_environment_fallback(monkeypatch):
     assert a.nnodes == "2:4" and a.rdzv_backend == "tierrun"
 
 
+@pytest.mark.parametrize("argv, backend, rank", [
+    ((), "tierrun", 0),
+    (("--nnodes", "2", "--node_rank", "1"), "parallel", 1),  # torchrun's default (static) honours it
+    (("--nnodes", "2", "--node-rank=0"), "parallel", 0),
+    (("--nnodes", "2"), "tierrun", 0),  # no node rank: every node would claim rank 0
+    (("--nnodes", "1:2", "--node_rank", "1"), "tierrun", 1),  # an elastic job
+    (("--nnodes", "1", "--node_rank", "0"), "tierrun", 0),  # one node: nothing to order
+    (("--nnodes", "2", "--node_rank", "1", "--rdzv_backend", "c10d"), "tierrun", 1),  # asked for
+])
+def test_with_no_backend_given_a_node_rank_is_honoured_as_torchrun_does(argv, backend, rank):
+    a = parse(*argv)
+    assert (a.rdzv_backend, a.node_rank) == (backend, rank)
+
+
+def test_pet_rdzv_backend_and_pet_node_rank_are_read(monkeypatch):
+    monkeypatch.setenv("PET_RDZV_BACKEND", "static")
+    assert parse("--nnodes", "2", "--node_rank", "1").rdzv_backend == "parallel"
+    monkeypatch.setenv("PET_RDZV_BACKEND", "torch-c10d")
+    assert parse("--nnodes", "2").rdzv_backend == "c10d"
+    monkeypatch.delenv("PET_RDZV_BACKEND")
+    monkeypatch.setenv("PET_NODE_RANK", "1")
+    a = parse("--nnodes", "2")
+    assert (a.rdzv_backend, a.node_rank) == ("parallel", 1)
+
+
 @pytest.mark.parametrize("given, resolved", [("c10d", "tierrun"), ("static", "parallel"),
                                              ("parallel", "parallel"), ("torch-c10d", "c10d"),
                                              ("torch-static", "static"), ("etcd-v2", "etcd-v2")])
@@ -183,12 +208,14 @@ def test_a_tiering_chosen_by_size_without_a_tree_says_one_link_per_node(caplog):
             "serves one link per node" in caplog.text), caplog.text
 
 
-def test_cli_error_is_one_line_and_exit_code_2():
-    r = subprocess.run([sys.executable, "-m", "tierrun", "--nnodes", "3:2", "x.py"],
-                       capture_output=True, text=True, timeout=60)
+@pytest.mark.parametrize("argv", [("--nnodes", "3:2"), ("--enable_tiered_parallel_tcpstore", "maybe"),
+                                  ("--max_restarts", "abc"), ("--no-such-flag",)])
+def test_cli_error_is_one_line_and_exit_code_2(argv):
+    """Flags tierrun checks and flags argparse refuses alike: one line, no usage text."""
+    r = subprocess.run([sys.executable, "-m", "tierrun", *argv, "x.py"], capture_output=True, text=True, timeout=60)
     assert r.returncode == 2
     lines = [l for l in r.stderr.splitlines() if l.strip()]
-    assert len(lines) == 1 and lines[0].startswith("tierrun: error:")
+    assert len(lines) == 1 and lines[0].startswith("tierrun: error:"), r.stderr
 
 
 def test_nproc_per_node_values():

@@ -296,3 +296,21 @@ def test_the_store_host_says_why_it_refused_a_torch_client_of_a_tiered_job(tmp_p
     assert said[0].startswith("[tierrun] WARNING node 127.0.1.1: ")
     assert ("$MASTER_ADDR:$MASTER_PORT" in said[0] and "--rdzv_conf store_public_clients=true" in said[0]
             and "--no-tiered" in said[0])
+
+
+def test_torchruns_default_flags_honour_the_node_rank(tmp_path):
+    """torchrun's multi-node command with no --rdzv_backend (its default, static):
+    node ranks as given, whichever node starts first. Node rank 1 starts first here."""
+    port = free_port()
+    logs = [tmp_path / f"node{k}.log" for k in range(2)]
+    procs = []
+    for k in (1, 0):
+        procs.append(tierrun("--nnodes", 2, "--node_rank", k, "--nproc_per_node", 1, "--master_addr", "127.0.1.1",
+                             "--master_port", port, "--local_addr", f"127.0.1.{k + 1}",
+                             SCRIPTS / "collectives.py", log=logs[k]))
+        time.sleep(1.0)
+    assert finish(procs) == [0, 0], logs[0].read_text()[-3000:]
+    for k in (0, 1):
+        (row,) = results(logs[k])
+        assert (row["group_rank"], row["rank"], row["world"]) == (str(k), str(k), "2"), logs[k].read_text()[-2000:]
+        assert "node_rank is only used for static" not in logs[k].read_text()

@@ -88,20 +88,31 @@ def _from_environment(setting: str) -> bool:
 def build_parser() -> argparse.ArgumentParser:
     parser = get_args_parser()
     parser.prog = "tierrun"
+
+    def one_line(message: str) -> None:  # (argparse prints the whole usage first: dozens of lines)
+        parser.exit(2, f"tierrun: error: {message} (tierrun --help lists the flags)\n")
+
+    parser.error = one_line  # type: ignore[method-assign]
     parser.description = (
         "Launch distributed PyTorch training: torchrun's and torch_npu_run's flags, "
         "on tierrun's store. `tierrun store --help` runs a store on its own."
     )
-    parser.set_defaults(rdzv_backend="tierrun")
+    # (None: neither the flag nor its PET_ variable; normalise chooses as torchrun would)
+    backend = os.environ.get("PET_RDZV_BACKEND", "").strip() or None
+    parser.set_defaults(rdzv_backend=backend)
     for action in parser._actions:
+        if action.dest == "node_rank" and not os.environ.get("PET_NODE_RANK", "").strip():
+            action.default = None  # (normalise: 0, noting that no node rank was given)
         if action.dest == "rdzv_backend":
-            action.default = "tierrun"
+            action.default = backend
             action.help = (
-                "Rendezvous backend: tierrun (elastic, default; c10d means this too), "
+                "Rendezvous backend: tierrun (elastic; c10d means this too), "
                 "parallel (fixed nodes, node rank given; static means this too), "
                 "tierrun-etcd (elastic, membership in etcd: survives the loss of any node; "
                 "--rdzv_endpoint lists etcd's client URLs), "
-                "torch-c10d or torch-static (torch's own), etcd, etcd-v2."
+                "torch-c10d or torch-static (torch's own), etcd, etcd-v2. "
+                "Default, as torchrun's (static): parallel when --node_rank is given with a fixed "
+                "--nnodes N > 1; otherwise tierrun, which needs no node rank."
             )
     parser.add_argument(
         "--enable-tiered-parallel-tcpstore",
@@ -174,10 +185,31 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def _node_counts(nnodes: str) -> tuple[int, int]:
+    """``--nnodes N`` or ``MIN:MAX`` as (MIN, MAX). Raises UsageError."""
+    parts = nnodes.split(":")
+    try:
+        nmin, nmax = (int(parts[0]), int(parts[-1])) if len(parts) <= 2 else (0, -1)
+    except ValueError:
+        raise UsageError(f"--nnodes '{nnodes}' is not a number: write --nnodes N or --nnodes MIN:MAX") from None
+    if len(parts) > 2 or not 0 < nmin <= nmax:
+        raise UsageError(f"--nnodes '{nnodes}' is not valid: write --nnodes N or --nnodes MIN:MAX with 0 < MIN <= MAX")
+    return nmin, nmax
+
+
 def normalise(args: argparse.Namespace) -> argparse.Namespace:
     """Map backend aliases and check flags that contradict each other. Raises UsageError."""
     if isinstance(args.tiered, InvalidEnvSetting):
         raise UsageError(str(args.tiered))
+    rank_given = args.node_rank is not None
+    if not rank_given:
+        args.node_rank = 0
+    nmin, nmax = _node_counts(args.nnodes)
+    if args.rdzv_backend is None:
+        # torchrun's default is static, which honours --node_rank: tierrun's parallel. With
+        # no node rank every node would claim rank 0: tierrun's elastic backend needs none.
+        fixed = rank_given and nmin == nmax > 1 and not args.standalone
+        args.rdzv_backend = "parallel" if fixed else "tierrun"
     backend = args.rdzv_backend
     if backend.startswith("torch-"):
         args.rdzv_backend = backend[len("torch-"):]
@@ -187,15 +219,6 @@ def normalise(args: argparse.Namespace) -> argparse.Namespace:
     if backend not in known:
         raise UsageError(
             f"unknown --rdzv_backend '{backend}': write one of {', '.join(known)}"
-        )
-    parts = args.nnodes.split(":")
-    try:
-        nmin, nmax = (int(parts[0]), int(parts[-1])) if len(parts) <= 2 else (0, -1)
-    except ValueError:
-        raise UsageError(f"--nnodes '{args.nnodes}' is not a number: write --nnodes N or --nnodes MIN:MAX") from None
-    if len(parts) > 2 or not 0 < nmin <= nmax:
-        raise UsageError(
-            f"--nnodes '{args.nnodes}' is not valid: write --nnodes N or --nnodes MIN:MAX with 0 < MIN <= MAX"
         )
     if args.standalone and nmax > 1:
         raise UsageError(

@@ -185,8 +185,9 @@ class JobStore:
         """What a node that does not host the store says when the store host has not
         answered within ``after`` seconds (default ``connect_timeout``): one line, with
         what to do."""
-        hint = self.unreachable_hint or ("Check that the store host (node rank 0 / the --rdzv_endpoint "
-                                         "host) is running and that the port is open.")
+        hint = self.unreachable_hint or ("check that the store host (node rank 0 / the --rdzv_endpoint "
+                                         "host) is running and that its port is open, or raise --rdzv_conf "
+                                         "timeout if it starts later.")
         after = self.connect_timeout if after is None else after
         return f"{self.node}: no store at {self.host}:{self.port} after {after:.0f} s; {hint}"
 

@@ -83,7 +83,8 @@ class FailureReport:
         )
 
     def render(self) -> str:
-        lines = [f"tierrun: job '{self.run_id}' failed (report from {self.reporter})"]
+        addr, _, pid = self.reporter.rpartition(":")  # ("<address>:<pid>": the pid is no port)
+        lines = [f"tierrun: job '{self.run_id}' failed (report from node {addr}, agent pid {pid})"]
         if self.first is None:
             lines.append("  no worker failure was recorded: the agent itself failed (see the error above)")
         else:
