@@ -40,6 +40,7 @@ def test_pet_environment_fallback(monkeypatch):
     (("--nnodes", "1:2", "--node_rank", "1"), "tierrun", 1),  # an elastic job
     (("--nnodes", "1", "--node_rank", "0"), "tierrun", 0),  # one node: nothing to order
     (("--nnodes", "2", "--node_rank", "1", "--rdzv_backend", "c10d"), "tierrun", 1),  # asked for
+    (("--nnodes", "2", "--node_rank", "1", "--rdzv_endpoint", "h"), "tierrun", 1),  # c10d's command (port 29400)
 ])
 def test_with_no_backend_given_a_node_rank_is_honoured_as_torchrun_does(argv, backend, rank):
     a = parse(*argv)

@@ -34,3 +34,27 @@ def test_a_listener_is_found():
         server.listen()
         # (it accepts, into its backlog, and never answers a PING: a frozen store host)
         assert sockets.await_listener("127.0.0.1", server.getsockname()[1], 1.0) == sockets.SILENT
+
+
+def test_a_slow_store_is_no_silent_one():
+    """A store host that takes its time to answer the probe's PING (loaded, still
+    starting) is a store: it has until the timeout, and 2 s after taking the connection
+    at least, to answer."""
+    import struct
+    import threading
+    import time
+
+    with socket.socket() as server:
+        server.bind(("127.0.0.1", 0))
+        server.listen()
+
+        def slow() -> None:
+            conn, _ = server.accept()
+            with conn:
+                time.sleep(1.5)
+                conn.recv(64)  # (VALIDATE, PING)
+                conn.sendall(struct.pack("<I", sockets._NONCE))
+                time.sleep(0.5)
+
+        threading.Thread(target=slow, daemon=True).start()
+        assert sockets.await_listener("127.0.0.1", server.getsockname()[1], 1.0) == sockets.TORCH_STORE

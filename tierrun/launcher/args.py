@@ -112,7 +112,7 @@ def build_parser() -> argparse.ArgumentParser:
                 "--rdzv_endpoint lists etcd's client URLs), "
                 "torch-c10d or torch-static (torch's own), etcd, etcd-v2. "
                 "Default, as torchrun's (static): parallel when --node_rank is given with a fixed "
-                "--nnodes N > 1; otherwise tierrun, which needs no node rank."
+                "--nnodes N > 1 and no --rdzv_endpoint; otherwise tierrun, which needs no node rank."
             )
     parser.add_argument(
         "--enable-tiered-parallel-tcpstore",
@@ -206,10 +206,12 @@ def normalise(args: argparse.Namespace) -> argparse.Namespace:
         args.node_rank = 0
     nmin, nmax = _node_counts(args.nnodes)
     if args.rdzv_backend is None:
-        # torchrun's default is static, which honours --node_rank: tierrun's parallel. With
-        # no node rank every node would claim rank 0: tierrun's elastic backend needs none.
-        fixed = rank_given and nmin == nmax > 1 and not args.standalone
-        args.rdzv_backend = "parallel" if fixed else "tierrun"
+        # torchrun's default is static, which honours --node_rank: tierrun's parallel, for
+        # torchrun's static command (--master_addr/--master_port, no --rdzv_endpoint). With
+        # no node rank every node would claim rank 0, and an --rdzv_endpoint or MIN:MAX says
+        # elastic (c10d's settings, port 29400): tierrun's elastic backend, which needs none.
+        static = rank_given and nmin == nmax > 1 and not args.standalone and not args.rdzv_endpoint
+        args.rdzv_backend = "parallel" if static else "tierrun"
     backend = args.rdzv_backend
     if backend.startswith("torch-"):
         args.rdzv_backend = backend[len("torch-"):]

@@ -140,9 +140,10 @@ class StoreRendezvousHandler(RendezvousHandler):
 
     def _note_dead(self, addr: str) -> None:
         """This node's watcher declared the member at ``addr`` dead (silent past the
-        heartbeat timeout): see :meth:`declared_dead`. Called by the round's heartbeat
-        thread; a stopped one of an earlier round, still declaring when the next round's
-        watch began, is not heard (its members are not this round's)."""
+        heartbeat timeout): see :meth:`declared_dead`. Called by the watch's heartbeat
+        thread; a stopped one, still declaring when a new watch began (the next round's,
+        or this round's moved by a tree's re-formation), is not heard: a new watch starts
+        with no declaration (``_watch_round``), and may be another round's."""
         beat = self._heartbeat
         if beat is None or not beat.in_its_thread():
             return

@@ -69,14 +69,16 @@ def await_listener(host: str, port: int, timeout: float) -> str | None:
     sends torch's VALIDATE and a PING: a store of torch's protocol answers the PING, a
     links-only port greets every connection with a link's HELLO (and closes this one,
     which is no link), where torch's client would retry in C++ stack traces until its
-    timeout. One round trip; a peer that answers nothing within 5 s (or what is left of
-    ``timeout``) is asked again on a new connection until ``timeout``, then ``SILENT``."""
+    timeout. One round trip; a peer that has answered nothing by ``timeout`` (2 s after
+    it took the connection at least) is ``SILENT``."""
     deadline = time.monotonic() + timeout
     delay = 0.1
     silent = False
     while True:
         try:
             with connect(host, port, max(min(deadline - time.monotonic(), 5.0), 0.1)) as sock:
+                # (a slow store host has until the deadline to answer, and 2 s at least)
+                sock.settimeout(max(deadline - time.monotonic(), 2.0))
                 found = _what_listens(sock)
                 if found is not None:
                     return found
