@@ -207,7 +207,7 @@ def test_tiered_without_token_derives_one_and_warns(tmp_path):
         assert f"node 127.0.1.{k + 1}: no job token (TIERRUN_TOKEN_FILE or TIERRUN_TOKEN)" in text, text[-3000:]
         assert ("derived from the job id 'none' and the port of the store endpoint 127.0.1.1:" in text
                 and "guards against accidents" in text and "not against attackers" in text)
-        assert "point TIERRUN_TOKEN_FILE at a file holding the same secret on every node" in text
+        assert "For a secret, give every node the same one in the file TIERRUN_TOKEN_FILE names" in text
     check_world(results(*logs), 2, 3)
 
 

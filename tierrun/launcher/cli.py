@@ -32,13 +32,10 @@ log = logging.getLogger("tierrun")
 
 #: Said once per node when a tiered job across nodes has no secret (torch_npu_run's flags).
 DERIVED_TOKEN_WARNING = (
-    "node %s: no job token (TIERRUN_TOKEN_FILE or TIERRUN_TOKEN), so the store links are "
-    "authenticated with a token derived from the job id %r and the port of the store endpoint %s. "
-    "That guards against accidents (a node of another job, or started with another port or "
-    "id, cannot join this job's store), not against attackers: anyone who knows the id "
-    "and port (every node's command line shows them) can compute it. For a secret, "
-    "point TIERRUN_TOKEN_FILE at a file holding the same secret on every node (a "
-    "Kubernetes Secret, a file written before srun): see the guide's Security section."
+    "node %s: no job token (TIERRUN_TOKEN_FILE or TIERRUN_TOKEN): the store links use one "
+    "derived from the job id %r and the port of the store endpoint %s, which guards against "
+    "accidents, not against attackers (every command line shows both). For a secret, give every "
+    "node the same one in the file TIERRUN_TOKEN_FILE names (guide: Security)."
 )
 
 #: Said once per node, at INFO, when the job's size chose its tiering (``tiering.choose``).
