@@ -124,3 +124,24 @@ def test_a_store_port_that_accepts_but_never_answers_ends_the_node_in_its_timeou
         "port. Check node rank 0 / the --rdzv_endpoint host, and that nothing else listens on the store port."
     ], text[-3000:]
     assert not CPP_NOISE.search(text) and "Traceback" not in text, text[-3000:]
+
+
+def test_node_0_whose_store_port_is_taken_says_so_at_once(tmp_path):
+    """Node rank 0 of a static job cannot start the store: another program holds the
+    port. It says so in one line, without first trying to publish its record to that
+    program for the report (it waited 10 s on it: two 5 s timeouts)."""
+    log = tmp_path / "node0.log"
+    with socket.socket() as taken:
+        taken.bind(("0.0.0.0", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        started = time.monotonic()
+        p = tierrun("--nnodes", 2, "--node_rank", 0, "--master_addr", "127.0.1.1", "--master_port", port,
+                    "--local_addr", "127.0.1.1", "--nproc_per_node", 1, SCRIPTS / "sleep_worker.py", log=log)
+        codes = finish([p], timeout=60)
+    elapsed, text = time.monotonic() - started, log.read_text()
+    assert codes == [1] and _errors(text) == [
+        f"tierrun: error: node 127.0.1.1: could not start the job's store on port {port} (port {port} is taken). "
+        "Pick a free port with --master_port or --rdzv_endpoint HOST:PORT (node rank 0 hosts a parallel job's "
+        "store, and never joins a store it did not start: another job's, maybe)."], text[-3000:]
+    assert "cannot publish this node's record" not in text and elapsed < 9, (elapsed, text[-3000:])

@@ -81,7 +81,9 @@ class JobReporting:
             handler.shutdown_hooks.append(self.before_shutdown)
 
     def board(self) -> JobBoard | None:
-        if self.handler is not None and self.handler.job is not None:
+        """The job's board of records; None while this node never reached the job's store
+        (it could not start, or was never found: whatever holds its port is no store)."""
+        if self.handler is not None and self.handler.job is not None and self.handler.job.reached:
             if self._board is None:
                 self._board = JobBoard(self.handler.job.agent_address, self.run_id, timeout=5.0)
             elif self.handler.job.proxy is not None:  # (replaced since, maybe; not stopped)

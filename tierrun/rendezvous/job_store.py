@@ -107,6 +107,7 @@ class JobStore:
         self.root: StoreProcess | None = None
         self.proxy: StoreProcess | HostedFrontEnd | None = None
         self._client: TCPStore | None = None
+        self.reached = False  # a client of the job's store was made once (the store was up)
         self._watch: socket.socket | None = None
         self._round_listener: tuple[StoreProcess | HostedFrontEnd, str] | None = None  # (see worker_endpoint)
 
@@ -397,6 +398,7 @@ class JobStore:
             try:
                 self._client = TCPStore(host, port, is_master=False, timeout=self.timeout,
                                         wait_for_workers=False)
+                self.reached = True
             except Exception as e:
                 raise RendezvousConnectionError(
                     f"{self.node}: cannot reach the job's store at {host}:{port} within "
