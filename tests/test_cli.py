@@ -47,6 +47,16 @@ def test_with_no_backend_given_a_node_rank_is_honoured_as_torchrun_does(argv, ba
     assert (a.rdzv_backend, a.node_rank) == (backend, rank)
 
 
+def test_a_pet_rdzv_backend_that_cannot_be_used_is_named_as_written(monkeypatch):
+    monkeypatch.setenv("PET_RDZV_BACKEND", "bogus")
+    with pytest.raises(UsageError, match="^unknown PET_RDZV_BACKEND=bogus: write one of tierrun,"):
+        parse()
+    assert parse("--rdzv_backend", "c10d").rdzv_backend == "tierrun"  # (the flag wins)
+    monkeypatch.setenv("PET_RDZV_BACKEND", "static")
+    with pytest.raises(UsageError, match="^PET_RDZV_BACKEND=static needs a fixed node count, not --nnodes 1:2"):
+        parse("--nnodes", "1:2")
+
+
 def test_pet_rdzv_backend_and_pet_node_rank_are_read(monkeypatch):
     monkeypatch.setenv("PET_RDZV_BACKEND", "static")
     assert parse("--nnodes", "2", "--node_rank", "1").rdzv_backend == "parallel"

@@ -104,6 +104,7 @@ def build_parser() -> argparse.ArgumentParser:
         if action.dest == "node_rank" and not os.environ.get("PET_NODE_RANK", "").strip():
             action.default = None  # (normalise: 0, noting that no node rank was given)
         if action.dest == "rdzv_backend":
+            action.__class__ = EnvFlag  # (torch's env action, remembering it was given: _as_written)
             action.default = backend
             action.help = (
                 "Rendezvous backend: tierrun (elastic; c10d means this too), "
@@ -213,6 +214,7 @@ def normalise(args: argparse.Namespace) -> argparse.Namespace:
         static = rank_given and nmin == nmax > 1 and not args.standalone and not args.rdzv_endpoint
         args.rdzv_backend = "parallel" if static else "tierrun"
     backend = args.rdzv_backend
+    named = _as_written(args, "rdzv_backend", f"--rdzv_backend {backend}")  # (or PET_RDZV_BACKEND=...)
     if backend.startswith("torch-"):
         args.rdzv_backend = backend[len("torch-"):]
     else:
@@ -220,7 +222,7 @@ def normalise(args: argparse.Namespace) -> argparse.Namespace:
     known = TIERRUN_BACKENDS + TORCH_BACKENDS + tuple(BACKEND_ALIASES)
     if backend not in known:
         raise UsageError(
-            f"unknown --rdzv_backend '{backend}': write one of {', '.join(known)}"
+            f"unknown {named}: write one of {', '.join(known)}"
         )
     if args.standalone and nmax > 1:
         raise UsageError(
@@ -230,7 +232,7 @@ def normalise(args: argparse.Namespace) -> argparse.Namespace:
     if args.rdzv_backend == "parallel":
         if nmin != nmax:
             raise UsageError(
-                f"--rdzv_backend {backend} needs a fixed node count, not --nnodes {args.nnodes}: "
+                f"{named} needs a fixed node count, not --nnodes {args.nnodes}: "
                 f"write --nnodes {nmax}, or use --rdzv_backend tierrun for an elastic job"
             )
         if not 0 <= args.node_rank < nmax:
@@ -247,7 +249,7 @@ def normalise(args: argparse.Namespace) -> argparse.Namespace:
         raise UsageError(f"--store-workers {args.store_workers}: write 1 or more")
     if args.store_workers > 1 and args.rdzv_backend not in TIERRUN_BACKENDS:
         raise UsageError(
-            f"--store-workers needs a tierrun rendezvous backend, not --rdzv_backend {backend}"
+            f"--store-workers needs a tierrun rendezvous backend, not {named}"
         )
     if args.max_restarts < 0:
         raise UsageError(f"--max_restarts {args.max_restarts} is negative: write 0 or more")
