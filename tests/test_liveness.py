@@ -4,8 +4,10 @@ watcher, once, within the timeout."""
 
 import threading
 import time
+from types import SimpleNamespace
 
 from tierrun.client import StoreClient
+from tierrun.rendezvous.handler_base import StoreRendezvousHandler
 from tierrun.rendezvous.liveness import WATCHERS, Heartbeat, until, watched_by
 
 
@@ -83,10 +85,6 @@ def test_a_stopped_rounds_late_declaration_does_not_count_in_the_next_round(stor
     member's address first) when the next round's watch replaces it: that declaration
     is the ended round's, and the next round's failure report must not count its
     address as dead (``declared_dead``). The new round's own declarations count."""
-    from types import SimpleNamespace
-
-    from tierrun.rendezvous.handler_base import StoreRendezvousHandler
-
     class Watching(StoreRendezvousHandler):  # (only the round watch is used here)
         get_backend = is_closed = next_rendezvous = num_nodes_waiting = set_closed = shutdown = None
 

@@ -6,6 +6,9 @@ hold the port the store is about to listen on. Seen once in a multi-node test.""
 from __future__ import annotations
 
 import socket
+import struct
+import threading
+import time
 
 import pytest
 
@@ -40,10 +43,6 @@ def test_a_slow_store_is_no_silent_one():
     """A store host that takes its time to answer the probe's PING (loaded, still
     starting) is a store: it has until the timeout, and 2 s after taking the connection
     at least, to answer."""
-    import struct
-    import threading
-    import time
-
     with socket.socket() as server:
         server.bind(("127.0.0.1", 0))
         server.listen()
