@@ -19,6 +19,7 @@ from etcd_server import Certificates, EtcdServer
 from launch import SCRIPTS, finish, free_port, kill_tree, results, tierrun
 from tierrun.rendezvous.etcd import create_handler
 from tierrun.rendezvous.etcd_client import EtcdOptions
+from tierrun.rendezvous.spare import SpareNotNeededError
 from tierrun.settings import Settings
 
 COMMON = ("--rdzv_backend", "tierrun-etcd", "--nproc_per_node", 1, "--max_restarts", 3,
@@ -69,7 +70,8 @@ def _rendezvous_all(handlers):
 def test_rounds_stable_ranks_waiting_nodes_and_closing(etcd):
     """min 2, max 4: three nodes form round 0 after the last call, the rank-0 node
     hosts the store; a fourth is a waiting node the others see; round 1 keeps their
-    ranks and store host; closing the job releases a node still waiting."""
+    ranks and store host; closing the job releases a fifth node, which waits as a spare
+    (the round runs with the maximum)."""
     first = [_handler(etcd, "rounds", f"127.0.1.{k}") for k in (1, 2, 3)]
     infos = _rendezvous_all(first)
     assert sorted(i.rank for i in infos) == [0, 1, 2] and {i.world_size for i in infos} == {3}
@@ -108,7 +110,7 @@ def test_rounds_stable_ranks_waiting_nodes_and_closing(etcd):
     for h in [*first, late]:
         h.shutdown()
     w.join(30)
-    assert errors and "closed" in str(errors[0])
+    assert errors and isinstance(errors[0], SpareNotNeededError) and "was not needed" in str(errors[0])
     waiting.shutdown()
 
 

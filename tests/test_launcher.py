@@ -135,6 +135,41 @@ def test_elastic_scale_down_after_an_agent_is_killed(tmp_path):
     check_world(results(*logs[:2]), 2, 3)
 
 
+def test_nodes_past_the_maximum_wait_as_spares_and_take_a_dead_nodes_place(tmp_path):
+    """--nnodes 1:2 and four nodes: the two past the maximum wait as spares (as torch's
+    c10d backend does) without restarting the running members; when a member dies, a
+    spare takes its place; the other spare, never needed, ends well with the job."""
+    port = free_port()
+    common = ("--nnodes", "1:2", "--nproc_per_node", 1, "--rdzv_endpoint", f"127.0.1.1:{port}",
+              "--rdzv_id", "spare", "--rdzv_conf", "last_call_timeout=1", "--max_restarts", 3,
+              "--monitor_interval", "0.5")
+    logs = [tmp_path / f"node{k}.log" for k in range(4)]
+
+    def node(k: int, seconds: float):
+        return tierrun(*common, "--local_addr", f"127.0.1.{k + 1}", SCRIPTS / "steady_worker.py",
+                       "--seconds", seconds, log=logs[k])
+
+    def wait_for(what, timeout: float = 60) -> None:
+        deadline = time.time() + timeout
+        while not what():
+            assert time.time() < deadline, [log.read_text()[-2000:] for log in logs if log.exists()]
+            time.sleep(0.2)
+
+    procs = [node(0, 12), node(1, 12)]
+    wait_for(lambda: len(results(*logs[:2], tag="UP")) == 2)
+    procs.append(node(2, 12))
+    wait_for(lambda: "waits as a spare" in logs[2].read_text())
+    time.sleep(2)  # (a spare that made the members restart would show here)
+    assert len(results(*logs[:2], tag="UP")) == 2
+    kill_tree(procs[1].pid)
+    wait_for(lambda: any(r["world"] == "2" for r in results(logs[2], tag="UP")))
+    procs.append(node(3, 12))
+    assert finish([procs[0], procs[2], procs[3]]) == [0, 0, 0], logs[3].read_text()[-3000:]
+    assert sorted(r["world"] for r in results(logs[0], logs[2])) == ["2", "2"]  # the RESULT lines
+    assert not results(logs[3])
+    assert "waited as a spare and was not needed" in logs[3].read_text()
+
+
 def test_static_timeout_names_the_missing_nodes(tmp_path):
     log = tmp_path / "node0.log"
     p = tierrun("--nnodes", 3, "--nproc_per_node", 1, "--rdzv_backend", "parallel",

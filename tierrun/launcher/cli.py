@@ -23,6 +23,7 @@ from .. import rendezvous, torchrun_plugin
 from ..extras import MissingExtraError, require
 from ..link.auth import new_token
 from ..rendezvous.handler_base import JobStoppedError
+from ..rendezvous.spare import SpareNotNeededError
 from ..settings import Settings, SettingsError
 from .args import TIERRUN_BACKENDS, UsageError, build_parser, normalise
 from .devices import resolve_nproc_per_node
@@ -215,6 +216,9 @@ def main(argv: list[str]) -> int:
         report = reporting.report_failure(config.logs_specs.root_log_dir)
         failures = reporting.torch_failures_in_report_order(report, e.failures)
         raise JobFailedError(_script_name(cmd_args), failures, report) from None
+    except SpareNotNeededError as e:  # (nothing failed: torch's agent ends such a node quietly too)
+        print(f"tierrun: {e}", file=sys.stderr)
+        return 0
     except (RendezvousError, JobStoppedError) as e:  # (timed out, closed, store lost: one line)
         print(f"tierrun: error: {e}", file=sys.stderr)
         return 1

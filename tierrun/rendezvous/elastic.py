@@ -21,7 +21,8 @@ wins decides, the others' attempts change nothing. The winner (the closer) reads
 descriptors once and publishes every member's rank in one MULTI_SET, so each member
 reads O(1) keys and bytes, and the store does O(n) work per round, not O(n²). (If the
 closer dies in that instant, the members' wait ends with the join timeout.) Nodes that arrive after the close
-join round r+1 at once, and running agents restart to admit them (below).
+join round r+1 at once, and running agents restart to admit them (below), unless round
+r runs with the maximum of nodes: then they wait as spares (``spare``).
 Ranks are stable: members sort by their rank in their previous round, then by arrival.
 
 Liveness (``liveness.py``): while round r runs, every member beats a counter and the
@@ -63,13 +64,13 @@ from torch.distributed.elastic.rendezvous.utils import (
 from ..client import StoreClient, StoreClientError
 from ..report.progress import Arrivals
 from ..settings import Settings
-from . import liveness
+from . import liveness, spare
 from .conf import conf_bool, conf_float
 from .elastic_tree import TreeRounds
 from .job_store import JobStore, public_clients_from, store_workers_from, token_from
 from .sockets import link_address
 from .tree import store_fanout_from
-from .messages import join_timeout_message
+from .messages import closed_while_waiting, join_timeout_message
 
 log = logging.getLogger("tierrun.rendezvous")
 
@@ -96,6 +97,7 @@ class ElasticRendezvousHandler(TreeRounds):
         self._min = min_nodes
         self._max = max_nodes
         self._join_timeout = join_timeout
+        self._deadline = 0.0  # of the current join (see _join)
         self._last_call = last_call_timeout
         self._base = f"tierrun/{run_id}"
         self._round = -1  # last round this node was a member of
@@ -131,10 +133,10 @@ class ElasticRendezvousHandler(TreeRounds):
         if self.is_closed():
             raise RendezvousClosedError(f"rendezvous '{self.run_id}' is closed: the job has ended")
         r = max(self._round + 1, int(store.add(f"{self._base}/round", 0)))
-        deadline = time.monotonic() + self._join_timeout
+        self._deadline = time.monotonic() + self._join_timeout
         while True:
             with self._progress(f"rendezvous '{self.run_id}' round {r}", lambda c, r=r: self._arrivals(c, r)):
-                joined = self._join(store, r, deadline)
+                joined = self._join(store, r)
             if joined is not None:
                 break
             r += 1  # arrived after the close: wait in the next round
@@ -159,24 +161,30 @@ class ElasticRendezvousHandler(TreeRounds):
             RendezvousStoreInfo(*endpoint),
         )
 
-    def _join(self, store, r: int, deadline: float):
-        """Join round r. None if it closed without us; else (arrival index, rank, members,
-        worker endpoint (None: tiered, opened once the node's proxy is the round's),
-        whether every member runs as many workers, the round's ``tree`` key or None)."""
+    def _join(self, store, r: int):
+        """Join round r (by ``self._deadline``; a spare's wait, see ``spare``, starts it
+        again). None if it closed without us; else (arrival index, rank, members, worker
+        endpoint (None: tiered, opened once the node's proxy is the round's), whether
+        every member runs as many workers, the round's ``tree`` key or None)."""
         index = int(store.add(self._k(r, "joined"), 1))
         me = {"addr": self.node_addr, "prev_rank": self._rank, "prev_round": self._round,
               "prev_index": self._index, "pid": os.getpid(), "workers": self._local_world_size,
               "host": self.job.root is not None, "fanout": self._fanout}
         store.set(self._k(r, f"node/{index}"), json.dumps(me))
-        if index == 1 and r > 0:
-            store.set(self._k(r - 1, "changed"), "joined")  # the running members restart
+        if r > 0 and self._round != r - 1 and self._running_full(store, r - 1):  # (a member comes back)
+            spare.wait(self.node_addr, self.run_id, r - 1, self._max, lambda t: self._changed_within(r - 1, t),
+                       self.is_closed)
+            self._deadline = time.monotonic() + self._join_timeout
+        deadline = self._deadline
+        if r > 0 and (index == 1 or self._round == r - 1):  # the running members restart (a member
+            store.compare_set(self._k(r - 1, "changed"), "", "joined")  # back: round r-1 is over, spares join)
         store.append(self._k(r, "arrivals"), f"{self.node_addr}\n")
         endpoint = None
         if not self.job.tiered:  # flat: the host publishes it
             endpoint = self.job.worker_endpoint(f"{self.run_id}/workers/{r}")
             if endpoint is not None:
                 store.set(self._k(r, "worker_port"), str(endpoint[1]))
-        if index == self._max:
+        if index >= self._max:  # (past it: spares took the first places)
             self._close(store, r, self._max)
         elif index == self._min:
             threading.Thread(target=self._last_call_then_close, args=(store.clone(), r), daemon=True).start()
@@ -191,7 +199,7 @@ class ElasticRendezvousHandler(TreeRounds):
                 f"of rendezvous '{self.run_id}' to close ({type(e).__name__}: {e})") from e
         closed = store.get(self._k(r, "closed")).decode()
         if closed == _JOB_CLOSED:
-            raise RendezvousClosedError(f"rendezvous '{self.run_id}' was closed while node {self.node_addr} waited")
+            raise RendezvousClosedError(closed_while_waiting(self.run_id, self.node_addr, r))
         n = int(closed)
         if index > n:
             log.info("round %d of '%s' closed with %d nodes before node %s arrived; waiting for the next",
@@ -208,6 +216,24 @@ class ElasticRendezvousHandler(TreeRounds):
             endpoint = (self.job.host, int(values[2]))
         layout = values[2].decode() if self.job.tiered and self._fanout else None
         return index, int(values[0]), n, endpoint, values[1] == b"1", layout
+
+    def _running_full(self, store, r: int) -> bool:
+        """Whether round r (closed) runs with the maximum of nodes and none left or died."""
+        closed = store.multi_get([self._k(r, "closed")])[0]
+        return closed == str(self._max).encode() and not store.check([self._k(r, "changed")])
+
+    def _changed_within(self, r: int, timeout: float) -> bool:
+        """Whether round r changes (a member leaves or dies) within ``timeout`` seconds."""
+        try:
+            self._wait_quietly([self._k(r, "changed")], timeout, self.check_store_host)
+            return True
+        except TimeoutError:
+            return False
+        except (OSError, StoreClientError) as e:
+            self.check_store_host()
+            raise RendezvousConnectionError(
+                f"node {self.node_addr} lost its connection to the job's store while waiting as a spare "
+                f"of rendezvous '{self.run_id}' ({type(e).__name__}: {e})") from e
 
     def _arrivals(self, client: StoreClient, r: int) -> Arrivals:
         """From ``r/arrivals``, not the descriptors: the store's MULTI_GET waits for
@@ -387,6 +413,8 @@ class ElasticRendezvousHandler(TreeRounds):
     def set_closed(self) -> None:
         store = self.job.client()
         store.set(f"{self._base}/closed", "1")
+        if self._round >= 0:  # (the job is over for its members too) spares end now
+            store.compare_set(self._k(self._round, "changed"), "", "closed")
         # release nodes waiting for the next round
         r = int(store.add(f"{self._base}/round", 0))
         for rr in {r, self._round + 1}:

@@ -14,7 +14,8 @@ under ``/tierrun/J/r/<r>/``; every agent does O(1) requests per round:
 Closing is one TXN: create ``sig/closed`` with the members in rank order (stable: by
 their rank in their previous round, then by arrival), and advance ``/tierrun/J/round``.
 Whoever creates it decides; a node that joined too late sees it is not listed and
-waits for round r+1, whose first arrival sets ``sig/changed`` of round r.
+waits for round r+1, whose first arrival sets ``sig/changed`` of round r, unless round
+r runs with the maximum of nodes: then it waits as a spare (``spare``).
 
 Liveness is etcd's: each agent's keys hang on its lease (TTL ``heartbeat_timeout``,
 10 s, kept alive every ``heartbeat_interval``, 1 s; a killed store host is noticed
@@ -26,9 +27,8 @@ those workers are stuck in a collective with the dead node or its store. Nothing
 round r is read in round r+1: every key, the agents' store prefix and the workers'
 store namespace carry the round.
 
-If etcd itself is unreachable for a while (restarted, a partition), running workers
-are not disturbed (their store is tierrun's); agents keep retrying, and etcd renews
-leases when it comes back.
+If etcd is unreachable for a while (restarted, a partition), running workers go on
+(their store is tierrun's); agents retry, and etcd renews leases when it is back.
 """
 
 from __future__ import annotations
@@ -60,7 +60,8 @@ from .handler_base import StoreRendezvousHandler
 from .conf import conf_bool, conf_float
 from .job_store import JobStore
 from .etcd_hosts import RoundStores, descriptor, in_rank_order, may_not_host, none_may_host
-from .messages import join_timeout_message
+from . import spare
+from .messages import closed_while_waiting, join_timeout_message
 
 log = logging.getLogger("tierrun.rendezvous")
 
@@ -91,10 +92,9 @@ class EtcdRendezvousHandler(StoreRendezvousHandler):
         self._no_host_said: set[int] = set()  # rounds whose closer said none may host
         self.options = options
         self._etcd = Etcd(options)
-        self._min = min_nodes
-        self._max = max_nodes
-        self._join_timeout = join_timeout
-        self._last_call = last_call_timeout
+        self._min, self._max = min_nodes, max_nodes
+        self._join_timeout, self._last_call = join_timeout, last_call_timeout
+        self._deadline = 0.0  # of the current join (see _join)
         self._stores = RoundStores.from_config(config, settings, self.node_addr, join_timeout)
         self._base = f"/tierrun/{run_id}"
         self._id = uuid.uuid4().hex
@@ -104,9 +104,7 @@ class EtcdRendezvousHandler(StoreRendezvousHandler):
         self._lease_ttl = max(2, math.ceil(self._beat_timeout))
         self._lease_lost = False
         self._keepalive_stop = threading.Event()
-        self._round = -1  # last round this node was a member of
-        self._rank = -1
-        self._members = 0
+        self._round, self._rank, self._members = -1, -1, 0  # last round this node was a member of, its rank, size
         self._host_id = ""  # the id of that round's store host
         self._changed: set[int] = set()  # rounds whose membership changed
         self._lost_reported: set[int] = set()  # rounds whose store host this node marked lost
@@ -147,9 +145,9 @@ class EtcdRendezvousHandler(StoreRendezvousHandler):
             raise RendezvousClosedError(f"rendezvous '{self.run_id}' is closed: the job has ended")
         opened, _ = self._etcd.get(f"{self._base}/round".encode())
         r = max(self._round + 1, int(opened.value) if opened else 0)
-        deadline = time.monotonic() + self._join_timeout
+        self._deadline = time.monotonic() + self._join_timeout
         while True:
-            members = self._join(r, deadline)
+            members = self._join(r)
             if members is not None:
                 ids, addrs = members
                 rank = ids.index(self._id)
@@ -173,9 +171,10 @@ class EtcdRendezvousHandler(StoreRendezvousHandler):
         return RendezvousInfo(PrefixStore(f"tierrun/{self.run_id}/{r}/agents", self.job.client()),
                               rank, n, RendezvousStoreInfo(*endpoint))
 
-    def _join(self, r: int, deadline: float) -> tuple[list[str], list[str]] | None:
-        """Join round r; the members' ids and addresses in rank order once it closes with
-        this node, None if it closed without it."""
+    def _join(self, r: int) -> tuple[list[str], list[str]] | None:
+        """Join round r (by ``self._deadline``; a spare's wait, see ``spare``, starts it
+        again); the members' ids and addresses in rank order once it closes with this
+        node, None if it closed without it."""
         me = descriptor(self._id, self.node_addr, self._rank, self._round, os.getpid(), self._is_host, self._no_host)
         joined, responses, revision = self._etcd.txn(
             [absent(self._k(r, "sig/closed"))],
@@ -184,8 +183,14 @@ class EtcdRendezvousHandler(StoreRendezvousHandler):
         if not joined:
             return None
         index = int(responses[1].get("count", 0))
-        if index == 1 and r > 0:  # the running members restart to admit the waiting nodes
-            self._etcd.create(self._k(r - 1, "sig/changed"), b"joined")
+        if r > 0 and self._round != r - 1 and self._running_full(r - 1):  # (a member comes back)
+            spare.wait(self.node_addr, self.run_id, r - 1, self._max,  # (its lease renewed once it joins)
+                       lambda t: self._wait_signals(r - 1, ("changed",), time.monotonic() + t) is not None,
+                       self.is_closed)
+            self._deadline = time.monotonic() + self._join_timeout
+        deadline = self._deadline
+        if r > 0 and (index == 1 or self._round == r - 1):  # the running members restart to admit the
+            self._etcd.create(self._k(r - 1, "sig/changed"), b"joined")  # waiting nodes (a member back: spares)
         if index >= self._max:
             self._close(self._etcd, r)
         elif index == self._min:
@@ -205,13 +210,17 @@ class EtcdRendezvousHandler(StoreRendezvousHandler):
                 raise RendezvousTimeoutError(self._timeout_message(r))
         closed = signals["closed"]
         if closed == _JOB_CLOSED:
-            raise RendezvousClosedError(f"rendezvous '{self.run_id}' was closed while node {self.node_addr} waited")
+            raise RendezvousClosedError(closed_while_waiting(self.run_id, self.node_addr, r))
         members = json.loads(closed)
         if self._id not in members["ids"]:
             log.info("round %d of '%s' closed with %d nodes before node %s arrived; waiting for the next",
                      r, self.run_id, len(members["ids"]), self.node_addr)
             return None
         return members["ids"], members["addrs"]
+
+    def _running_full(self, r: int) -> bool:
+        """Whether round r (closed) runs with the maximum of nodes and none left or died."""
+        return len(self._members_of(self._etcd, r)) == self._max and not self._etcd.get(self._k(r, "sig/changed"))[0]
 
     def _wait_signals(self, r: int, names: tuple[str, ...], deadline: float) -> dict[str, bytes] | None:
         """Round r's signals (``sig/*``) once one of ``names`` is set; None after one
@@ -446,6 +455,8 @@ class EtcdRendezvousHandler(StoreRendezvousHandler):
 
     def set_closed(self) -> None:
         self._etcd.put(f"{self._base}/closed".encode(), b"1")
+        if self._round >= 0:  # (the job is over for its members too) spares end now
+            self._etcd.create(self._k(self._round, "sig/changed"), b"closed")
         opened, _ = self._etcd.get(f"{self._base}/round".encode())
         for r in {int(opened.value) if opened else 0, self._round + 1}:  # release waiting nodes
             self._etcd.create(self._k(r, "sig/closed"), _JOB_CLOSED)

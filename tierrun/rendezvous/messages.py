@@ -28,3 +28,8 @@ def join_timeout_message(run_id: str, node_addr: str, join_timeout: float, arriv
     return (f"{head}, at least {min_nodes} needed ({nnodes}); {missing} more missing. Start tierrun on "
             "the missing nodes with the same --rdzv_endpoint and --rdzv_id, lower --nnodes, or raise "
             "--rdzv_conf join_timeout=SECONDS.")
+
+
+def closed_while_waiting(run_id: str, node: str, r: int) -> str:
+    return (f"rendezvous '{run_id}' was closed while node {node} waited for round {r}: another node ended the "
+            "job (its workers failed past --max-restarts, or it was stopped); its output says why")
