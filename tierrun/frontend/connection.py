@@ -39,6 +39,7 @@ _INVALID = -1
 #: most this many bytes of answers (see :mod:`.owed`); past it, it stops reading until
 #: the client reads (flow control).
 REPLY_BUFFER = 1 << 20
+TURN_REQUESTS = 1024  # requests of one connection served per turn of the event loop (see _serve)
 #: Seconds a dropped client's connection is still read (and discarded) before it is closed.
 LINGER = 10.0
 #: Seconds a connection's writing must have been paused (its client not reading) before
@@ -232,9 +233,9 @@ class ClientConnection(asyncio.Protocol):
         return self._transport.get_write_buffer_size() + owed.held + owed.reserved
 
     def _serve(self, requests: list) -> None:
-        """Execute ``requests`` in order and write their answers, in one write; while it
-        owes the client more than ``REPLY_BUFFER``, keep the rest (``_backlog``) and stop
-        reading until it owes less (``_resume``). O(requests) besides their execution."""
+        """Execute ``requests`` in order and write their answers, in one write; past
+        ``TURN_REQUESTS`` (links and other clients first) or ``REPLY_BUFFER`` owed, keep the
+        rest (``_backlog``) and stop reading until its turn (``_resume``). O(requests)."""
         execute = self._upstream.execute
         self._out = out = []
         owed, transport = self._owed, self._transport
@@ -245,14 +246,18 @@ class ClientConnection(asyncio.Protocol):
             for i, req in enumerate(requests):
                 if self.closed:  # (closed meanwhile: past the budget of unread answers, see _park)
                     return
+                if i == TURN_REQUESTS:  # (the rest on the next turn, after everyone else's)
+                    self._backlog = requests[i:]
+                    transport.pause_reading()
+                    asyncio.get_running_loop().call_soon(self._resume)
+                    break
                 if room < 0:
                     self._write(out)
                     out.clear()
                     room = REPLY_BUFFER - self.owed()
                     if room < 0:  # (not reading: keep the rest until it does)
                         self._backlog = requests[i:]
-                        assert self._transport is not None
-                        self._transport.pause_reading()
+                        transport.pause_reading()
                         return
                 op = req[0]
                 if op == _PING and not self._behind():
@@ -265,8 +270,7 @@ class ClientConnection(asyncio.Protocol):
                     self._write(out)
                     out.clear()
                     self._backlog = requests[i:]
-                    assert self._transport is not None
-                    self._transport.pause_reading()
+                    transport.pause_reading()
                     return
                 if op == _INVALID:
                     self._write(out)
@@ -276,8 +280,7 @@ class ClientConnection(asyncio.Protocol):
                     self._write(out)  # (the link is congested: its writes wait, unread)
                     out.clear()
                     self._backlog = requests[i:]
-                    assert self._transport is not None
-                    self._transport.pause_reading()
+                    transport.pause_reading()
                     return
                 reply = execute(req, self)
                 if reply is not None:
@@ -294,8 +297,7 @@ class ClientConnection(asyncio.Protocol):
                             out.clear()
                         if i + 1 < len(requests):
                             self._backlog = requests[i + 1:]
-                            assert self._transport is not None
-                            self._transport.pause_reading()
+                            transport.pause_reading()
                         return
                 elif self._write_room is not None:  # (a write through a link)
                     self._unconfirmed = True
