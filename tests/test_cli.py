@@ -41,10 +41,23 @@ def test_pet_environment_fallback(monkeypatch):
     (("--nnodes", "1", "--node_rank", "0"), "tierrun", 0),  # one node: nothing to order
     (("--nnodes", "2", "--node_rank", "1", "--rdzv_backend", "c10d"), "tierrun", 1),  # asked for
     (("--nnodes", "2", "--node_rank", "1", "--rdzv_endpoint", "h"), "tierrun", 1),  # c10d's command (port 29400)
+    (("--nnodes", "2", "--node_rank", "1", "--rdzv_endpoint", "h:5000"), "parallel", 1),  # static reads it
 ])
 def test_with_no_backend_given_a_node_rank_is_honoured_as_torchrun_does(argv, backend, rank):
     a = parse(*argv)
     assert (a.rdzv_backend, a.node_rank) == (backend, rank)
+
+
+@pytest.mark.parametrize("argv, standalone", [
+    ((), True),  # as torchrun: a store of its own on a free port, so two such jobs never meet
+    (("--nnodes", "1", "--rdzv_backend", "static"), True),
+    (("--master_port", "29751"), False),  # a port asked for: that port
+    (("--rdzv_endpoint", "h:1"), False),
+    (("--rdzv_backend", "c10d"), False),
+    (("--nnodes", "1:2"), False),
+])
+def test_one_node_with_no_port_asked_for_runs_standalone_as_torchrun_does(argv, standalone):
+    assert parse(*argv).standalone is standalone
 
 
 def test_a_pet_rdzv_backend_that_cannot_be_used_is_named_as_written(monkeypatch):
@@ -108,6 +121,7 @@ def test_the_tiered_flag_falls_back_on_pet_tiered_and_a_flag_wins(monkeypatch):
         (["--nnodes", "x"], "is not a number"),
         (["--rdzv_backend", "zookeeper"], "write one of"),
         (["--standalone", "--nnodes", "2"], "drop --standalone"),
+        (["--monitor_interval", "-1"], "--monitor_interval -1: write a number of seconds above 0"),
         (["--rdzv_backend", "parallel", "--nnodes", "2", "--node_rank", "2"], "outside 0..1"),
         (["--store-workers", "0"], "write 1 or more"),
         (["--rdzv_backend", "torch-c10d", "--nnodes", "2", "--tiered"],

@@ -194,13 +194,16 @@ def test_sigterm_elastic_node_leaves_and_the_others_go_on(tmp_path):
     assert recovered_after(logs[:2], t_term) < 15
 
 
-def test_static_job_stops_with_the_reason_when_a_node_leaves_or_dies(tmp_path):
-    """Static job, 3 nodes: SIGTERM to node 2's agent. The others must not wait (in a
-    collective, or in the next round's rendezvous for a node that will not come): they
-    stop their workers and exit non-zero saying which node left."""
+@pytest.mark.parametrize("tiering, sig", [((), signal.SIGTERM), (("--tiered",), signal.SIGINT)])
+def test_static_job_stops_with_the_reason_when_a_node_leaves_or_dies(tmp_path, tiering, sig):
+    """Static job, 3 nodes: SIGTERM to node 2's agent, or (tiered) SIGINT to its whole
+    process group, as Ctrl-C in its terminal sends it (its proxy, supervised by the
+    agent, must not die first: the agent tells the others through it). The others must
+    not wait (in a collective, or in the next round's rendezvous for a node that will
+    not come): they stop their workers and exit non-zero saying which node left."""
     port = free_port()
     logs = [tmp_path / f"node{k}.log" for k in range(3)]
-    procs = [tierrun("--nnodes", 3, "--nproc_per_node", 1, "--rdzv_backend", "parallel",
+    procs = [tierrun("--nnodes", 3, "--nproc_per_node", 1, "--rdzv_backend", "parallel", *tiering,
                      "--max_restarts", 1, "--master_addr", "127.0.1.1", "--master_port", port,
                      "--node_rank", k, "--local_addr", f"127.0.1.{k + 1}",
                      SCRIPTS / "heartbeat_worker.py", "--want", 4, log=logs[k]) for k in range(3)]
@@ -209,11 +212,15 @@ def test_static_job_stops_with_the_reason_when_a_node_leaves_or_dies(tmp_path):
         time.sleep(0.2)
     assert len(results(*logs, tag="UP")) == 3, logs[0].read_text()[-3000:]
     t_term = time.time()
-    procs[2].send_signal(signal.SIGTERM)
+    if sig == signal.SIGINT:
+        os.killpg(procs[2].pid, sig)
+    else:
+        procs[2].send_signal(sig)
     codes = finish(procs, timeout=60)
     assert all(c != 0 for c in codes), codes
     assert time.time() - t_term < 20
+    assert "could not tell the others" not in logs[2].read_text()
     for log in logs[:2]:
         text = log.read_text()
-        assert "node rank 2 (127.0.1.3) left: received SIGTERM" in text, text[-3000:]
+        assert f"node rank 2 (127.0.1.3) left: received {sig.name}" in text, text[-3000:]
         assert "cannot go on without every node" in text

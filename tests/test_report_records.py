@@ -3,6 +3,7 @@ the failure report and the timeline; the worker wrapper's error file."""
 
 import json
 import os
+import signal
 import subprocess
 import sys
 import time
@@ -161,6 +162,30 @@ def test_worker_wrapper_records_the_error_and_keeps_python_behaviour(tmp_path):
     out = subprocess.run([sys.executable, "-m", "tierrun.launcher.worker_main", str(script)],
                          env=dict(os.environ, TORCHELASTIC_ERROR_FILE=str(err)))
     assert out.returncode == 0 and not err.exists()
+
+
+def test_the_worker_script_runs_as_python_runs_it(tmp_path):
+    """A relative script path gives an absolute ``__file__`` (a script that changes
+    directory still finds its files); a missing script and a KeyboardInterrupt end as
+    Python ends them (code 2 and its message; death by SIGINT), recorded for the report."""
+    (tmp_path / "cfg.txt").write_text("found")
+    (tmp_path / "job.py").write_text("import os, pathlib\nos.chdir('/')\n"
+                                     "print(pathlib.Path(__file__).parent.joinpath('cfg.txt').read_text(), __file__)\n")
+    err = tmp_path / "error.json"
+    env = dict(os.environ, TORCHELASTIC_ERROR_FILE=str(err))
+    run = lambda script: subprocess.run([sys.executable, "-m", "tierrun.launcher.worker_main", script],
+                                        capture_output=True, text=True, env=env, cwd=tmp_path)
+    out = run("job.py")
+    assert (out.returncode, out.stdout) == (0, f"found {tmp_path / 'job.py'}\n"), out.stderr
+    out = run("missing.py")
+    python = subprocess.run([sys.executable, "missing.py"], capture_output=True, text=True, cwd=tmp_path)
+    assert (out.returncode, out.stderr) == (python.returncode, python.stderr) == (2, python.stderr)
+    assert "can't open file" in json.loads(err.read_text())["message"]["message"]
+    err.unlink()
+    (tmp_path / "job.py").write_text("raise KeyboardInterrupt\n")
+    out = run("job.py")
+    assert out.returncode == -signal.SIGINT and "KeyboardInterrupt" in out.stderr
+    assert json.loads(err.read_text())["message"]["message"] == "KeyboardInterrupt: "
 
 
 def test_collective_failures_after_a_death_are_consequences_not_the_root_cause():

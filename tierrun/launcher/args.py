@@ -10,6 +10,7 @@ import argparse
 import os
 
 from torch.distributed.argparse_util import env
+from torch.distributed.elastic.rendezvous.utils import parse_rendezvous_endpoint
 from torch.distributed.run import _parse_rendezvous_config, get_args_parser
 
 from ..rendezvous.conf import RendezvousSettingError, conf_flag
@@ -186,6 +187,13 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def _has_port(endpoint: str) -> bool:
+    try:
+        return parse_rendezvous_endpoint(endpoint, default_port=-1)[1] != -1
+    except ValueError:
+        return False
+
+
 def _node_counts(nnodes: str) -> tuple[int, int]:
     """``--nnodes N`` or ``MIN:MAX`` as (MIN, MAX). Raises UsageError."""
     parts = nnodes.split(":")
@@ -206,12 +214,16 @@ def normalise(args: argparse.Namespace) -> argparse.Namespace:
     if not rank_given:
         args.node_rank = 0
     nmin, nmax = _node_counts(args.nnodes)
+    if nmax == 1 and args.rdzv_backend in (None, "static") and not args.rdzv_endpoint and args.master_port is None:
+        args.standalone = True  # (as torchrun: a store of its own on a free port, so two such jobs never meet)
     if args.rdzv_backend is None:
         # torchrun's default is static, which honours --node_rank: tierrun's parallel, for
-        # torchrun's static command (--master_addr/--master_port, no --rdzv_endpoint). With
-        # no node rank every node would claim rank 0, and an --rdzv_endpoint or MIN:MAX says
-        # elastic (c10d's settings, port 29400): tierrun's elastic backend, which needs none.
-        static = rank_given and nmin == nmax > 1 and not args.standalone and not args.rdzv_endpoint
+        # torchrun's static command (--master_addr/--master_port, or --rdzv_endpoint
+        # HOST:PORT). With no node rank every node would claim rank 0, and MIN:MAX or an
+        # endpoint with no port (static refuses it; c10d's default port is 29400) says
+        # elastic: tierrun's elastic backend, which needs none.
+        static = (rank_given and nmin == nmax > 1 and not args.standalone
+                  and (not args.rdzv_endpoint or _has_port(args.rdzv_endpoint)))
         args.rdzv_backend = "parallel" if static else "tierrun"
     backend = args.rdzv_backend
     named = _as_written(args, "rdzv_backend", f"--rdzv_backend {backend}")  # (or PET_RDZV_BACKEND=...)
@@ -224,6 +236,8 @@ def normalise(args: argparse.Namespace) -> argparse.Namespace:
         raise UsageError(
             f"unknown {named}: write one of {', '.join(known)}"
         )
+    if args.monitor_interval <= 0:  # (torch's agent asserts it, with no message)
+        raise UsageError(f"--monitor_interval {args.monitor_interval:g}: write a number of seconds above 0")
     if args.standalone and nmax > 1:
         raise UsageError(
             f"--standalone runs one node but --nnodes is {args.nnodes}: drop --standalone "

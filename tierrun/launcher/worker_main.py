@@ -12,6 +12,7 @@ from __future__ import annotations
 import json
 import os
 import runpy
+import signal
 import sys
 import time
 import traceback
@@ -49,8 +50,14 @@ def main() -> None:
         run = lambda: runpy.run_module(args[1], run_name="__main__", alter_sys=True)
     else:
         sys.argv = args
-        sys.path[0] = os.path.dirname(os.path.abspath(args[0]))
-        run = lambda: runpy.run_path(args[0], run_name="__main__")
+        script = os.path.abspath(args[0])  # (its __file__, as Python gives it)
+        if not os.path.exists(script):  # (Python's message and exit code)
+            message = f"can't open file {script!r}: [Errno 2] No such file or directory"
+            print(f"{sys.executable}: {message}", file=sys.stderr)
+            _record(FileNotFoundError(message), message, "")
+            sys.exit(2)
+        sys.path[0] = os.path.dirname(script)
+        run = lambda: runpy.run_path(script, run_name="__main__")
     try:
         run()
     except SystemExit as e:
@@ -66,6 +73,10 @@ def main() -> None:
         e.__traceback__ = _script_frames(e.__traceback__)
         _record(e)
         sys.excepthook(type(e), e, e.__traceback__)  # as Python would, then its exit code
+        if isinstance(e, KeyboardInterrupt):  # (Python ends by SIGINT then: the parent sees the signal)
+            sys.stderr.flush()
+            signal.signal(signal.SIGINT, signal.SIG_DFL)
+            os.kill(os.getpid(), signal.SIGINT)
         sys.exit(1)
 
 

@@ -93,6 +93,10 @@ def main(argv: list[str]) -> int:
     p.add_argument("--with-run", action="store_true", help="draw the run phase at full length")
     args = p.parse_args(argv)
     out = args.png or args.file.with_suffix(".png")
-    render_png(json.loads(args.file.read_text()), out, start_up_only=not args.with_run)
+    try:
+        data = json.loads(args.file.read_text())
+    except (OSError, ValueError) as e:
+        p.error(f"cannot read {args.file} (written by tierrun --timeline FILE): {e}")
+    render_png(data, out, start_up_only=not args.with_run)
     print(out)
     return 0

@@ -10,6 +10,14 @@ from ..frontend import FrontEndConfig
 from ..protocol import Limits
 
 
+def port(text: str) -> int:
+    """A TCP port, 0-65535 (argparse's type: its error names the option)."""
+    value = int(text)
+    if not 0 <= value <= 65535:
+        raise argparse.ArgumentTypeError(f"{value} is not a TCP port: write 0-65535 (0 picks a free one)")
+    return value
+
+
 def store_parser(prog: str, description: str, default_host: str | None, default_port: int,
                  holds_keys: bool = True) -> argparse.ArgumentParser:
     """A parser of the options every store process shares; each command adds its own.
@@ -18,7 +26,7 @@ def store_parser(prog: str, description: str, default_host: str | None, default_
     p = argparse.ArgumentParser(prog=prog, description=description)
     p.add_argument("--host", default=default_host,
                    help=f"address to listen on (default: {default_host or 'all, dual-stack'})")
-    p.add_argument("--port", type=int, default=default_port, help="TCP port (0 picks a free one)")
+    p.add_argument("--port", type=port, default=default_port, help="TCP port (0 picks a free one)")
     p.add_argument("--unix", default=None, help="also listen on this Unix socket (@name: abstract)")
     d = Limits()
     p.add_argument("--max-key-bytes", type=int, default=d.max_key_bytes, help="longest key (default: %(default)s)")

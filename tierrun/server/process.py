@@ -107,6 +107,10 @@ class StoreProcess:
                 text=True,
                 env=env,
                 pass_fds=pass_fds,
+                # (controlled: its agent stops it, and it stops when the agent is gone; a
+                # signal to the agent's process group, Ctrl-C, must not end it before the
+                # agent has told the other nodes, through it, that this node leaves)
+                start_new_session=self.controlled,
             )
         finally:
             if self.token is not None:
