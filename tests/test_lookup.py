@@ -96,6 +96,44 @@ def test_anything_after_a_lookup_or_an_oversized_one_closes_that_connection_only
     assert store.exited() is None
 
 
+def test_a_replayed_lookup_holds_no_more_connections_open_than_a_handshake_may():
+    """A LOOKUP waits as long as its key takes, but its connection still counts among its
+    address's connections in their handshake (the oldest is closed past the cap), and a
+    byte after it closes it: a recorded LOOKUP replayed cannot hold connections open by
+    the hundred, nor one open by trickling bytes."""
+    store = StoreProcess(host="127.0.0.1", port=0, controlled=True, extra_args=["--links-only"],
+                         env={**os.environ, "TIERRUN_TOKEN": TOKEN.decode(), "TIERRUN_LINK_HANDSHAKES_PER_ADDRESS": "4"})
+    store.start()
+    try:
+        request, _ = auth.lookup(TOKEN, b"/never/set")
+        socks = []
+        for _ in range(8):
+            sock = socket.create_connection(("127.0.0.1", store.port), timeout=5)
+            sock.sendall(bytes([LINK_MAGIC]) + request)
+            socks.append(sock)
+            time.sleep(0.05)
+
+        def closed(sock: socket.socket) -> bool:
+            sock.settimeout(1.0)
+            try:
+                while sock.recv(1 << 16):  # (HELLO, then the end)
+                    pass
+                return True
+            except ConnectionResetError:
+                return True
+            except socket.timeout:
+                return False
+
+        assert [closed(s) for s in socks] == [True] * 4 + [False] * 4
+        socks[-1].sendall(b"\x00")  # (a byte after the LOOKUP)
+        assert closed(socks[-1])
+        for sock in socks:
+            sock.close()
+        assert store.exited() is None
+    finally:
+        store.stop()
+
+
 def test_a_requester_that_leaves_frees_its_wait(host):
     store, _ = host
     request, _ = auth.lookup(TOKEN, b"/never")

@@ -192,6 +192,8 @@ class LinkServerConnection(asyncio.Protocol):
                         self._opened()
                 else:
                     raise LinkError(f"unexpected frame type {ftype}")
+            if self._lookup is not None and decoder.partial:
+                raise LinkError("nothing may follow a LOOKUP")
             session = self._session
             if session is not None and session._wakes:  # every answer of this read: one frame
                 session.flush_answers()
@@ -224,7 +226,9 @@ class LinkServerConnection(asyncio.Protocol):
         nonce, key = handshake.lookup(payload)
         if len(key) > self._server.limits.max_key_bytes:  # (as a request's key would be)
             raise LinkError(f"a LOOKUP key of {len(key)} bytes, over the store's {self._server.limits.max_key_bytes}")
-        self._opened()
+        if self._deadline is not None:  # (it may wait long for its key, but it still counts among
+            self._deadline.cancel()     # its address's connections in their handshake: a recorded
+            self._deadline = None       # LOOKUP replayed cannot hold more than that many open)
 
         def send(answer: bytes) -> None:
             self._server.stats.lookups += 1
