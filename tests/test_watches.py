@@ -16,7 +16,8 @@ from tierrun.link.frames import (
     entry_waits, entry_watch,
 )
 from tierrun.protocol.requests import encode_request
-from tierrun.tier.watches import MAX_CHURN
+from tierrun.tier.plan import UpOp
+from tierrun.tier.watches import MAX_CHURN, MAX_WATCHED_BYTES, WatchCache
 from tierrun.protocol import Op
 from tierrun.protocol.opcodes import CHECK_NOT_READY, CHECK_READY, STOP_WAITING
 
@@ -734,3 +735,21 @@ def test_watches_are_per_namespace():
         assert core.snapshot() == {b"round1//done": b"1"}
 
     run(main())
+
+
+def test_the_watch_cache_holds_values_within_its_byte_budget():
+    """A client GETting many large values over and over (each read twice: watched) makes a
+    proxy hold their states: at most MAX_WATCHED_BYTES of them (past it the cache starts
+    again, as past its count of keys), and an invalidated key's bytes go with it."""
+    cache = WatchCache()
+    big = b"v" * (8 << 20)
+    for i in range(40):
+        u = UpOp((Op.GET, b"/k%d" % i), b"", None, 0)
+        u.wkey, u.rid = (b"", b"/k%d" % i), i + 1
+        cache.answered(u, True, big)
+        assert cache.value_bytes == sum(len(v or b"") for v in cache.values.values()) <= MAX_WATCHED_BYTES
+    assert len(cache.values) == MAX_WATCHED_BYTES // len(big)
+    n, _ = cache.invalidate([40], {})
+    assert n == 1 and cache.value_bytes == len(big) * (len(cache.values))
+    cache.drop_all()
+    assert cache.value_bytes == 0

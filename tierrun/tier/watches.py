@@ -32,8 +32,10 @@ from ..protocol.opcodes import CHECK_NOT_READY, CHECK_READY, STOP_WAITING
 from ..protocol.replies import encode_bytes
 from .plan import UpOp
 
-#: Keys a front-end watches at most (past it, it forgets them all and starts again).
+#: Keys a front-end watches at most, and bytes of their values it holds at most (past
+#: either, it forgets them all and starts again).
 MAX_WATCHES = 16384
+MAX_WATCHED_BYTES = 32 << 20
 #: A key whose watch was invalidated this often is read without one from then on.
 MAX_CHURN = 4
 MISSING = object()
@@ -55,6 +57,7 @@ class WatchCache:
 
     def __init__(self) -> None:
         self.values: dict[Key, bytes | None] = {}  # watched key -> value, None: absent
+        self.value_bytes = 0  # ... their values' bytes
         self.watch_of: dict[int, Key] = {}  # watch id (its WATCH's rid) -> key
         self.waiting_on: dict[Key, UpOp] = {}  # the WATCH-WAIT sent for a key
         self.downstream: dict[Key, list[Any]] = {}  # front-ends below watching a key
@@ -145,9 +148,13 @@ class WatchCache:
                     if watcher in below:
                         below.remove(watcher)
             return []
-        if len(self.values) >= MAX_WATCHES:
+        size = len(value) if value else 0
+        if len(self.values) >= MAX_WATCHES or self.value_bytes + size > MAX_WATCHED_BYTES:
             self.values.clear()  # (forgetting is always safe; the core's invalidations
             self.watch_of.clear()  # of forgotten watches are confirmed all the same)
+            self.value_bytes = 0
+        old = self.values.get(k)
+        self.value_bytes += size - (len(old) if old else 0)
         self.values[k] = value
         self.watch_of[u.rid] = k
         below = self.downstream.get(k)
@@ -179,7 +186,9 @@ class WatchCache:
                     continue
                 k = u.wkey
             n += 1
-            self.values.pop(k, None)
+            old = self.values.pop(k, None)
+            if old:
+                self.value_bytes -= len(old)
             self.waiting_on.pop(k, None)
             below += self.downstream.pop(k, ())
             if len(self._churn) > MAX_WATCHES:
@@ -192,6 +201,7 @@ class WatchCache:
         invalidations bring them back in order). Returns the front-ends below to tell."""
         self.lease_until = 0.0
         self.values.clear()
+        self.value_bytes = 0
         self.watch_of.clear()
         self.waiting_on.clear()
         below = [w for ws in self.downstream.values() for w in ws]
