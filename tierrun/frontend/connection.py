@@ -20,7 +20,7 @@ from ..protocol import Limits, Op, ProtocolError, RequestParser
 from ..protocol.opcodes import NO_REPLY_OPS
 from ..protocol.replies import encode_u32
 from .contracts import Gate, LinkAcceptor, Upstream
-from .owed import Owed
+from .owed import Owed, write_answer
 
 log = logging.getLogger("tierrun.store")
 
@@ -325,11 +325,11 @@ class ClientConnection(asyncio.Protocol):
                 self._owed.held += len(data)
                 gate.emit(self._send, data)
                 return
-            assert self._transport is not None
-            paused = self._writing_paused
-            self._transport.write(data)  # (past the buffer's high-water mark: pause_writing, now)
-            if paused:
-                self._park(len(data))
+            transport = self._transport
+            assert transport is not None
+            write_answer(transport, data)  # (past the buffer's high-water mark: pause_writing, now)
+            if self._writing_paused:  # (before, or since a slice of it: what is held counts)
+                self._park(max(0, transport.get_write_buffer_size() - self._unread))
 
     def _park(self, more: int) -> None:
         """``more`` bytes of answers wait in the socket's buffer of this connection while
@@ -417,10 +417,9 @@ class ClientConnection(asyncio.Protocol):
         transport = self._transport
         assert transport is not None
         if not transport.is_closing():
-            paused = self._writing_paused
-            transport.write(data)
-            if paused:
-                self._park(len(data))
+            write_answer(transport, data)
+            if self._writing_paused:  # (as in _write)
+                self._park(max(0, transport.get_write_buffer_size() - self._unread))
             if not self.closed:
                 if self._backlog:
                     self._resume()

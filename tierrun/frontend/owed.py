@@ -22,11 +22,27 @@ bounded by ``REPLY_BUFFER`` plus one answer, however many requests the client pi
 from __future__ import annotations
 
 from collections import deque
+from typing import Any
 
 from ..protocol import Limits, Op, Request
 
 #: Bytes a deferred request keeps reserved besides its answer: its state upstream.
 REQUEST_RESERVE = 128
+#: Answers longer than this are written in slices of it (see ``write_answer``).
+WRITE_SLICE = 256 << 10
+
+
+def write_answer(transport: Any, data: bytes) -> None:
+    """Write ``data`` to a client, a large answer in slices: uvloop keeps a buffer it has
+    partly sent whole until all of it is sent, while its write buffer (what the budgets
+    count) says only what is left, so an 8 MiB answer the kernel took 4 MiB of held 8 MiB
+    counted as 4. Sliced, what the transport keeps is what it counts, within a slice.
+    O(len(data)): a copy of a large answer."""
+    if len(data) <= WRITE_SLICE:
+        transport.write(data)
+    else:
+        for start in range(0, len(data), WRITE_SLICE):
+            transport.write(data[start:start + WRITE_SLICE])
 
 _VALUE_ANSWERS = frozenset({Op.GET, Op.QUEUE_POP, Op.COMPARE_SET})
 #: Answered with one byte (STOP_WAITING, READY/NOT_READY): counted apart from the
