@@ -182,9 +182,9 @@ def test_the_worker_script_runs_as_python_runs_it(tmp_path):
     assert (out.returncode, out.stderr) == (python.returncode, python.stderr) == (2, python.stderr)
     assert "can't open file" in json.loads(err.read_text())["message"]["message"]
     err.unlink()
-    (tmp_path / "job.py").write_text("raise KeyboardInterrupt\n")
-    out = run("job.py")
-    assert out.returncode == -signal.SIGINT and "KeyboardInterrupt" in out.stderr
+    (tmp_path / "job.py").write_text("import atexit\natexit.register(print, 'cleaned up')\nraise KeyboardInterrupt\n")
+    out = run("job.py")  # (after the script's clean-up, as Python's)
+    assert out.returncode == -signal.SIGINT and "KeyboardInterrupt" in out.stderr and out.stdout == "cleaned up\n"
     assert json.loads(err.read_text())["message"]["message"] == "KeyboardInterrupt: "
 
 

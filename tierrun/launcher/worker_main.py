@@ -9,6 +9,7 @@ give it; the exit code and the traceback on stderr are Python's own.
 
 from __future__ import annotations
 
+import atexit
 import json
 import os
 import runpy
@@ -43,7 +44,21 @@ def _record(exc: BaseException, message: str | None = None, callstack: str | Non
         pass
 
 
+_interrupted: list[BaseException] = []
+
+
+def _die_by_sigint() -> None:
+    """Registered before the script runs (atexit runs handlers last-in first-out: this one
+    last, after the script's own clean-up), it ends an interrupted worker by SIGINT."""
+    if _interrupted:
+        sys.stdout.flush()
+        sys.stderr.flush()
+        signal.signal(signal.SIGINT, signal.SIG_DFL)
+        os.kill(os.getpid(), signal.SIGINT)
+
+
 def main() -> None:
+    atexit.register(_die_by_sigint)
     args = sys.argv[1:]
     if args[:1] == ["-m"]:
         sys.argv = args[1:]
@@ -73,10 +88,8 @@ def main() -> None:
         e.__traceback__ = _script_frames(e.__traceback__)
         _record(e)
         sys.excepthook(type(e), e, e.__traceback__)  # as Python would, then its exit code
-        if isinstance(e, KeyboardInterrupt):  # (Python ends by SIGINT then: the parent sees the signal)
-            sys.stderr.flush()
-            signal.signal(signal.SIGINT, signal.SIG_DFL)
-            os.kill(os.getpid(), signal.SIGINT)
+        if isinstance(e, KeyboardInterrupt):  # (Python ends by SIGINT then, after its clean-up)
+            _interrupted.append(e)
         sys.exit(1)
 
 

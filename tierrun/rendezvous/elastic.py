@@ -98,6 +98,7 @@ class ElasticRendezvousHandler(TreeRounds):
         self._max = max_nodes
         self._join_timeout = join_timeout
         self._deadline = 0.0  # of the current join (see _join)
+        self._spares_waiting = 0  # (seen when this node closed the job)
         self._last_call = last_call_timeout
         self._base = f"tierrun/{run_id}"
         self._round = -1  # last round this node was a member of
@@ -166,16 +167,18 @@ class ElasticRendezvousHandler(TreeRounds):
         again). None if it closed without us; else (arrival index, rank, members, worker
         endpoint (None: tiered, opened once the node's proxy is the round's), whether
         every member runs as many workers, the round's ``tree`` key or None)."""
+        if r > 0 and self._round != r - 1 and self._running_full(store, r - 1):  # (not a member coming back)
+            store.add(f"{self._base}/spares", 1)  # (the store host waits for them before it stops)
+            spare.wait(self.node_addr, self.run_id, r - 1, self._max, lambda t: self._changed_within(r - 1, t),
+                       self.is_closed)  # (no arrival index meanwhile: a spare that dies holds no place)
+            store.add(f"{self._base}/spares", -1)
+            self._deadline = time.monotonic() + self._join_timeout
+        deadline = self._deadline
         index = int(store.add(self._k(r, "joined"), 1))
         me = {"addr": self.node_addr, "prev_rank": self._rank, "prev_round": self._round,
               "prev_index": self._index, "pid": os.getpid(), "workers": self._local_world_size,
               "host": self.job.root is not None, "fanout": self._fanout}
         store.set(self._k(r, f"node/{index}"), json.dumps(me))
-        if r > 0 and self._round != r - 1 and self._running_full(store, r - 1):  # (a member comes back)
-            spare.wait(self.node_addr, self.run_id, r - 1, self._max, lambda t: self._changed_within(r - 1, t),
-                       self.is_closed)
-            self._deadline = time.monotonic() + self._join_timeout
-        deadline = self._deadline
         if r > 0 and (index == 1 or self._round == r - 1):  # the running members restart (a member
             store.compare_set(self._k(r - 1, "changed"), "", "joined")  # back: round r-1 is over, spares join)
         store.append(self._k(r, "arrivals"), f"{self.node_addr}\n")
@@ -184,7 +187,7 @@ class ElasticRendezvousHandler(TreeRounds):
             endpoint = self.job.worker_endpoint(f"{self.run_id}/workers/{r}")
             if endpoint is not None:
                 store.set(self._k(r, "worker_port"), str(endpoint[1]))
-        if index >= self._max:  # (past it: spares took the first places)
+        if index == self._max:
             self._close(store, r, self._max)
         elif index == self._min:
             threading.Thread(target=self._last_call_then_close, args=(store.clone(), r), daemon=True).start()
@@ -413,8 +416,7 @@ class ElasticRendezvousHandler(TreeRounds):
     def set_closed(self) -> None:
         store = self.job.client()
         store.set(f"{self._base}/closed", "1")
-        if self._round >= 0:  # (the job is over for its members too) spares end now
-            store.compare_set(self._k(self._round, "changed"), "", "closed")
+        self._spares_waiting = int(store.add(f"{self._base}/spares", 0))
         # release nodes waiting for the next round
         r = int(store.add(f"{self._base}/round", 0))
         for rr in {r, self._round + 1}:
@@ -428,8 +430,8 @@ class ElasticRendezvousHandler(TreeRounds):
                 self.set_closed()
             except Exception:
                 log.debug("closing rendezvous '%s' failed (store gone)", self.run_id, exc_info=True)
-        if self.job.hosting:
-            time.sleep(0.5)  # let the other agents read the closed flag
+        if self.job.hosting:  # let the other agents, and spares (which look every spare.POLL), see it closed
+            time.sleep(0.5 + (spare.POLL if self._spares_waiting else 0.0))
         self.job.stop()
         return True
 

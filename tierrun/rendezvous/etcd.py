@@ -175,6 +175,12 @@ class EtcdRendezvousHandler(StoreRendezvousHandler):
         """Join round r (by ``self._deadline``; a spare's wait, see ``spare``, starts it
         again); the members' ids and addresses in rank order once it closes with this
         node, None if it closed without it."""
+        if r > 0 and self._round != r - 1 and self._running_full(r - 1):  # (not a member coming back)
+            spare.wait(self.node_addr, self.run_id, r - 1, self._max,  # (no arrival meanwhile)
+                       lambda t: self._wait_signals(r - 1, ("changed",), time.monotonic() + t) is not None,
+                       self.is_closed)
+            self._deadline = time.monotonic() + self._join_timeout
+        deadline = self._deadline
         me = descriptor(self._id, self.node_addr, self._rank, self._round, os.getpid(), self._is_host, self._no_host)
         joined, responses, revision = self._etcd.txn(
             [absent(self._k(r, "sig/closed"))],
@@ -183,12 +189,6 @@ class EtcdRendezvousHandler(StoreRendezvousHandler):
         if not joined:
             return None
         index = int(responses[1].get("count", 0))
-        if r > 0 and self._round != r - 1 and self._running_full(r - 1):  # (a member comes back)
-            spare.wait(self.node_addr, self.run_id, r - 1, self._max,  # (its lease renewed once it joins)
-                       lambda t: self._wait_signals(r - 1, ("changed",), time.monotonic() + t) is not None,
-                       self.is_closed)
-            self._deadline = time.monotonic() + self._join_timeout
-        deadline = self._deadline
         if r > 0 and (index == 1 or self._round == r - 1):  # the running members restart to admit the
             self._etcd.create(self._k(r - 1, "sig/changed"), b"joined")  # waiting nodes (a member back: spares)
         if index >= self._max:
@@ -455,8 +455,6 @@ class EtcdRendezvousHandler(StoreRendezvousHandler):
 
     def set_closed(self) -> None:
         self._etcd.put(f"{self._base}/closed".encode(), b"1")
-        if self._round >= 0:  # (the job is over for its members too) spares end now
-            self._etcd.create(self._k(self._round, "sig/changed"), b"closed")
         opened, _ = self._etcd.get(f"{self._base}/round".encode())
         for r in {int(opened.value) if opened else 0, self._round + 1}:  # release waiting nodes
             self._etcd.create(self._k(r, "sig/closed"), _JOB_CLOSED)

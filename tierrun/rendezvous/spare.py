@@ -2,8 +2,9 @@
 MIN:MAX``) waits as a spare, as torch's c10d backend puts such a node on its redundancy
 list: the running members could not admit it, so it does not make them restart; it
 joins the next round once a member leaves or dies, and if the job ends first it exits
-without error. A spare checks every ``POLL`` seconds whether the job has ended: one
-request per spare per poll, whatever the job's size."""
+without error. A spare holds no place in the next round while it waits (one that dies
+meanwhile leaves nothing behind), and checks every ``POLL`` seconds whether the job has
+ended: one request per spare per poll, whatever the job's size."""
 
 from __future__ import annotations
 
@@ -14,7 +15,7 @@ from torch.distributed.elastic.rendezvous import RendezvousClosedError
 
 log = logging.getLogger("tierrun.rendezvous")
 
-POLL = 5.0
+POLL = 1.0
 
 
 class SpareNotNeededError(RendezvousClosedError):
@@ -30,7 +31,7 @@ def wait(node: str, run_id: str, r: int, max_nodes: int, changed_within: Callabl
                 "waits as a spare and joins when one of them leaves or dies", node, r, run_id, max_nodes)
     while True:
         changed = changed_within(POLL)
-        if ended():  # (closing the job also changes the running round: spares do not wait for POLL)
+        if ended():
             raise SpareNotNeededError(
                 f"node {node} waited as a spare and was not needed: rendezvous '{run_id}' ended with its "
                 f"maximum of {max_nodes} nodes running (raise the maximum of --nnodes MIN:MAX to use more nodes)")
