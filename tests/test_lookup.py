@@ -15,6 +15,7 @@ import threading
 import time
 
 import pytest
+from test_budget_attacks import closed_by_server
 
 from tierrun.client import StoreClient
 from tierrun.core import StoreCore
@@ -112,21 +113,9 @@ def test_a_replayed_lookup_holds_no_more_connections_open_than_a_handshake_may()
             sock.sendall(bytes([LINK_MAGIC]) + request)
             socks.append(sock)
             time.sleep(0.05)
-
-        def closed(sock: socket.socket) -> bool:
-            sock.settimeout(1.0)
-            try:
-                while sock.recv(1 << 16):  # (HELLO, then the end)
-                    pass
-                return True
-            except ConnectionResetError:
-                return True
-            except socket.timeout:
-                return False
-
-        assert [closed(s) for s in socks] == [True] * 4 + [False] * 4
+        assert [closed_by_server(s, timeout=1.0) for s in socks] == [True] * 4 + [False] * 4
         socks[-1].sendall(b"\x00")  # (a byte after the LOOKUP)
-        assert closed(socks[-1])
+        assert closed_by_server(socks[-1], timeout=1.0)
         for sock in socks:
             sock.close()
         assert store.exited() is None

@@ -94,10 +94,8 @@ class ElasticRendezvousHandler(TreeRounds):
                  join_timeout: float, last_call_timeout: float, local_addr: str | None,
                  config: dict) -> None:
         super().__init__(job, run_id, local_addr, config)
-        self._min = min_nodes
-        self._max = max_nodes
+        self._min, self._max = min_nodes, max_nodes
         self._join_timeout = join_timeout
-        self._deadline = 0.0  # of the current join (see _join)
         self._spares_waiting = 0  # (seen when this node closed the job)
         self._last_call = last_call_timeout
         self._base = f"tierrun/{run_id}"
@@ -134,10 +132,13 @@ class ElasticRendezvousHandler(TreeRounds):
         if self.is_closed():
             raise RendezvousClosedError(f"rendezvous '{self.run_id}' is closed: the job has ended")
         r = max(self._round + 1, int(store.add(f"{self._base}/round", 0)))
-        self._deadline = time.monotonic() + self._join_timeout
+        deadline = time.monotonic() + self._join_timeout
         while True:
+            if r > 0 and self._round != r - 1 and self._running_full(store, r - 1):  # (not a member coming back)
+                self._wait_as_spare(store, r - 1)
+                deadline = time.monotonic() + self._join_timeout
             with self._progress(f"rendezvous '{self.run_id}' round {r}", lambda c, r=r: self._arrivals(c, r)):
-                joined = self._join(store, r)
+                joined = self._join(store, r, deadline)
             if joined is not None:
                 break
             r += 1  # arrived after the close: wait in the next round
@@ -162,18 +163,10 @@ class ElasticRendezvousHandler(TreeRounds):
             RendezvousStoreInfo(*endpoint),
         )
 
-    def _join(self, store, r: int):
-        """Join round r (by ``self._deadline``; a spare's wait, see ``spare``, starts it
-        again). None if it closed without us; else (arrival index, rank, members, worker
-        endpoint (None: tiered, opened once the node's proxy is the round's), whether
-        every member runs as many workers, the round's ``tree`` key or None)."""
-        if r > 0 and self._round != r - 1 and self._running_full(store, r - 1):  # (not a member coming back)
-            store.add(f"{self._base}/spares", 1)  # (the store host waits for them before it stops)
-            spare.wait(self.node_addr, self.run_id, r - 1, self._max, lambda t: self._changed_within(r - 1, t),
-                       self.is_closed)  # (no arrival index meanwhile: a spare that dies holds no place)
-            store.add(f"{self._base}/spares", -1)
-            self._deadline = time.monotonic() + self._join_timeout
-        deadline = self._deadline
+    def _join(self, store, r: int, deadline: float):
+        """Join round r. None if it closed without us; else (arrival index, rank, members,
+        worker endpoint (None: tiered, opened once the node's proxy is the round's),
+        whether every member runs as many workers, the round's ``tree`` key or None)."""
         index = int(store.add(self._k(r, "joined"), 1))
         me = {"addr": self.node_addr, "prev_rank": self._rank, "prev_round": self._round,
               "prev_index": self._index, "pid": os.getpid(), "workers": self._local_world_size,
@@ -222,8 +215,15 @@ class ElasticRendezvousHandler(TreeRounds):
 
     def _running_full(self, store, r: int) -> bool:
         """Whether round r (closed) runs with the maximum of nodes and none left or died."""
-        closed = store.multi_get([self._k(r, "closed")])[0]
-        return closed == str(self._max).encode() and not store.check([self._k(r, "changed")])
+        return (store.multi_get([self._k(r, "closed")])[0] == str(self._max).encode()
+                and not store.check([self._k(r, "changed")]))
+
+    def _wait_as_spare(self, store, r: int) -> None:
+        """Wait until round r changes (see ``spare``), with no arrival index (a spare that
+        dies holds no place); counted, so the store host waits for spares before it stops."""
+        store.add(f"{self._base}/spares", 1)
+        spare.wait(self.node_addr, self.run_id, r, self._max, lambda t: self._changed_within(r, t), self.is_closed)
+        store.add(f"{self._base}/spares", -1)
 
     def _changed_within(self, r: int, timeout: float) -> bool:
         """Whether round r changes (a member leaves or dies) within ``timeout`` seconds."""

@@ -94,7 +94,6 @@ class EtcdRendezvousHandler(StoreRendezvousHandler):
         self._etcd = Etcd(options)
         self._min, self._max = min_nodes, max_nodes
         self._join_timeout, self._last_call = join_timeout, last_call_timeout
-        self._deadline = 0.0  # of the current join (see _join)
         self._stores = RoundStores.from_config(config, settings, self.node_addr, join_timeout)
         self._base = f"/tierrun/{run_id}"
         self._id = uuid.uuid4().hex
@@ -145,9 +144,14 @@ class EtcdRendezvousHandler(StoreRendezvousHandler):
             raise RendezvousClosedError(f"rendezvous '{self.run_id}' is closed: the job has ended")
         opened, _ = self._etcd.get(f"{self._base}/round".encode())
         r = max(self._round + 1, int(opened.value) if opened else 0)
-        self._deadline = time.monotonic() + self._join_timeout
+        deadline = time.monotonic() + self._join_timeout
         while True:
-            members = self._join(r)
+            if r > 0 and self._round != r - 1 and self._running_full(r - 1):  # (not a member coming back)
+                spare.wait(self.node_addr, self.run_id, r - 1, self._max,  # (no arrival meanwhile)
+                           lambda t: self._wait_signals(r - 1, ("changed",), time.monotonic() + t) is not None,
+                           self.is_closed)
+                deadline = time.monotonic() + self._join_timeout
+            members = self._join(r, deadline)
             if members is not None:
                 ids, addrs = members
                 rank = ids.index(self._id)
@@ -171,16 +175,9 @@ class EtcdRendezvousHandler(StoreRendezvousHandler):
         return RendezvousInfo(PrefixStore(f"tierrun/{self.run_id}/{r}/agents", self.job.client()),
                               rank, n, RendezvousStoreInfo(*endpoint))
 
-    def _join(self, r: int) -> tuple[list[str], list[str]] | None:
-        """Join round r (by ``self._deadline``; a spare's wait, see ``spare``, starts it
-        again); the members' ids and addresses in rank order once it closes with this
-        node, None if it closed without it."""
-        if r > 0 and self._round != r - 1 and self._running_full(r - 1):  # (not a member coming back)
-            spare.wait(self.node_addr, self.run_id, r - 1, self._max,  # (no arrival meanwhile)
-                       lambda t: self._wait_signals(r - 1, ("changed",), time.monotonic() + t) is not None,
-                       self.is_closed)
-            self._deadline = time.monotonic() + self._join_timeout
-        deadline = self._deadline
+    def _join(self, r: int, deadline: float) -> tuple[list[str], list[str]] | None:
+        """Join round r; the members' ids and addresses in rank order once it closes with
+        this node, None if it closed without it."""
         me = descriptor(self._id, self.node_addr, self._rank, self._round, os.getpid(), self._is_host, self._no_host)
         joined, responses, revision = self._etcd.txn(
             [absent(self._k(r, "sig/closed"))],
