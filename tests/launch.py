@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import random
 import re
 import signal
 import socket
@@ -14,9 +15,18 @@ SCRIPTS = Path(__file__).parent / "scripts"
 
 
 def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    """A port free for TCP and UDP on every address, below the kernel's ephemeral range
+    (32768 up): one picked there can be taken by some outgoing connection (a Slurm
+    daemon's, another test's client) before the job binds it."""
+    while True:
+        port = random.randint(20000, 32000)
+        try:
+            with socket.socket() as t, socket.socket(type=socket.SOCK_DGRAM) as u:
+                t.bind(("", port))
+                u.bind(("", port))
+            return port
+        except OSError:
+            continue
 
 
 def tierrun(*args: str, log: Path, env: dict | None = None) -> subprocess.Popen:
