@@ -93,6 +93,10 @@ SEQUENCES = {
     "checks-then-ping": [(Op.CHECK, (b"/absent",)), (Op.CHECK, (b"/k",)), (Op.PING, 8)],
     "add-then-cancel-then-ping": [(Op.WAIT, (b"/missing",)), (Op.ADD, b"/n", 1), (Op.CANCEL_WAIT,), (Op.PING, 9)],
     "set-then-ping": [(Op.QUEUE_PUSH, b"/q", b"1"), (Op.SET, b"/s", b"1"), (Op.PING, 10), (Op.GET, b"/s")],
+    # a write that wakes the client's own WAIT: the WAIT's answer first (at the store
+    # host, a lone request's answer went ahead of the wake it caused)
+    "wait-woken-by-own-add": [(Op.WAIT, (b"/n",)), (Op.ADD, b"/n", 1), (Op.PING, 11)],
+    "wait-queue-len-add": [(Op.WAIT, (b"/n",)), (Op.QUEUE_LEN, b"/q0"), (Op.ADD, b"/n", 1), (Op.PING, 12)],
 }
 
 
@@ -117,8 +121,11 @@ def test_answers_come_in_torchs_order(servers, name):
 
 def test_two_waits_cancelled_at_once(servers):
     """Both of a client's WAITs go with its CANCEL_WAIT: nothing comes when their keys
-    are set later (torch drops every wait of the client)."""
+    are set later (torch drops every wait of the client). At the store host: a node
+    proxy closes a client that sends a second WAIT before the first one's answer (below)."""
     for target, port in servers.items():
+        if target in ("proxy", "tree"):
+            continue
         c = _conn(port)
         c.sendall(_enc((Op.WAIT, (b"/w1",)), (Op.WAIT, (b"/w2",)), (Op.CANCEL_WAIT,)))
         assert _read_for(c, 1.0) == b"\x01", target  # (WAIT_CANCELED)
@@ -132,3 +139,39 @@ def test_two_waits_cancelled_at_once(servers):
         assert len(_read_for(setter, 10.0, 16)) == 16
         c.close()
         setter.close()
+
+
+#: A client that sends a WAIT or BARRIER before reading its previous one's answer (torch's
+#: client never does). torch's server keeps one count of awaited keys per connection,
+#: which the second overwrites while the first one's keys still count it down.
+PIPELINED_WAITS = {
+    "two-waits-one-key": [(Op.WAIT, (b"/p1",)), (Op.WAIT, (b"/p1",)), (Op.SET, b"/p1", b"x"), (Op.PING, 1)],
+    "wait-a-wait-b-set-b": [(Op.WAIT, (b"/p2",)), (Op.WAIT, (b"/p3",)), (Op.SET, b"/p3", b"x"), (Op.PING, 2),
+                            (Op.SET, b"/p2", b"x"), (Op.PING, 3)],
+    "three-barriers": [(Op.BARRIER, b"/p4", 3), (Op.BARRIER, b"/p4", 3), (Op.BARRIER, b"/p4", 3), (Op.PING, 4)],
+}
+
+
+@pytest.mark.parametrize("name", PIPELINED_WAITS)
+def test_a_wait_sent_before_the_previous_ones_answer(servers, name):
+    """The store host answers as torch's server does (here, where its one count per
+    connection and the store host's "a new WAIT replaces the previous one" agree); a
+    node proxy, which cannot, closes that client with nothing answered past its first
+    WAIT, and goes on serving the others."""
+    keys = [b"/p1", b"/p2", b"/p3", b"/p4"]
+    answers = {}
+    for target, port in servers.items():
+        c = _conn(port)
+        c.sendall(_enc(*PIPELINED_WAITS[name]))
+        answers[target] = _read_for(c, 1.0)
+        if target in ("proxy", "tree"):
+            assert answers[target] == b"", f"{target}: {answers[target].hex(' ')}"
+            c.settimeout(10)
+            assert c.recv(1) == b"", f"{target}: the connection is still open"
+        c.close()
+        other = _conn(port)  # (the node's other clients: served)
+        other.sendall(_enc(*[(Op.DELETE_KEY, k) for k in keys], (Op.PING, 99)))
+        assert len(_read_for(other, 10.0, 8 * len(keys) + 4)) == 8 * len(keys) + 4, target
+        other.close()
+    assert answers["torch"], "torch's server answered nothing"
+    assert answers["flat"] == answers["torch"], f"flat: {answers['flat'].hex(' ')}; torch: {answers['torch'].hex(' ')}"

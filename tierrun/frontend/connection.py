@@ -11,15 +11,13 @@ import logging
 import socket
 import struct
 from time import monotonic
-from collections.abc import Callable
-from typing import Protocol
 
 from ..core import StoreError
 from ..link.frames import LINK_MAGIC
 from ..protocol import Limits, Op, ProtocolError, RequestParser
 from ..protocol.opcodes import NO_REPLY_OPS
 from ..protocol.replies import encode_u32
-from .contracts import Gate, LinkAcceptor, Upstream
+from .contracts import ConnectionOwner
 from .owed import Owed, write_answer
 
 log = logging.getLogger("tierrun.store")
@@ -49,38 +47,6 @@ LINGER = 10.0
 UNREAD_GRACE = 2.0
 
 
-class ConnectionOwner(Protocol):
-    """What a connection needs of the front-end that accepted it (``FrontEnd``)."""
-
-    upstream: Upstream
-    limits: Limits
-    link_acceptor: LinkAcceptor | None
-    gate: Gate | None
-    #: Refuse torch-protocol clients: only links (a tiered job's store host's public port).
-    links_only: bool
-    #: Who may connect on a Unix socket (SO_PEERCRED's uid).
-    unix_uids: frozenset[int]
-    #: Bytes held for unfinished requests, all its connections together.
-    unfinished: int
-    #: Its connections holding an unfinished request, the one begun longest ago first.
-    unfinished_since: dict[ClientConnection, None]
-    #: Bytes of answers its clients have not read (those of connections whose writing
-    #: is paused: at most what they held when paused, plus what was written since).
-    unread: int
-    #: Those connections, the one paused longest ago first.
-    unread_since: dict[ClientConnection, None]
-
-    def admit(self, conn: ClientConnection) -> bool:
-        """Count ``conn`` as a client; False: refused (it is closed at once)."""
-
-    def release(self, conn: ClientConnection) -> None:
-        """``conn`` closed."""
-
-    def became_link(self, conn: ClientConnection) -> Callable[[], None]:
-        """``conn`` turned out to be a front-end's link: it is not a client after all,
-        but counts as a connection until the returned callable is called."""
-
-
 class ClientConnection(asyncio.Protocol):
     """Speaks the torch protocol with one client; answers PING itself.
 
@@ -108,6 +74,10 @@ class ClientConnection(asyncio.Protocol):
     already): then a PING goes upstream instead, and a CANCEL_WAIT follows a PING sent
     up first, whose answer comes after all of theirs. Requests read before an invalid
     one are executed and answered, then the client is closed.
+
+    Through a link, a WAIT or BARRIER sent before the answer of the client's previous one
+    closes it (torch's client never does: it blocks on its wait). torch's server answers
+    such a pair from one count of awaited keys per connection, which merged WAITs lack.
     """
 
     __slots__ = ("_frontend", "_upstream", "_parser", "_transport", "peer", "closed", "_sniff", "_gate",
@@ -281,6 +251,11 @@ class ClientConnection(asyncio.Protocol):
                     out.clear()
                     self._backlog = requests[i:]
                     transport.pause_reading()
+                    return
+                if op in _ANSWERED_LATER and self._owed.waits and self._write_room is not None:
+                    self._write(out)  # (see the class: what torch's server would answer, a link cannot)
+                    self.drop(f"{Op(op).name} sent before its previous WAIT or BARRIER was answered: through a "
+                              "node proxy a connection waits for one at a time, as torch's client does")
                     return
                 reply = execute(req, self)
                 if reply is not None:

@@ -6,11 +6,11 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import Callable
-from typing import Protocol
+from typing import Any, Protocol
 
 from ..core import Waiter
 from ..core.watch_state import WATCH_READ
-from ..protocol import Request
+from ..protocol import Limits, Request
 
 
 class Upstream(Protocol):
@@ -53,3 +53,35 @@ class Gate(Protocol):
     closed: bool
 
     def emit(self, send: Callable[[bytes], None], data: bytes) -> None: ...
+
+
+class ConnectionOwner(Protocol):
+    """What a connection needs of the front-end that accepted it (``FrontEnd``)."""
+
+    upstream: Upstream
+    limits: Limits
+    link_acceptor: LinkAcceptor | None
+    gate: Gate | None
+    #: Refuse torch-protocol clients: only links (a tiered job's store host's public port).
+    links_only: bool
+    #: Who may connect on a Unix socket (SO_PEERCRED's uid).
+    unix_uids: frozenset[int]
+    #: Bytes held for unfinished requests, all its connections together.
+    unfinished: int
+    #: Its connections holding an unfinished request, the one begun longest ago first.
+    unfinished_since: dict[Any, None]
+    #: Bytes of answers its clients have not read (those of connections whose writing
+    #: is paused: at most what they held when paused, plus what was written since).
+    unread: int
+    #: Those connections, the one paused longest ago first.
+    unread_since: dict[Any, None]
+
+    def admit(self, conn: Any) -> bool:
+        """Count ``conn`` as a client; False: refused (it is closed at once)."""
+
+    def release(self, conn: Any) -> None:
+        """``conn`` closed."""
+
+    def became_link(self, conn: Any) -> Callable[[], None]:
+        """``conn`` turned out to be a front-end's link: it is not a client after all,
+        but counts as a connection until the returned callable is called."""

@@ -279,18 +279,21 @@ class LinkServerConnection(asyncio.Protocol):
         try:  # (not a WAIT here; a relayed write: its ticket)
             reply = client.upstream.execute(req, waiter_for(client, req, rid) if client.relays_writes else client)
         except StoreError as err:
-            frame = encode_reply(rid, FAILED, session.failed(req, err))
+            answer = (rid, FAILED, session.failed(req, err))
         else:
             if reply is None:
                 if req[0] not in NO_REPLY_OPS:
                     client.pending.append(rid)  # (a stacked front-end's: answered later)
                 elif client.relays_writes:  # (its write may wait for room: a relaying proxy)
                     session.relayed_writes(client)
-                frame = b""
+                answer = None
             else:  # (vet inlined for a small answer)
-                frame = encode_reply(rid, *((OK, reply) if len(reply) <= SMALL_ANSWER else session.vet(reply)))
-        if frame:  # (through the gate: if the request changed a watched key, the round goes first)
-            session.emit(frame)
+                answer = (rid, OK, reply) if len(reply) <= SMALL_ANSWER else (rid, *session.vet(reply))
+        if answer is not None:
+            if session._wakes:  # (it woke a WAIT of this link: that answer first, as torch's server sends them)
+                session._wakes.append(answer)
+            else:  # (through the gate: if the request changed a watched key, the round goes first)
+                session.emit(encode_reply(*answer))
         if ack_due:
             self.write(session.ledger.ack())
         return True
