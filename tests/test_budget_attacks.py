@@ -531,6 +531,44 @@ def test_one_key_waits_past_the_budget_through_a_proxy_close_their_client_not_th
         n.close()
 
 
+def test_waits_that_fill_the_key_budget_make_room_for_other_hosts():
+    """From a hostile review: 8 connections of one host, each waiting on 131,072 missing
+    keys (torch's limit per request), held the whole default budget of keys; every
+    other client's next new key, and next WAIT (torch's get), was refused. Here 3
+    connections from 127.0.0.9 wait on 3,333 keys each (a budget of 10,000): another
+    host's client still sets a new key and waits for it, the hog's largest waits are
+    dropped (their clients closed) to make the room, and the hog cannot take it back."""
+    n = Node(tiered=False, store_args=("--max-store-keys=10000",))
+    try:
+        bystander = n.torch_client()
+        hogs = []
+        for c in range(3):  # (with the bystander's key: 10,000)
+            hog = socket.socket()
+            hog.bind(("127.0.0.9", 0))
+            hog.connect(("127.0.0.1", n.port))
+            hog.sendall(encode_handshake(1) + encode_request((Op.WAIT, tuple(b"/h/%d/%d" % (c, i) for i in range(3333)))))
+            assert hog.recv(4, socket.MSG_WAITALL) == b"\x01\x00\x00\x00"
+            hogs.append(hog)
+        deadline = time.monotonic() + 10
+        while n.root.stats()["waiters"] < 3 and time.monotonic() < deadline:
+            time.sleep(0.05)
+        bystander.set("fresh", b"v")
+        assert bystander.get("fresh") == b"v"  # (a WAIT, then a GET)
+        assert "dropped to make room" in wait_for_log(n.root, "dropped to make room")
+        waiting = [h for h in hogs if not closed_by_server(h, 0.5)]
+        assert len(waiting) == 2
+        again = socket.socket()  # (the hog's host asks for the room back: refused)
+        again.bind(("127.0.0.9", 0))
+        again.connect(("127.0.0.1", n.port))
+        send_until_closed(again, encode_handshake(1) + encode_request((Op.WAIT, tuple(b"/h/9/%d" % i for i in range(3333)))))
+        assert closed_by_server(again)
+        assert not any(closed_by_server(h, 0.2) for h in waiting)  # (the 2 others: still waiting)
+        n.still_served(bystander)
+        assert bystander.get("fresh") == b"v"
+    finally:
+        n.close()
+
+
 @pytest.mark.parametrize("tiered", [False, True], ids=["flat", "tiered"])
 def test_clients_that_never_read_large_answers_are_held_to_one_budget_together(tiered):
     """Each client's unread answers are held to --max-unread-bytes, but nothing held

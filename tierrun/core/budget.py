@@ -28,6 +28,16 @@ class BudgetExceeded(StoreError):
     """A write past the store's budget, or an answer past its size limit."""
 
 
+class BudgetFull(BudgetExceeded):
+    """A write, or a WAIT that would wait on ``waits`` keys, past the store's totals
+    (``--max-store-keys``, ``--max-store-bytes``): keys others wait for may make room
+    (``wait_shares``)."""
+
+    def __init__(self, message: str, waits: int = 0) -> None:
+        super().__init__(message)
+        self.waits = waits
+
+
 def _key(key: bytes) -> str:
     return repr(key[:64]) + ("..." if len(key) > 64 else "")
 
@@ -62,11 +72,11 @@ class StoreBudget:
         if (b > self.max_bytes and more_bytes > 0) or (e > self.max_entries and more_entries > 0):
             self.refused += 1
             if e > self.max_entries and more_entries > 0:
-                raise BudgetExceeded(
+                raise BudgetFull(
                     f"the store holds {self.entries:,} keys and queued values, its budget (--max-store-keys), "
                     f"and this write (key {_key(key)}) adds {more_entries:,}; delete keys, or start the store "
                     "with a larger budget")
-            raise BudgetExceeded(
+            raise BudgetFull(
                 f"the store holds {self.bytes:,} bytes of keys and values and this write (key {_key(key)}) "
                 f"adds {more_bytes:,}, past its budget (--max-store-bytes) of {self.max_bytes:,}; delete keys, "
                 "or start the store with a larger budget")
@@ -81,11 +91,11 @@ class StoreBudget:
         more = sum(map(len, keys))
         if self.entries + len(keys) > self.max_entries or self.bytes + more > self.max_bytes:
             self.refused += 1
-            raise BudgetExceeded(
+            raise BudgetFull(
                 f"it would wait on {len(keys):,} missing keys ({more:,} bytes), and the store holds "
                 f"{self.entries:,} keys and waited-for keys ({self.bytes:,} bytes): past its budget "
                 f"(--max-store-keys {self.max_entries:,}, --max-store-bytes {self.max_bytes:,}); keys waited "
-                "for count as keys while they are waited for: wait for fewer keys at a time")
+                "for count as keys while they are waited for: wait for fewer keys at a time", len(keys))
         self.entries += len(keys)
         self.bytes += more
 

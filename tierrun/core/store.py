@@ -15,22 +15,11 @@ from itertools import islice
 from typing import Protocol
 
 from ..protocol import Limits, Op, Request
-from ..protocol.opcodes import (
-    CHECK_NOT_READY,
-    CHECK_READY,
-    STOP_WAITING,
-    WAIT_CANCELED,
-)
-from ..protocol.replies import (
-    encode_bytes,
-    encode_i64,
-    encode_key_list,
-    encode_many,
-    encode_queue_pop,
-    encode_u32,
-)
-from .budget import ScanPacer, StoreBudget, multi_set_growth
+from ..protocol.opcodes import CHECK_NOT_READY, CHECK_READY, STOP_WAITING, WAIT_CANCELED
+from ..protocol.replies import encode_bytes, encode_i64, encode_key_list, encode_many, encode_queue_pop, encode_u32
+from .budget import BudgetFull, ScanPacer, StoreBudget, multi_set_growth
 from .values import StoreError, parse_counter, wrap_i64
+from .wait_shares import WaitShares, make_room
 from .watch_state import PEEK, UNWATCHABLE, WATCH_READ, encode_watch_state
 
 __all__ = ["MAX_WATCHES_PER_OWNER", "StoreCore", "StoreError", "Waiter"]
@@ -41,6 +30,9 @@ class Waiter(Protocol):
 
     def wake(self, reply: bytes) -> None:
         """Deliver a deferred reply (STOP_WAITING). Must not call back into the core."""
+
+    def drop(self, reason: str) -> None:
+        """Its wait was dropped to make room (:mod:`.wait_shares`): close its client."""
 
 
 #: Called with the watchers of a key that just changed, before anyone waiting on the
@@ -72,6 +64,7 @@ class StoreCore:
 
     def __init__(self, limits: Limits | None = None, pacer: ScanPacer | None = None) -> None:
         self.budget = StoreBudget(limits or Limits())
+        self.shares = WaitShares()  # each source's share of the keys waited for
         self.pacer = pacer or ScanPacer()
         self._key_bytes = 0  # bytes of the keys of _data (a LIST_KEYS answer's size)
         self._data: dict[bytes, bytes] = {}
@@ -113,11 +106,12 @@ class StoreCore:
             Op.BARRIER: self._barrier,
         }
 
-    # -- public interface -------------------------------------------------------------
-
     def execute(self, req: Request, waiter: Waiter) -> bytes | None:
         self.operations += 1
-        return self._handlers[req[0]](req, waiter)
+        try:
+            return self._handlers[req[0]](req, waiter)
+        except BudgetFull as full:  # (others' waits may make room: see wait_shares)
+            return make_room(self, waiter, full, lambda: self._handlers[req[0]](req, waiter))
 
     def execute_watching(self, req: Request, waiter: Waiter, watcher: object,
                          how: int = WATCH_READ) -> bytes | None:
@@ -126,14 +120,18 @@ class StoreCore:
         or (a WAIT on a missing key) through ``waiter.wake`` once the key is there.
         Until the key next changes, or the watcher's owner has too many watches
         (``MAX_WATCHES_PER_OWNER``; either way ``on_watches_broken`` gets the watcher),
-        the watcher may answer reads of it from that state; a WAIT that blocks watches its key as
-        absent meanwhile (a change breaks that watch first, then wakes it, which
-        watches the key anew), unless ``how`` is a FETCH: then it is watched only
-        once it is woken (its watcher lets no other WAIT join it meanwhile, so its key's
-        first write starts no invalidation round for it). A queue's key is not watched.
-        ``how`` PEEK (a front-end reading ahead, for no client): only the key's state, and
-        only a key that holds a value is watched; nothing waits. O(1) more than the
-        request."""
+        the watcher may answer reads of it from that state; a WAIT that blocks watches
+        its key as absent meanwhile (a change breaks that watch first, then wakes it,
+        which watches the key anew), unless ``how`` is a FETCH: then only once woken (no
+        other WAIT joins it meanwhile: its key's first write starts no round for it). A
+        queue's key is not watched. ``how`` PEEK (a front-end reading ahead, for no
+        client): only the state of a key that holds a value; nothing waits. O(1) more."""
+        try:
+            return self._execute_watching(req, waiter, watcher, how)
+        except BudgetFull as full:
+            return make_room(self, waiter, full, lambda: self._execute_watching(req, waiter, watcher, how))
+
+    def _execute_watching(self, req: Request, waiter: Waiter, watcher: object, how: int) -> bytes | None:
         self.operations += 1
         op = req[0]
         key = req[1] if op == Op.GET else req[1][0]
@@ -226,6 +224,7 @@ class StoreCore:
         if entry is None:
             return
         self.budget.unwait(entry[1])
+        self.shares.removed(waiter, len(entry[1]))
         for key in entry[1]:
             waiters = self._waiting.get(key)
             if waiters is not None:
@@ -248,8 +247,6 @@ class StoreCore:
         """A copy of the key/value map (for tests and diagnostics)."""
         return dict(self._data)
 
-    # -- waiters ----------------------------------------------------------------------
-
     def _present(self, key: bytes) -> bool:
         if key in self._data:
             return True
@@ -261,6 +258,7 @@ class StoreCore:
         for key in keys:
             self._waiting.setdefault(key, {})[waiter] = None
         self._pending[waiter] = [len(keys), keys]
+        self.shares.added(waiter, len(keys))
 
     def _wake_all(self, key: bytes) -> None:
         waiters = self._waiting.pop(key, None)
@@ -277,6 +275,7 @@ class StoreCore:
     def _release(self, waiter: Waiter, keys: list[bytes]) -> None:
         """A WAIT has all its ``keys``: answer it (a watching one with its key's state)."""
         self.budget.unwait(keys)
+        self.shares.removed(waiter, len(keys))
         watching = self._watch_on_wake.pop(waiter, None) if self._watch_on_wake else None
         if watching is not None:
             key, watcher = watching
@@ -298,8 +297,6 @@ class StoreCore:
                 break
         if waiters is not None and not waiters:
             del self._waiting[key]
-
-    # -- operations -------------------------------------------------------------------
 
     def _grow(self, key: bytes, current: bytes | None, new: bytes) -> None:
         """Count (or refuse: BudgetExceeded) ``key`` going from ``current`` to ``new``."""

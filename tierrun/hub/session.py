@@ -127,6 +127,11 @@ class Ticket:
         self.client = client
         self.rid = rid
 
+    @property
+    def scan_source(self) -> object:
+        """Whose share its keys waited for count in (``core.wait_shares``): its node's link session."""
+        return self.client.session
+
     def wake(self, reply: bytes) -> None:
         if self.client.tickets.pop(self.rid, None) is not None:
             self.client.session.queue_reply(self.rid, OK, reply)
