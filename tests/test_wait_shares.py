@@ -118,3 +118,46 @@ def test_barrier_and_watching_waits_take_room_too(core):
     assert wait(core, hog2, keys("h", 98)) is None
     assert core.execute_watching((Op.WAIT, (b"/late",)), Client("10.0.0.3"), ("session", 1)) is None
     assert hog2.dropped
+
+
+def test_nothing_is_dropped_when_dropping_cannot_make_the_room():
+    """A refusal for bytes that waits do not hold, or a request larger than all the
+    waits: refused, and every wait kept (from a hostile review: each such request
+    dropped waits, then was refused anyway)."""
+    core = StoreCore(Limits(max_store_keys=100, max_store_bytes=4000))
+    hog = Client("10.0.0.9")
+    assert wait(core, hog, keys("h", 60)) is None
+    with pytest.raises(StoreError, match="--max-store-bytes"):
+        core.execute((Op.SET, b"/big", b"x" * 5000), Client("10.0.0.2"))
+    with pytest.raises(StoreError, match="--max-store-keys"):
+        core.execute((Op.MULTI_SET, keys("k", 120), (b"v",) * 120), Client("10.0.0.2"))
+    assert hog.dropped is None and core.shares.total == 60 and core.budget.refused == 2
+
+
+def test_a_nodes_writes_count_as_the_node_and_take_no_room_from_its_own_waits():
+    """Through a node proxy a write's waiter is the node's link client: the same source
+    as the node's waits (as a flat host's SET is its WAITs')."""
+    core = StoreCore(Limits(max_store_keys=100))
+    node = Client("?")
+    node.scan_source = 4242  # type: ignore[assignment]  (a session's id, as hub.session's clients say)
+    assert wait(core, node, keys("n", 99)) is None
+    core.execute((Op.ADD, b"/c", 1), node)
+    with pytest.raises(StoreError, match="--max-store-keys"):
+        core.execute((Op.SET, b"/d", b"v"), node)
+    assert node.dropped is None
+    core.execute((Op.SET, b"/d", b"v"), Client("10.0.0.2"))  # (another host's write: room from the node)
+    assert node.dropped
+
+
+def test_making_room_for_a_large_request_drops_many_small_waits_in_one_pass():
+    """From a hostile review: each wait dropped retried the whole request (a MULTI_SET of
+    4,000 keys re-counted 4,000 times: seconds of the store host's time). One plan,
+    one retry: the request goes, and exactly the waits it needs are dropped."""
+    core = StoreCore(Limits(max_store_keys=8000))
+    node = [Client("?") for _ in range(8000)]
+    for i, c in enumerate(node):
+        c.scan_source = 7  # type: ignore[assignment]
+        assert wait(core, c, (b"/w/%d" % i,)) is None
+    core.execute((Op.MULTI_SET, keys("k", 4000), (b"v",) * 4000), Client("10.0.0.2"))
+    assert sum(c.dropped is not None for c in node) == 4000
+    assert core.shares.total == 4000 and core.budget.entries == 8000 and core.budget.refused == 0

@@ -29,13 +29,15 @@ class BudgetExceeded(StoreError):
 
 
 class BudgetFull(BudgetExceeded):
-    """A write, or a WAIT that would wait on ``waits`` keys, past the store's totals
-    (``--max-store-keys``, ``--max-store-bytes``): keys others wait for may make room
-    (``wait_shares``)."""
+    """A write, or a WAIT that would wait on ``waits`` keys, past the store's totals by
+    ``over_entries`` keys and ``over_bytes`` bytes (``--max-store-keys``,
+    ``--max-store-bytes``): keys others wait for may make room (``wait_shares``)."""
 
-    def __init__(self, message: str, waits: int = 0) -> None:
+    def __init__(self, message: str, waits: int, over_entries: int, over_bytes: int) -> None:
         super().__init__(message)
         self.waits = waits
+        self.over_entries = over_entries
+        self.over_bytes = over_bytes
 
 
 def _key(key: bytes) -> str:
@@ -71,15 +73,16 @@ class StoreBudget:
         e = self.entries + more_entries
         if (b > self.max_bytes and more_bytes > 0) or (e > self.max_entries and more_entries > 0):
             self.refused += 1
+            over = (e - self.max_entries if more_entries > 0 else 0, b - self.max_bytes if more_bytes > 0 else 0)
             if e > self.max_entries and more_entries > 0:
                 raise BudgetFull(
                     f"the store holds {self.entries:,} keys and queued values, its budget (--max-store-keys), "
                     f"and this write (key {_key(key)}) adds {more_entries:,}; delete keys, or start the store "
-                    "with a larger budget")
+                    "with a larger budget", 0, *over)
             raise BudgetFull(
                 f"the store holds {self.bytes:,} bytes of keys and values and this write (key {_key(key)}) "
                 f"adds {more_bytes:,}, past its budget (--max-store-bytes) of {self.max_bytes:,}; delete keys, "
-                "or start the store with a larger budget")
+                "or start the store with a larger budget", 0, *over)
         self.bytes = b
         self.entries = e
 
@@ -95,7 +98,8 @@ class StoreBudget:
                 f"it would wait on {len(keys):,} missing keys ({more:,} bytes), and the store holds "
                 f"{self.entries:,} keys and waited-for keys ({self.bytes:,} bytes): past its budget "
                 f"(--max-store-keys {self.max_entries:,}, --max-store-bytes {self.max_bytes:,}); keys waited "
-                "for count as keys while they are waited for: wait for fewer keys at a time", len(keys))
+                "for count as keys while they are waited for: wait for fewer keys at a time",
+                len(keys), self.entries + len(keys) - self.max_entries, self.bytes + more - self.max_bytes)
         self.entries += len(keys)
         self.bytes += more
 
@@ -143,7 +147,7 @@ def multi_set_growth(data: dict[bytes, bytes], keys: tuple[bytes, ...],
 def scanner_of(waiter: object) -> int | str:
     """Whose scan time a waiter's scans count as: a client connection's source host (its
     ``scan_source``: a client that opens a new connection for every scan is still one
-    scanner), else the waiter itself (a node's link client), by id. O(1)."""
+    scanner; a node's link client: its session's id), else the waiter itself, by id. O(1)."""
     source = getattr(waiter, "scan_source", None)
     return source if source is not None else id(waiter)
 

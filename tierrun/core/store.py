@@ -224,7 +224,7 @@ class StoreCore:
         if entry is None:
             return
         self.budget.unwait(entry[1])
-        self.shares.removed(waiter, len(entry[1]))
+        self.shares.removed(waiter)
         for key in entry[1]:
             waiters = self._waiting.get(key)
             if waiters is not None:
@@ -258,7 +258,7 @@ class StoreCore:
         for key in keys:
             self._waiting.setdefault(key, {})[waiter] = None
         self._pending[waiter] = [len(keys), keys]
-        self.shares.added(waiter, len(keys))
+        self.shares.added(waiter, keys)
 
     def _wake_all(self, key: bytes) -> None:
         waiters = self._waiting.pop(key, None)
@@ -275,7 +275,7 @@ class StoreCore:
     def _release(self, waiter: Waiter, keys: list[bytes]) -> None:
         """A WAIT has all its ``keys``: answer it (a watching one with its key's state)."""
         self.budget.unwait(keys)
-        self.shares.removed(waiter, len(keys))
+        self.shares.removed(waiter)
         watching = self._watch_on_wake.pop(waiter, None) if self._watch_on_wake else None
         if watching is not None:
             key, watcher = watching

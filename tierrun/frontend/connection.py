@@ -255,7 +255,8 @@ class ClientConnection(asyncio.Protocol):
                 if op in _ANSWERED_LATER and self._owed.waits and self._write_room is not None:
                     self._write(out)  # (see the class: what torch's server would answer, a link cannot)
                     self.drop(f"{Op(op).name} sent before its previous WAIT or BARRIER was answered: through a "
-                              "node proxy a connection waits for one at a time, as torch's client does")
+                              "link (a node proxy, or a store host's --workers) a connection waits for one at a "
+                              "time, as torch's client does")
                     return
                 reply = execute(req, self)
                 if reply is not None:

@@ -102,6 +102,12 @@ class RemoteClient:
         #: refused later, upstream, and is executed under a :class:`WriteTicket`.
         self.relays_writes = bool(getattr(upstream, "defers_refusals", False))
 
+    @property
+    def scan_source(self) -> int:
+        """Whose share its scans and its keys waited for count in (``core.budget``,
+        ``core.wait_shares``): its node's, all of the session's clients together."""
+        return id(self.session)
+
     def wake(self, reply: bytes) -> None:
         self.session.queue_reply(self.pending.popleft(), OK, reply)
 
@@ -128,9 +134,9 @@ class Ticket:
         self.rid = rid
 
     @property
-    def scan_source(self) -> object:
-        """Whose share its keys waited for count in (``core.wait_shares``): its node's link session."""
-        return self.client.session
+    def scan_source(self) -> int:
+        """(As its client's.)"""
+        return id(self.client.session)
 
     def wake(self, reply: bytes) -> None:
         if self.client.tickets.pop(self.rid, None) is not None:
