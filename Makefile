@@ -39,8 +39,10 @@ slurm:
 demo: $(DEMO_STAMP)
 	$(PYTHON) examples/demo.py
 
+# two workers (pytest-xdist): the suite waits on processes and timers more than it
+# computes; `$(PYTHON) -m pytest -q` runs the tests one at a time
 test: $(STAMP)
-	$(PYTHON) -m pytest -q
+	$(PYTHON) -m pytest -q -n 2
 
 # each benchmark writes its figures under docs/ (docs/benchmarks.md, docs/bench/)
 bench: $(STAMP)
