@@ -126,13 +126,13 @@ class StoreCore:
         other WAIT joins it meanwhile: its key's first write starts no round for it). A
         queue's key is not watched. ``how`` PEEK (a front-end reading ahead, for no
         client): only the state of a key that holds a value; nothing waits. O(1) more."""
+        self.operations += 1
         try:
             return self._execute_watching(req, waiter, watcher, how)
         except BudgetFull as full:
             return make_room(self, waiter, full, lambda: self._execute_watching(req, waiter, watcher, how))
 
     def _execute_watching(self, req: Request, waiter: Waiter, watcher: object, how: int) -> bytes | None:
-        self.operations += 1
         op = req[0]
         key = req[1] if op == Op.GET else req[1][0]
         if how == PEEK:
