@@ -144,6 +144,7 @@ def test_a_22_kb_multi_get_of_2000_copies_of_a_1_mib_value(node):
     assert peak_rss_mb(node.root.pid) < 150
 
 
+@pytest.mark.solo
 def test_300_pipelined_gets_of_a_1_mib_value_through_a_proxy_by_a_client_that_never_reads():
     """Issue 33's second symptom: the proxy sends a client's next request up only while
     what it owes the client (each GET counted at a value's size) is small, so the store
@@ -205,6 +206,7 @@ def test_sets_past_the_store_budget_close_their_client_only(tiered, budget, key_
         n.close()
 
 
+@pytest.mark.solo
 def test_a_flood_of_sets_through_a_proxy_waits_for_the_link_instead_of_overflowing_it():
     """SETs have no answer, so nothing bounds them but the link: a client pipelining
     200 MiB of them waits (it is not read) while the node's link has more than 16 MiB
@@ -253,6 +255,7 @@ def test_appends_past_the_value_limit_close_their_client_only(node):
     assert peak_rss_mb(node.root.pid) < 200
 
 
+@pytest.mark.solo
 def test_long_scans_never_stall_the_store_host_past_the_link_heartbeat_timeout():
     """Clients listing 400,000 keys over and over: full scans get at most half the store
     host's time (those past it are refused, their clients closed), so a node's link
@@ -303,6 +306,7 @@ def test_long_scans_never_stall_the_store_host_past_the_link_heartbeat_timeout()
         n.close()
 
 
+@pytest.mark.solo
 def test_clients_pipelining_without_pause_do_not_starve_the_links_or_other_clients():
     """Two clients, one at the store host and one at the node's proxy, each pipelining
     tiny requests without pause (1 MiB of CHECKs at a time) and reading every answer:
