@@ -86,11 +86,11 @@ class StoreBudget:
         self.bytes = b
         self.entries = e
 
-    def wait(self, keys: list[bytes]) -> None:
+    def wait(self, keys: list[bytes]) -> int:
         """A WAIT (or BARRIER) about to block on ``keys``: the store holds a registration
         per key while it waits (~300 B in CPython, besides the key), so each counts as a
         key, and its bytes as a key's, until it is woken or forgotten (:meth:`unwait`).
-        Raises BudgetExceeded (nothing counted) past a budget. O(keys)."""
+        Returns their bytes. Raises BudgetExceeded (nothing counted) past a budget. O(keys)."""
         more = sum(map(len, keys))
         if self.entries + len(keys) > self.max_entries or self.bytes + more > self.max_bytes:
             self.refused += 1
@@ -102,6 +102,7 @@ class StoreBudget:
                 len(keys), self.entries + len(keys) - self.max_entries, self.bytes + more - self.max_bytes)
         self.entries += len(keys)
         self.bytes += more
+        return more
 
     def unwait(self, keys: list[bytes]) -> None:
         """The wait on ``keys`` counted by :meth:`wait` is over. O(keys)."""

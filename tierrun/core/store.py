@@ -254,11 +254,11 @@ class StoreCore:
         return bool(queue)
 
     def _block(self, waiter: Waiter, keys: list[bytes]) -> None:
-        self.budget.wait(keys)  # (the keys count while they are waited for; refused: nothing done)
+        size = self.budget.wait(keys)  # (the keys count while they are waited for; refused: nothing done)
         for key in keys:
             self._waiting.setdefault(key, {})[waiter] = None
         self._pending[waiter] = [len(keys), keys]
-        self.shares.added(waiter, keys)
+        self.shares.added(waiter, len(keys), size)
 
     def _wake_all(self, key: bytes) -> None:
         waiters = self._waiting.pop(key, None)

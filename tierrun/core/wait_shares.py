@@ -19,7 +19,7 @@ WAITs behind one node, can still be the smaller one, and a well-behaved client w
 on many keys the one dropped; a source that filled the store with keys (not waits) is
 not counted for them.
 
-Cost: O(1) per wait and answer; a request refused while waits hold half the budget,
+Cost: O(1) per wait and answer besides the budget's O(keys); a request refused while waits hold half the budget,
 O(sources) plus O(w log w) for the w waits of each source it looks at, and one retry.
 """
 
@@ -50,13 +50,12 @@ class WaitShares:
         self.keys_of: dict[object, int] = {}
         self.waiters_of: dict[object, dict[Any, tuple[int, int]]] = {}
 
-    def added(self, waiter: Any, keys: list[bytes]) -> None:
-        """``waiter`` waits on ``keys`` (it waited on nothing). O(keys)."""
+    def added(self, waiter: Any, n: int, key_bytes: int) -> None:
+        """``waiter`` waits on ``n`` keys of ``key_bytes`` bytes (it waited on nothing). O(1)."""
         source = source_of(waiter)
-        n = len(keys)
         self.total += n
         self.keys_of[source] = self.keys_of.get(source, 0) + n
-        self.waiters_of.setdefault(source, {})[waiter] = (n, sum(map(len, keys)))
+        self.waiters_of.setdefault(source, {})[waiter] = (n, key_bytes)
 
     def removed(self, waiter: Any) -> None:
         """``waiter`` waits no more (answered, forgotten). O(1)."""
