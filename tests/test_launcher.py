@@ -180,6 +180,42 @@ def test_static_timeout_names_the_missing_nodes(tmp_path):
     assert "1 of 3 nodes arrived; missing node ranks: 1, 2" in text
 
 
+def test_a_node_started_with_a_node_rank_already_held_stops_saying_so_and_the_job_goes_on(tmp_path):
+    """A copied command line: two nodes with --node_rank 1. The second to arrive stops
+    at once naming both; the first keeps its place and the job runs once node rank 2
+    arrives (not taken for a restarted agent: those come back from the same address)."""
+    port = free_port()
+    common = ("--nnodes", 3, "--nproc_per_node", 1, "--rdzv_backend", "parallel",
+              "--master_addr", "127.0.1.1", "--master_port", port)
+    logs = [tmp_path / f"node{k}.log" for k in range(4)]
+
+    def node(k: int, rank: int):
+        return tierrun(*common, "--node_rank", rank, "--local_addr", f"127.0.1.{k + 1}",
+                       SCRIPTS / "collectives.py", log=logs[k])
+
+    host, twins = node(0, 0), [node(1, 1), node(2, 1)]
+    procs = [host, *twins]
+    try:
+        deadline = time.monotonic() + 90
+        while all(p.poll() is None for p in twins) and time.monotonic() < deadline:
+            time.sleep(0.2)
+        out = next((k for k, p in enumerate(twins) if p.poll() is not None), None)
+        assert out is not None, "neither node with --node_rank 1 stopped"
+        kept = 1 - out
+        assert twins[out].returncode == 1
+        text = logs[out + 1].read_text()
+        assert (f"node 127.0.1.{out + 2} was started with --node_rank 1, which node 127.0.1.{kept + 2} already "
+                "holds in rendezvous 'none'") in text and "Traceback" not in text, text[-3000:]
+        last = node(3, 2)
+        procs.append(last)
+        assert finish([host, twins[kept], last]) == [0, 0, 0], logs[0].read_text()[-3000:]
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                kill_tree(p.pid)
+    check_world(results(logs[0], logs[kept + 1], logs[3]), 3, 6)
+
+
 def test_elastic_timeout_says_how_many_arrived(tmp_path):
     log = tmp_path / "node0.log"
     p = tierrun("--nnodes", "2:3", "--nproc_per_node", 1, "--rdzv_endpoint", f"127.0.1.1:{free_port()}",

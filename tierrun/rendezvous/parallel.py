@@ -23,6 +23,7 @@ from datetime import timedelta
 from torch.distributed import PrefixStore
 from torch.distributed.elastic.rendezvous import (
     RendezvousConnectionError,
+    RendezvousError,
     RendezvousHandler,
     RendezvousInfo,
     RendezvousParameters,
@@ -43,6 +44,10 @@ from .tree import TreePlace, store_fanout_from
 log = logging.getLogger("tierrun.rendezvous")
 
 DEFAULT_TIMEOUT = 600
+
+
+class DuplicateNodeRankError(RendezvousError):
+    """Two nodes of a static job were started with the same ``--node_rank``."""
 
 
 class ParallelRendezvousHandler(StoreRendezvousHandler):
@@ -101,10 +106,21 @@ class ParallelRendezvousHandler(StoreRendezvousHandler):
         record keys: N WAITs of N keys each cost the store host O(N²) (at 512 nodes, more
         than all the rest of the start-up). The record is created with COMPARE_SET and
         counted only by its creator, so an agent restarted into the same round is not
-        counted twice (its record already exists)."""
+        counted twice (its record already exists). A record of another address is not a
+        restart but a second node started with this ``--node_rank``: raises
+        ``DuplicateNodeRankError`` on that one (the first goes on)."""
         record = json.dumps({"addr": self.node_addr, "nonce": secrets.token_hex(8)})
         key = f"{base}/node/{self._rank}"
-        if store.compare_set(key, "", record) != record.encode():
+        existing = store.compare_set(key, "", record)
+        if existing != record.encode():
+            holder = _record_addr(existing)
+            if holder != self.node_addr:
+                raise DuplicateNodeRankError(
+                    f"node {self.node_addr} was started with --node_rank {self._rank}, which node {holder} "
+                    f"already holds in rendezvous '{self.run_id}': every node needs its own --node_rank, "
+                    f"0 to {self._world_size - 1}. Start this node again with the rank that is missing (node rank "
+                    "0 names it while it waits); the others wait for it."
+                )
             store.set(key, record)  # a restarted agent: already counted, refresh the record
             return
         if int(store.add(f"{base}/arrived", 1)) == self._world_size:
@@ -217,6 +233,14 @@ class ParallelRendezvousHandler(StoreRendezvousHandler):
         self._stop_watching(leaving=True)
         self.job.stop()
         return True
+
+
+def _record_addr(record: bytes) -> str:
+    """The address a node record names ("?" if it is not one of ours)."""
+    try:
+        return str(json.loads(record)["addr"])
+    except (ValueError, TypeError, KeyError):
+        return "?"
 
 
 def create_handler(params: RendezvousParameters, settings: Settings) -> RendezvousHandler:
