@@ -347,7 +347,7 @@ def test_the_handlers_read_tiered_in_torchs_boolean_spellings(spelling):
     """Under torch's own torchrun (no tierrun launcher in between), ``--rdzv-conf
     tiered=yes`` is tiered, as torch's get_as_bool reads it, not a flat store in silence;
     a value that is no boolean stops the node saying what to write."""
-    from tierrun.rendezvous.job_store import token_from
+    from tierrun.rendezvous.conf import token_from
     from tierrun.settings import Settings
 
     assert token_from({"tiered": spelling}, Settings(token="secret")) == b"secret"

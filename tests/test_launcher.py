@@ -180,40 +180,67 @@ def test_static_timeout_names_the_missing_nodes(tmp_path):
     assert "1 of 3 nodes arrived; missing node ranks: 1, 2" in text
 
 
-def test_a_node_started_with_a_node_rank_already_held_stops_saying_so_and_the_job_goes_on(tmp_path):
-    """A copied command line: two nodes with --node_rank 1. The second to arrive stops
-    at once naming both; the first keeps its place and the job runs once node rank 2
-    arrives (not taken for a restarted agent: those come back from the same address)."""
-    port = free_port()
-    common = ("--nnodes", 3, "--nproc_per_node", 1, "--rdzv_backend", "parallel",
-              "--master_addr", "127.0.1.1", "--master_port", port)
-    logs = [tmp_path / f"node{k}.log" for k in range(4)]
-
+def _static_node(port: int, logs: list, nodes: int = 3):
     def node(k: int, rank: int):
-        return tierrun(*common, "--node_rank", rank, "--local_addr", f"127.0.1.{k + 1}",
-                       SCRIPTS / "collectives.py", log=logs[k])
+        return tierrun("--nnodes", nodes, "--nproc_per_node", 1, "--rdzv_backend", "parallel",
+                       "--master_addr", "127.0.1.1", "--master_port", port, "--node_rank", rank,
+                       "--local_addr", f"127.0.1.{k + 1}", SCRIPTS / "collectives.py", log=logs[k])
+    return node
 
-    host, twins = node(0, 0), [node(1, 1), node(2, 1)]
-    procs = [host, *twins]
+
+def _wait_for_text(logs: list, text: str, timeout: float = 90) -> int:
+    """The index of the first log that shows ``text``."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        for k, log in enumerate(logs):
+            if log.exists() and text in log.read_text():
+                return k
+        time.sleep(0.2)
+    raise AssertionError(f"no log says {text!r}")
+
+
+def test_of_two_nodes_started_with_one_node_rank_one_stops_saying_so_and_the_job_runs(tmp_path):
+    """A copied command line: two live nodes with --node_rank 1. The later one takes the
+    rank (as a spare replacing a lost node would); once the round forms the other stops,
+    naming both, before it starts any worker, and the job runs with ranks 0-2 once."""
+    logs = [tmp_path / f"node{k}.log" for k in range(4)]
+    node = _static_node(free_port(), logs)
+    procs = [node(0, 0), node(1, 1), node(2, 1)]
     try:
-        deadline = time.monotonic() + 90
-        while all(p.poll() is None for p in twins) and time.monotonic() < deadline:
-            time.sleep(0.2)
-        out = next((k for k, p in enumerate(twins) if p.poll() is not None), None)
-        assert out is not None, "neither node with --node_rank 1 stopped"
-        kept = 1 - out
-        assert twins[out].returncode == 1
-        text = logs[out + 1].read_text()
-        assert (f"node 127.0.1.{out + 2} was started with --node_rank 1, which node 127.0.1.{kept + 2} already "
-                "holds in rendezvous 'none'") in text and "Traceback" not in text, text[-3000:]
-        last = node(3, 2)
-        procs.append(last)
-        assert finish([host, twins[kept], last]) == [0, 0, 0], logs[0].read_text()[-3000:]
+        taker = _wait_for_text(logs[1:3], "takes its place") + 1
+        stopped = 3 - taker
+        procs.append(node(3, 2))
+        assert finish(procs) == [0] + [1 if k == stopped else 0 for k in (1, 2)] + [0], \
+            "".join(log.read_text()[-2000:] for log in logs)
+        text = logs[stopped].read_text()
+        assert (f"node 127.0.1.{stopped + 1} held node rank 1 of rendezvous 'none' until node "
+                f"127.0.1.{taker + 1} was started with the same rank") in text, text[-3000:]
+        assert "Traceback" not in text and not results(logs[stopped])
+        check_world(results(logs[0], logs[taker], logs[3]), 3, 6)
     finally:
         for p in procs:
             if p.poll() is None:
                 kill_tree(p.pid)
-    check_world(results(logs[0], logs[kept + 1], logs[3]), 3, 6)
+
+
+def test_a_spare_takes_the_place_of_a_node_lost_before_the_job_formed(tmp_path):
+    """Node rank 1 dies while the job forms (it was counted); a spare started with its
+    rank takes its place, and the job runs with the spare."""
+    logs = [tmp_path / f"node{k}.log" for k in range(4)]
+    node = _static_node(free_port(), logs)
+    host, lost = node(0, 0), node(1, 1)
+    procs = [host, lost]
+    try:
+        _wait_for_text([logs[0]], "missing: node rank 2", timeout=120)  # (node rank 1 arrived)
+        kill_tree(lost.pid)
+        procs += [node(2, 1), node(3, 2)]
+        assert finish([host, *procs[2:]]) == [0, 0, 0], "".join(log.read_text()[-2000:] for log in logs)
+        assert "node 127.0.1.3 takes its place" in logs[2].read_text()
+        check_world(results(logs[0], logs[2], logs[3]), 3, 6)
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                kill_tree(p.pid)
 
 
 def test_elastic_timeout_says_how_many_arrived(tmp_path):

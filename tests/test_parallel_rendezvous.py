@@ -1,20 +1,24 @@
-"""The parallel (static) rendezvous's arrival count, on torch's in-memory store: O(1)
-operations per node, an agent restarted into the same round is not counted twice, and a
-second node started with a node rank already held is told so."""
+"""The parallel (static) rendezvous on torch's in-memory store: the arrival count (O(1)
+operations per node), and who holds a node rank (``node_claim``): an agent restarted into
+the same round is not counted twice, a node that replaces a lost one takes its place
+before the round forms, and of two nodes started with one node rank only one runs."""
 
 from datetime import timedelta
 
+import pytest
 from torch.distributed import HashStore
 
 from tierrun.rendezvous.job_store import JobStore
-import pytest
+from tierrun.rendezvous.node_claim import Claim, DuplicateNodeRankError, NodeRecord, Rank, claim, confirm
+from tierrun.rendezvous.parallel import ParallelRendezvousHandler
 
-from tierrun.rendezvous.parallel import DuplicateNodeRankError, ParallelRendezvousHandler
+KEY = "r/node/1"
+RANK = Rank(1, 3, "job")
 
 
-def handler(rank: int, nodes: int, addr: str | None = None) -> ParallelRendezvousHandler:
+def handler(rank: int, nodes: int) -> ParallelRendezvousHandler:
     job = JobStore("127.0.0.1", 29500, hosting=False, timeout=timedelta(seconds=5))
-    return ParallelRendezvousHandler(job, rank, nodes, "job", timedelta(seconds=5), addr or f"10.0.0.{rank + 1}", {})
+    return ParallelRendezvousHandler(job, rank, nodes, "job", timedelta(seconds=5), f"10.0.0.{rank + 1}", {})
 
 
 def test_the_last_node_to_arrive_sets_the_one_key_all_wait_for():
@@ -27,24 +31,62 @@ def test_the_last_node_to_arrive_sets_the_one_key_all_wait_for():
     assert store.add("r/arrived", 0) == 3
 
 
-def test_an_agent_restarted_into_the_same_round_is_not_counted_twice():
-    store = HashStore()
-    handler(1, 2)._arrive(store, "r")
-    handler(1, 2)._arrive(store, "r")  # node 1's agent again, before node 0 arrived
-    assert store.add("r/arrived", 0) == 1 and not store.check(["r/all_arrived"])
-    handler(0, 2)._arrive(store, "r")
-    assert store.check(["r/all_arrived"])
+def node(addr: str, workers: int | None = 8) -> NodeRecord:
+    return NodeRecord.fresh(addr, workers)
 
 
-def test_a_second_node_with_a_node_rank_already_held_is_refused_and_not_counted():
+def test_the_first_claim_is_new_and_the_same_nodes_restarted_agent_takes_it_back():
     store = HashStore()
-    handler(1, 3)._arrive(store, "r")
+    first = node("10.0.0.2")
+    assert claim(store, KEY, first, RANK) is Claim.NEW
+    again = node("10.0.0.2")  # the agent restarted: a new nonce, the same address
+    assert claim(store, KEY, again, RANK) is Claim.RESTARTED
+    confirm(store, KEY, again, RANK)
+    assert NodeRecord.decode(store.get(KEY)).formed
+    later = node("10.0.0.2")  # restarted once more, after the round formed: still its own
+    assert claim(store, KEY, later, RANK) is Claim.RESTARTED
+
+
+def test_a_node_that_takes_a_rank_over_before_the_round_forms_runs_and_the_holder_stops():
+    store = HashStore()
+    holder, newcomer = node("10.0.0.2"), node("10.0.0.9")
+    assert claim(store, KEY, holder, RANK) is Claim.NEW
+    assert claim(store, KEY, newcomer, RANK) is Claim.TAKEN_OVER  # a spare for a lost node, or a twin
     with pytest.raises(DuplicateNodeRankError) as e:
-        handler(1, 3, addr="10.0.0.9")._arrive(store, "r")  # another node, the same --node_rank
-    assert "node 10.0.0.9 was started with --node_rank 1, which node 10.0.0.2 already holds" in str(e.value)
-    assert "0 to 2" in str(e.value)
-    assert store.add("r/arrived", 0) == 1  # not counted; the first holder's record stays
-    assert b"10.0.0.2" in store.get("r/node/1")
-    handler(0, 3)._arrive(store, "r")
-    handler(2, 3)._arrive(store, "r")
-    assert store.check(["r/all_arrived"])
+        confirm(store, KEY, holder, RANK)  # (a lost holder never gets here)
+    assert "node 10.0.0.2 held node rank 1 of rendezvous 'job' until node 10.0.0.9 was started" in str(e.value)
+    assert "0 to 2" in str(e.value) and "--node_rank" in str(e.value)
+    confirm(store, KEY, newcomer, RANK)
+    assert NodeRecord.decode(store.get(KEY)).addr == "10.0.0.9"
+
+
+@pytest.mark.parametrize("formed_first", [True, False])
+def test_of_a_confirm_and_a_takeover_racing_exactly_one_wins(formed_first):
+    store = HashStore()
+    holder, newcomer = node("10.0.0.2"), node("10.0.0.9")
+    claim(store, KEY, holder, RANK)
+    if formed_first:
+        confirm(store, KEY, holder, RANK)
+        with pytest.raises(DuplicateNodeRankError, match="that round has formed: its workers run"):
+            claim(store, KEY, newcomer, RANK)
+        assert NodeRecord.decode(store.get(KEY)).addr == "10.0.0.2"
+    else:
+        claim(store, KEY, newcomer, RANK)
+        with pytest.raises(DuplicateNodeRankError):
+            confirm(store, KEY, holder, RANK)
+
+
+def test_a_node_that_would_take_over_with_another_number_of_workers_is_refused():
+    store = HashStore()
+    claim(store, KEY, node("10.0.0.2", workers=8), RANK)
+    with pytest.raises(DuplicateNodeRankError, match=r"runs as many workers \(--nproc_per_node 8\)"):
+        claim(store, KEY, node("10.0.0.9", workers=4), RANK)
+    assert NodeRecord.decode(store.get(KEY)).addr == "10.0.0.2"
+    assert claim(store, KEY, node("10.0.0.9", workers=None), RANK) is Claim.TAKEN_OVER  # (under torchrun: unknown)
+
+
+def test_a_record_that_is_not_a_nodes_names_no_address():
+    assert NodeRecord.decode(b"not json").addr == "?"
+    assert NodeRecord.decode(b'{"nonce": 1}').addr == "?"
+    record = node("10.0.0.2")
+    assert NodeRecord.decode(record.encode()) == record

@@ -97,8 +97,10 @@ class JobReporting:
         round has published how it ended or is dead (see ``_read_when_all_ended``), and if
         the job failed keeps the store up ``LINGER`` s more so the others can read the
         failures too."""
+        if self.handler is None or self.handler.refused:  # (never a member: not one of the job's records)
+            return
         board = self.board()
-        if board is None or self.handler is None:
+        if board is None:
             return
         self.recorder.publish()
         mine = self.recorder.attempt

@@ -10,6 +10,8 @@ from __future__ import annotations
 
 from torch.distributed.elastic.rendezvous import RendezvousError, RendezvousParameters
 
+from ..settings import Settings
+
 #: the spellings torch's ``RendezvousParameters.get_as_bool`` takes
 TRUE = ("1", "true", "t", "yes", "y")
 FALSE = ("0", "false", "f", "no", "n")
@@ -70,3 +72,31 @@ def conf_int(config: dict, key: str, default: int, minimum: int | None = 0) -> i
     if minimum is not None and value < minimum:
         raise RendezvousSettingError(f"--rdzv_conf {key}={raw}: write a whole number of at least {minimum}")
     return value
+
+
+def token_from(config: dict, settings: Settings) -> bytes | None:
+    """The job token when ``--rdzv_conf tiered=1`` (set by ``--tiered``; any of torch's
+    boolean spellings), else None. Raises ValueError when there is none or its file is
+    empty, or ``tiered`` is no boolean; ``OSError`` if its file cannot be read."""
+    if not conf_flag(config, "tiered"):
+        return None
+    token = settings.job_token()
+    if token is None:
+        raise ValueError("tiered wire-up needs a job token: give every node the same secret, in a file "
+                         "named by TIERRUN_TOKEN_FILE (or in TIERRUN_TOKEN)")
+    return token
+
+
+def public_clients_from(config: dict) -> bool:
+    """``--rdzv_conf store_public_clients=true``: a tiered job's store host serves
+    torch-protocol clients on its public port too (default: node links only)."""
+    return str(config.get("store_public_clients", "0")).lower() in ("1", "true", "yes")
+
+
+def store_workers_from(config: dict) -> int:
+    """``--rdzv_conf store_workers=N`` (set by ``--store-workers N``): front-end
+    processes of the store host. Raises ValueError."""
+    n = int(config.get("store_workers", 1))
+    if n < 1:
+        raise ValueError(f"store_workers={n}: write 1 or more")
+    return n

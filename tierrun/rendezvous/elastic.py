@@ -65,9 +65,9 @@ from ..client import StoreClient, StoreClientError
 from ..report.progress import Arrivals
 from ..settings import Settings
 from . import liveness, spare
-from .conf import conf_bool, conf_float
+from .conf import conf_bool, conf_float, public_clients_from, store_workers_from, token_from
 from .elastic_tree import TreeRounds
-from .job_store import JobStore, public_clients_from, store_workers_from, token_from
+from .job_store import JobStore
 from .sockets import link_address
 from .tree import store_fanout_from
 from .messages import closed_while_waiting, join_timeout_message

@@ -12,9 +12,9 @@ from datetime import timedelta
 
 from ..link.config import LinkConfig
 from ..settings import Settings
-from .conf import conf_int
+from .conf import conf_int, public_clients_from, store_workers_from, token_from
 from .etcd_client import KeyValue
-from .job_store import JobStore, public_clients_from, store_workers_from, token_from
+from .job_store import JobStore
 
 #: ``is_host`` -> the order in which nodes are chosen to host a round's store
 HOST_PREFERENCE = {True: 0, None: 1, False: 2}

@@ -51,6 +51,8 @@ class StoreRendezvousHandler(RendezvousHandler):
         self.shutdown_hooks: list[Callable[[], None]] = []
         #: Why this node lost the job's store, if it had when it shut down (else None).
         self.store_lost: str | None = None
+        #: This node was refused a place in the job (it never was a member): it reports nothing.
+        self.refused = False
         mode = str(config.get("progress", "auto"))
         if mode not in MODES:
             raise ValueError(f"--rdzv_conf progress={mode}: write one of {', '.join(MODES)}")
@@ -70,14 +72,16 @@ class StoreRendezvousHandler(RendezvousHandler):
         #: How this round's global ranks are assigned, for the round's log line.
         self._rank_note = ""
 
-    def _count_local_world_size(self, store, base: str) -> str | None:
+    def _count_local_world_size(self, store, base: str, count: bool) -> str | None:
         """Before this node announces itself in round ``base`` of a static job: count it
         among the nodes with its number of workers (one ADD, on a key shared by all such
-        nodes: merged). Returns the key for :meth:`_choose_rank_assignment`."""
+        nodes: merged), unless not ``count`` (its node rank was counted already). Returns
+        the key for :meth:`_choose_rank_assignment`."""
         if self._local_world_size is None or self._user_identical is not None:
             return None
         key = f"{base}/local_world_size/{self._local_world_size}"
-        store.add(key, 1)
+        if count:
+            store.add(key, 1)
         return key
 
     def _choose_rank_assignment(self, store, key: str | None, nodes: int) -> None:

@@ -30,7 +30,7 @@ from ..link.config import LinkConfig
 from ..link.frames import LinkError
 from ..link.session import NO_LINKS
 from ..server import LINK_LOST, HostedFrontEnd, StoreProcess, StoreStartError
-from ..settings import Settings, store_process_env
+from ..settings import store_process_env
 from ..tier.lookup import read_over_link
 from .conf import conf_flag
 from .refusals import Refusals
@@ -110,6 +110,7 @@ class JobStore:
         self.reached = False  # a client of the job's store was made once (the store was up)
         self._watch: socket.socket | None = None
         self._round_listener: tuple[StoreProcess | HostedFrontEnd, str] | None = None  # (see worker_endpoint)
+        self._relay_to_advertise: str | None = None  # this relay's link address, not yet published
 
     @property
     def tiered(self) -> bool:
@@ -130,8 +131,17 @@ class JobStore:
                 upstream = self.parent
             self.proxy = proxy = self._start_proxy(*upstream, self.connect_timeout)
             self.upstream_name = upstream[1]
-            if tree is not None and tree.has_children:  # tell the children where to link
-                self.client().set(tree.key(tree.rank), f"{bracket(tree.addr)}:{proxy.link_port}")
+            if tree is not None and tree.has_children:  # (the children learn it: advertise_relay)
+                self._relay_to_advertise = f"{bracket(tree.addr)}:{proxy.link_port}"
+
+    def advertise_relay(self) -> None:
+        """Tell this node's children in a static store tree where to link, once this node
+        holds its node rank (one refused its rank must not send them to a proxy about to
+        stop: ``node_claim``), and again after a new proxy started. One SET, or none."""
+        if self._relay_to_advertise is not None:
+            assert self.tree is not None
+            self.client().set(self.tree.key(self.tree.rank), self._relay_to_advertise)
+            self._relay_to_advertise = None
 
     def _start_proxy(self, upstream: str, name: str, connect_timeout: float) -> StoreProcess:
         """Start a node proxy linked to ``upstream`` (named ``name`` in messages), taking
@@ -470,31 +480,3 @@ class JobStore:
             if proc is not None:
                 log.debug("%s served: %s", name, json.dumps(proc.last_stats))
         self.proxy = self.root = None
-
-
-def token_from(config: dict, settings: Settings) -> bytes | None:
-    """The job token when ``--rdzv_conf tiered=1`` (set by ``--tiered``; any of torch's
-    boolean spellings), else None. Raises ValueError when there is none or its file is
-    empty, or ``tiered`` is no boolean; ``OSError`` if its file cannot be read."""
-    if not conf_flag(config, "tiered"):
-        return None
-    token = settings.job_token()
-    if token is None:
-        raise ValueError("tiered wire-up needs a job token: give every node the same secret, in a file "
-                         "named by TIERRUN_TOKEN_FILE (or in TIERRUN_TOKEN)")
-    return token
-
-
-def public_clients_from(config: dict) -> bool:
-    """``--rdzv_conf store_public_clients=true``: a tiered job's store host serves
-    torch-protocol clients on its public port too (default: node links only)."""
-    return str(config.get("store_public_clients", "0")).lower() in ("1", "true", "yes")
-
-
-def store_workers_from(config: dict) -> int:
-    """``--rdzv_conf store_workers=N`` (set by ``--store-workers N``): front-end
-    processes of the store host. Raises ValueError."""
-    n = int(config.get("store_workers", 1))
-    if n < 1:
-        raise ValueError(f"store_workers={n}: write 1 or more")
-    return n

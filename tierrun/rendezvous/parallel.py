@@ -1,8 +1,8 @@
 """``parallel`` (and ``static``): a fixed number of nodes, each given its node rank.
 
 torch_npu_run's behaviour on tierrun's store: node rank 0 hosts the store, every agent
-announces itself (its record, and an ADD to the round's arrival count; the last to
-arrive sets one key) and waits once, on that key, for all the others (O(1) operations
+announces itself (its record, claimed as ``node_claim`` says, and an ADD to the round's
+arrival count; the last to arrive sets one key) and waits once, on that key, for all the others (O(1) operations
 and bytes per node), and the workers of each round get their own key namespace.
 
 A static job cannot go on without any of its nodes, so it should stop at once, and say
@@ -15,15 +15,14 @@ next round's rendezvous for a node that will not come.
 
 from __future__ import annotations
 
-import json
 import logging
-import secrets
+from collections.abc import Callable
 from datetime import timedelta
+from typing import TypeVar
 
 from torch.distributed import PrefixStore
 from torch.distributed.elastic.rendezvous import (
     RendezvousConnectionError,
-    RendezvousError,
     RendezvousHandler,
     RendezvousInfo,
     RendezvousParameters,
@@ -36,25 +35,26 @@ from ..client import StoreClient, StoreClientError
 from ..report.progress import Arrivals
 from ..settings import Settings
 from . import liveness
+from .conf import public_clients_from, store_workers_from, token_from
 from .handler_base import JobStoppedError, StoreRendezvousHandler
-from .job_store import JobStore, public_clients_from, store_workers_from, token_from
+from .job_store import JobStore
+from .node_claim import Claim, DuplicateNodeRankError, NodeRecord, Rank, claim, confirm
 from .sockets import link_address
 from .tree import TreePlace, store_fanout_from
 
 log = logging.getLogger("tierrun.rendezvous")
 
+T = TypeVar("T")
+
 DEFAULT_TIMEOUT = 600
-
-
-class DuplicateNodeRankError(RendezvousError):
-    """Two nodes of a static job were started with the same ``--node_rank``."""
 
 
 class ParallelRendezvousHandler(StoreRendezvousHandler):
     """Static rendezvous: ``world_size`` nodes, this one is ``rank``.
 
     ``next_rendezvous`` blocks until every node has arrived, and raises
-    ``RendezvousTimeoutError`` naming the missing node ranks after ``timeout``.
+    ``RendezvousTimeoutError`` naming the missing node ranks after ``timeout``, and
+    ``DuplicateNodeRankError`` on a node that may not hold its node rank (``node_claim``).
     """
 
     def __init__(self, store: JobStore, rank: int, world_size: int, run_id: str,
@@ -74,12 +74,22 @@ class ParallelRendezvousHandler(StoreRendezvousHandler):
         self._round += 1
         store = self.connect()
         base = self._base(self._round)
-        workers_key = self._count_local_world_size(store, base)
+        key = f"{base}/node/{self._rank}"
+        mine = NodeRecord.fresh(self.node_addr, self._local_world_size)
+        rank = Rank(self._rank, self._world_size, self.run_id)
+        how = self._refused_if(lambda: claim(store, key, mine, rank))
+        if how is Claim.TAKEN_OVER:
+            log.warning("rendezvous '%s': node rank %d was held by another node; node %s takes its place (that "
+                        "node is gone, or was started with the same node rank: then it stops)",
+                        self.run_id, self._rank, self.node_addr)
+        self.job.advertise_relay()  # (only the rank's holder tells its children where to link)
+        workers_key = self._count_local_world_size(store, base, count=how is Claim.NEW)
         # (listed before it is counted: the store host's progress, which reads the list
         # once the count is complete, then names every node; a restarted agent's second
-        # line is the same entry)
+        # line is the same entry, a node that took a rank over names itself)
         store.append(f"{base}/arrivals", f"{self._rank} {self.node_addr}\n")
-        self._arrive(store, base)
+        if how is Claim.NEW:  # (counted once per rank: see node_claim)
+            self._arrive(store, base)
         endpoint = self.job.worker_endpoint(f"{self.run_id}/workers/{self._round}")
         keys = [f"{base}/all_arrived"]
         if not self.job.tiered:  # the host publishes the one worker port of the round
@@ -88,6 +98,7 @@ class ParallelRendezvousHandler(StoreRendezvousHandler):
             keys.append(f"{base}/worker_port")
         with self._progress(f"rendezvous '{self.run_id}'", lambda c: self._arrivals(c, base)):
             self._wait_for_all(store, keys, base)
+        self._refused_if(lambda: confirm(store, key, mine, rank))
         self._choose_rank_assignment(store, workers_key, self._world_size)
         if endpoint is None:
             endpoint = (self.job.host, int(store.get(f"{base}/worker_port")))
@@ -100,29 +111,20 @@ class ParallelRendezvousHandler(StoreRendezvousHandler):
             RendezvousStoreInfo(*endpoint),
         )
 
+    def _refused_if(self, step: Callable[[], T]) -> T:
+        """Run a step of ``node_claim``; if it raises DuplicateNodeRankError, this node
+        was never a member of the job (it reports nothing, see ``refused``)."""
+        try:
+            return step()
+        except DuplicateNodeRankError:
+            self.refused = True
+            raise
+
     def _arrive(self, store, base: str) -> None:
-        """Write this node's record and count it; the node that completes the count sets
-        ``all_arrived``, the one key every node waits for. Counting, not waiting for all N
-        record keys: N WAITs of N keys each cost the store host O(N²) (at 512 nodes, more
-        than all the rest of the start-up). The record is created with COMPARE_SET and
-        counted only by its creator, so an agent restarted into the same round is not
-        counted twice (its record already exists). A record of another address is not a
-        restart but a second node started with this ``--node_rank``: raises
-        ``DuplicateNodeRankError`` on that one (the first goes on)."""
-        record = json.dumps({"addr": self.node_addr, "nonce": secrets.token_hex(8)})
-        key = f"{base}/node/{self._rank}"
-        existing = store.compare_set(key, "", record)
-        if existing != record.encode():
-            holder = _record_addr(existing)
-            if holder != self.node_addr:
-                raise DuplicateNodeRankError(
-                    f"node {self.node_addr} was started with --node_rank {self._rank}, which node {holder} "
-                    f"already holds in rendezvous '{self.run_id}': every node needs its own --node_rank, "
-                    f"0 to {self._world_size - 1}. Start this node again with the rank that is missing (node rank "
-                    "0 names it while it waits); the others wait for it."
-                )
-            store.set(key, record)  # a restarted agent: already counted, refresh the record
-            return
+        """Count this node, which created its rank's record; the node that completes the
+        count sets ``all_arrived``, the one key every node waits for. Counting, not
+        waiting for all N record keys: N WAITs of N keys each cost the store host O(N²)
+        (at 512 nodes, more than all the rest of the start-up)."""
         if int(store.add(f"{base}/arrived", 1)) == self._world_size:
             store.set(f"{base}/all_arrived", "1")
 
@@ -162,7 +164,7 @@ class ParallelRendezvousHandler(StoreRendezvousHandler):
     def _declare_dead(self, base: str, rank: int) -> None:
         """Called by the heartbeat thread: node ``rank`` went silent."""
         with StoreClient(self.job.agent_address, timeout=10) as store:
-            addr = json.loads(store.get(f"/{base}/node/{rank}".encode()))["addr"]
+            addr = NodeRecord.decode(store.get(f"/{base}/node/{rank}".encode())).addr
             self._note_dead(addr)
             reason = f"node rank {rank} ({addr}) has not answered for {self._beat_timeout:.0f} s"
             log.warning("rendezvous '%s': %s; stopping the job", self.run_id, reason)
@@ -233,14 +235,6 @@ class ParallelRendezvousHandler(StoreRendezvousHandler):
         self._stop_watching(leaving=True)
         self.job.stop()
         return True
-
-
-def _record_addr(record: bytes) -> str:
-    """The address a node record names ("?" if it is not one of ours)."""
-    try:
-        return str(json.loads(record)["addr"])
-    except (ValueError, TypeError, KeyError):
-        return "?"
 
 
 def create_handler(params: RendezvousParameters, settings: Settings) -> RendezvousHandler:
