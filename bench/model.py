@@ -18,8 +18,8 @@ Counts at the store host (node 0), from the traffic ``wireup_sim.py`` replays:
                     requests r(n) = max(r1 n^beta, u n)
                     f1, r1: a tiered node's link (n = 1); alpha, beta: the tree's top
                     links (their subtrees' sizes as TreePlace lays them out), per regime
-                    (skewed, lockstep); u = 6 requests no front-end can merge (a node's
-                    COMPARE_SET and APPEND of its record, ~4 beat ADDs to its own counter).
+                    (skewed, lockstep); u = 7 requests no front-end can merge (a node's
+                    two COMPARE_SETs and APPEND of its record, ~4 beat ADDs to its counter).
                     Under skew a subtree's requests trickle in; a link sends one batch
                     in flight at a time, so frames grow sub-linearly with n (alpha < 1).
   own               node 0's own front-end: o = 11 P + a requests, each a frame
@@ -134,7 +134,7 @@ class Counts:
     alpha: float = 0.4
     r1: float = 28.0  # requests of one node's link
     beta: float = 0.7
-    unmergeable: float = 6.0  # u
+    unmergeable: float = 7.0  # u
     lookup_frames: int = 1  # (a LOOKUP: one frame read, no session)
     lookup_requests: int = 2
 

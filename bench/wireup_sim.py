@@ -247,23 +247,25 @@ class Cluster:
 
     async def tierrun_agent(self, n: int, agent: SimClient, target: tuple[str, int]) -> None:
         """What a tierrun agent of a static job (--rdzv_backend parallel) sends instead of
-        torch's static rendezvous and rank assignment: count itself among the nodes with
-        its number of workers, write its record, count its arrival (the last SETs the key
-        all wait for), append to the arrivals, wait, read the count (all alike: torch's
-        agent computes ranks locally); then, while its workers run, a
+        torch's static rendezvous and rank assignment: claim its node rank's record, count
+        itself among the nodes with its number of workers, append to the arrivals, count
+        its arrival (the last SETs the key all wait for), wait, confirm its record, read
+        the count (all alike: torch's agent computes ranks locally); then, while its workers run, a
         standing WAIT on the round's ``failed`` key and its heartbeat, as
         ``liveness.Heartbeat`` sends it: ADD its beat counter at once, then on each whole
         second of the wall clock; the first 3 ranks also read every other node's in one
         MULTI_GET half a second after each beat."""
         base = "/tierrun/job/static/0"
         same = f"{base}/local_world_size/{self.p}".encode()
+        fields = {"addr": f"10.0.{n // 250}.{n % 250}", "nonce": secrets.token_hex(8), "workers": self.p}
+        record, key = json.dumps(fields).encode(), f"{base}/node/{n}".encode()
+        await agent.call(Op.COMPARE_SET, key, b"", record)  # (node_claim: claim, then count)
         await agent.call(Op.ADD, same, 1)
-        record = json.dumps({"addr": f"10.0.{n // 250}.{n % 250}", "nonce": secrets.token_hex(8)}).encode()
-        await agent.call(Op.COMPARE_SET, f"{base}/node/{n}".encode(), b"", record)
+        await agent.call(Op.APPEND, f"{base}/arrivals".encode(), f"{n} 10.0.{n // 250}.{n % 250}\n".encode())
         if await agent.call(Op.ADD, f"{base}/arrived".encode(), 1) == self.k:
             await agent.call(Op.SET, f"{base}/all_arrived".encode(), b"1")
-        await agent.call(Op.APPEND, f"{base}/arrivals".encode(), f"{n} 10.0.{n // 250}.{n % 250}\n".encode())
         await agent.call(Op.WAIT, (f"{base}/all_arrived".encode(),))
+        await agent.call(Op.COMPARE_SET, key, record, json.dumps({**fields, "formed": True}).encode())  # (confirm)
         await agent.call(Op.GET, same)
         watcher, beater = await connect(*target), await connect(*target)
         watching = asyncio.ensure_future(watcher.call(Op.WAIT, (f"{base}/failed".encode(),)))
