@@ -234,7 +234,8 @@ def test_a_tiering_chosen_by_size_without_a_tree_says_one_link_per_node(caplog):
 
 
 @pytest.mark.parametrize("argv", [("--nnodes", "3:2"), ("--enable_tiered_parallel_tcpstore", "maybe"),
-                                  ("--max_restarts", "abc"), ("--no-such-flag",)])
+                                  ("--max_restarts", "abc"), ("--no-such-flag",),
+                                  ("--standalone", "--nproc_per_node", "xpu")])
 def test_cli_error_is_one_line_and_exit_code_2(argv):
     """Flags tierrun checks and flags argparse refuses alike: one line, no usage text."""
     r = subprocess.run([sys.executable, "-m", "tierrun", *argv, "x.py"], capture_output=True, text=True, timeout=60)
@@ -251,6 +252,8 @@ def test_nproc_per_node_values():
     assert resolve_nproc_per_node("auto") == "auto"  # no accelerator here: torch counts CPUs
     with pytest.raises(UsageError, match="no CUDA GPU or Ascend NPU"):
         resolve_nproc_per_node("gpu")
+    with pytest.raises(UsageError, match="no Intel XPU"):  # (not torch's traceback)
+        resolve_nproc_per_node("xpu")
     with pytest.raises(UsageError, match="write a number"):
         resolve_nproc_per_node("lots")
 

@@ -143,5 +143,6 @@ def test_node_0_whose_store_port_is_taken_says_so_at_once(tmp_path):
     assert codes == [1] and _errors(text) == [
         f"tierrun: error: node 127.0.1.1: could not start the job's store on port {port} (port {port} is taken). "
         "Pick a free port with --master_port or --rdzv_endpoint HOST:PORT (node rank 0 hosts a parallel job's "
-        "store, and never joins a store it did not start: another job's, maybe)."], text[-3000:]
+        "store, and never joins a store it did not start: another job's, maybe), or, if this job's node rank 0 "
+        "runs already there, give this node its own --node_rank."], text[-3000:]
     assert "cannot publish this node's record" not in text and elapsed < 9, (elapsed, text[-3000:])

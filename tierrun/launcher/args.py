@@ -114,7 +114,8 @@ def build_parser() -> argparse.ArgumentParser:
                 "--rdzv_endpoint lists etcd's client URLs), "
                 "torch-c10d or torch-static (torch's own), etcd, etcd-v2. "
                 "Default, as torchrun's (static): parallel when --node_rank is given with a fixed "
-                "--nnodes N > 1 and no --rdzv_endpoint; otherwise tierrun, which needs no node rank."
+                "--nnodes N > 1 (and --master_addr/--master_port, or an --rdzv_endpoint HOST:PORT); "
+                "otherwise tierrun, which needs no node rank."
             )
     parser.add_argument(
         "--enable-tiered-parallel-tcpstore",

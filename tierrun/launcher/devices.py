@@ -1,4 +1,4 @@
-"""``--nproc_per_node auto|cpu|gpu|N``, with Ascend NPUs counted as GPUs."""
+"""``--nproc_per_node auto|cpu|gpu|xpu|N``, with Ascend NPUs counted as GPUs."""
 
 from __future__ import annotations
 
@@ -36,8 +36,10 @@ def resolve_nproc_per_node(value: str) -> str:
                 "write --nproc_per_node cpu or a number"
             )
         return v  # torch resolves auto: another accelerator, else the CPU count
+    if v == "xpu" and not torch.xpu.is_available():  # (torch's own check raises, with a traceback)
+        raise UsageError("--nproc_per_node xpu: no Intel XPU found on this node; write --nproc_per_node cpu or a number")
     if v in ("cpu", "xpu") or v == torch._C._get_privateuse1_backend_name():
         return v
     raise UsageError(
-        f"--nproc_per_node '{value}' is not valid: write a number, auto, cpu or gpu"
+        f"--nproc_per_node '{value}' is not valid: write a number, auto, cpu, gpu or xpu"
     )

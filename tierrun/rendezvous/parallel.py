@@ -270,6 +270,7 @@ def create_handler(params: RendezvousParameters, settings: Settings) -> Rendezvo
                      node=params.local_addr,
                      host_fallback="never", public_clients=public_clients_from(params.config),
                      host_hint=" (node rank 0 hosts a parallel job's store, and never joins a store it did "
-                     "not start: another job's, maybe).")
+                     "not start: another job's, maybe), or, if this job's node rank 0 runs already there, give "
+                     "this node its own --node_rank.")
     return ParallelRendezvousHandler(store, rank, params.max_nodes, params.run_id, timeout,
                                      params.local_addr, params.config)
