@@ -192,6 +192,7 @@ def test_sigterm_elastic_node_leaves_and_the_others_go_on(tmp_path):
     assert finish(procs[:2], timeout=120) == [0, 0], logs[0].read_text()[-3000:]
     assert "node 127.0.1.3 is leaving (received SIGTERM)" in logs[2].read_text()
     assert recovered_after(logs[:2], t_term) < 15
+    assert not any("127.0.1.3 has not answered" in log.read_text() for log in logs[:2])  # (it left)
 
 
 @pytest.mark.parametrize("tiering, sig", [((), signal.SIGTERM), (("--tiered",), signal.SIGINT)])
@@ -224,3 +225,4 @@ def test_static_job_stops_with_the_reason_when_a_node_leaves_or_dies(tmp_path, t
         text = log.read_text()
         assert f"node rank 2 (127.0.1.3) left: received {sig.name}" in text, text[-3000:]
         assert "cannot go on without every node" in text
+        assert "has not answered" not in text, text[-3000:]  # (it left: its heartbeat stopped after that)

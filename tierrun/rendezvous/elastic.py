@@ -364,9 +364,13 @@ class ElasticRendezvousHandler(TreeRounds):
                           index, watched, lambda dead: self._declare_dead(r, dead))
 
     def _declare_dead(self, r: int, index: int) -> None:
-        """Called by the heartbeat thread: member ``index`` of round r went silent."""
+        """Called by the heartbeat thread: member ``index`` of round r went silent. Not
+        if it is marked gone already (it left, saying why, or another watcher declared it)."""
         with StoreClient(self.job.agent_address, timeout=10) as store:
-            raw = store.multi_get([("/" + self._k(r, f"node/{index}")).encode()])[0]
+            raw, gone = store.multi_get([("/" + self._k(r, f"node/{index}")).encode(),
+                                         ("/" + self._k(r, f"dead/{index}")).encode()], wait=False)
+            if gone:
+                return
             addr = json.loads(raw)["addr"] if raw else f"arrival {index}"
             self._note_dead(addr)
             log.warning("rendezvous '%s' round %d: node %s has not answered for %.0f s; "

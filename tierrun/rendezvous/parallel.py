@@ -162,7 +162,11 @@ class ParallelRendezvousHandler(StoreRendezvousHandler):
                           watched, lambda dead: self._declare_dead(base, dead))
 
     def _declare_dead(self, base: str, rank: int) -> None:
-        """Called by the heartbeat thread: node ``rank`` went silent."""
+        """Called by the heartbeat thread: node ``rank`` went silent. Not once the round
+        failed (a node that left stops beating: it is not dead, and the job stops anyway)."""
+        with self._lock:
+            if self._failure is not None:
+                return
         with StoreClient(self.job.agent_address, timeout=10) as store:
             addr = NodeRecord.decode(store.get(f"/{base}/node/{rank}".encode())).addr
             self._note_dead(addr)
