@@ -18,7 +18,7 @@ from etcd_server import EtcdServer
 from launch import SCRIPTS, finish, free_port, tierrun
 from test_no_store_host import CPP_NOISE
 from tierrun import rendezvous
-from tierrun.rendezvous import elastic, etcd as etcd_backend
+from tierrun.rendezvous import elastic, etcd as etcd_backend, sockets
 from tierrun.settings import Settings
 
 
@@ -208,11 +208,11 @@ def test_an_inferred_host_is_found_through_its_addresses(monkeypatch):
     names only the simulated node whose address it is."""
     names = {"node0.cluster": {"10.0.0.1"}, "svc.cluster": {"10.0.9.9"}, "sim0": {"127.0.1.1"},
              "localhost": {"127.0.0.1", "::1"}}
-    monkeypatch.setattr(elastic, "_addresses", lambda name: names.get(name, {name}))
-    monkeypatch.setattr(elastic, "_matches_machine_hostname", lambda host: host in ("node0.cluster", "10.0.0.1"))
-    assert elastic._hosts_store("node0.cluster", "10.0.0.1")  # resolves to the node's address
-    assert elastic._hosts_store("node0.cluster", "192.168.0.1")  # this machine, another interface
-    assert not elastic._hosts_store("svc.cluster", "10.0.0.1")  # a Service: is_host=true is for that
-    assert elastic._hosts_store("sim0", "127.0.1.1") and not elastic._hosts_store("sim0", "127.0.1.2")
-    assert not elastic._hosts_store("localhost", "127.0.1.2") and elastic._hosts_store("localhost", "127.0.0.1")
-    assert elastic._hosts_store("127.0.1.1", "127.0.1.1") and not elastic._hosts_store("127.0.1.1", "127.0.1.2")
+    monkeypatch.setattr(sockets, "_addresses", lambda name: names.get(name, {name}))
+    monkeypatch.setattr(sockets, "_matches_machine_hostname", lambda host: host in ("node0.cluster", "10.0.0.1"))
+    assert sockets.hosts_store("node0.cluster", "10.0.0.1")  # resolves to the node's address
+    assert sockets.hosts_store("node0.cluster", "192.168.0.1")  # this machine, another interface
+    assert not sockets.hosts_store("svc.cluster", "10.0.0.1")  # a Service: is_host=true is for that
+    assert sockets.hosts_store("sim0", "127.0.1.1") and not sockets.hosts_store("sim0", "127.0.1.2")
+    assert not sockets.hosts_store("localhost", "127.0.1.2") and sockets.hosts_store("localhost", "127.0.0.1")
+    assert sockets.hosts_store("127.0.1.1", "127.0.1.1") and not sockets.hosts_store("127.0.1.1", "127.0.1.2")

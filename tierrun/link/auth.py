@@ -23,6 +23,9 @@ from .frames import AUTH, ERROR, FOUND, HELLO, LOOKUP, PENDING, VERSION, WELCOME
 NONCE = 32
 _ver = struct.Struct("<H")
 
+#: How a store host refuses a front-end whose proof of the job token fails (its log line).
+WRONG_TOKEN = "wrong job token"
+
 
 def new_token() -> str:
     return secrets.token_hex(32)
@@ -62,7 +65,7 @@ def check_auth(token: bytes, server_nonce: bytes, payload: bytes) -> bytes:
     check_version(payload, "front-end speaks", "the store host")
     client_nonce, mac = payload[2 : 2 + NONCE], payload[2 + NONCE :]
     if not hmac.compare_digest(mac, _mac(token, b"tierrun-link-client", server_nonce, client_nonce)):
-        raise LinkError("wrong job token")
+        raise LinkError(WRONG_TOKEN)
     return frame(WELCOME, _mac(token, b"tierrun-link-server", client_nonce, server_nonce))
 
 
@@ -84,7 +87,7 @@ def check_lookup(token: bytes, payload: bytes) -> tuple[bytes, bytes]:
     check_version(payload, "front-end speaks", "the store host")
     nonce, mac, key = payload[2 : 2 + NONCE], payload[2 + NONCE : 2 + 2 * NONCE], payload[2 + 2 * NONCE :]
     if not hmac.compare_digest(mac, _mac(token, b"tierrun-lookup", nonce, key)):
-        raise LinkError("wrong job token")
+        raise LinkError(WRONG_TOKEN)
     return nonce, key
 
 

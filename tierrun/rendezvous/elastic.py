@@ -37,11 +37,9 @@ not the last call.
 
 from __future__ import annotations
 
-import ipaddress
 import json
 import logging
 import os
-import socket
 import threading
 import time
 from datetime import timedelta
@@ -56,10 +54,7 @@ from torch.distributed.elastic.rendezvous import (
     RendezvousStoreInfo,
     RendezvousTimeoutError,
 )
-from torch.distributed.elastic.rendezvous.utils import (
-    _matches_machine_hostname,
-    parse_rendezvous_endpoint,
-)
+from torch.distributed.elastic.rendezvous.utils import parse_rendezvous_endpoint
 
 from ..client import StoreClient, StoreClientError
 from ..report.progress import Arrivals
@@ -68,7 +63,7 @@ from . import liveness, spare
 from .conf import conf_bool, conf_float, public_clients_from, store_workers_from, token_from
 from .elastic_tree import TreeRounds
 from .job_store import JobStore
-from .sockets import link_address
+from .sockets import hosts_store, link_address
 from .tree import store_fanout_from
 from .messages import closed_while_waiting, join_timeout_message
 
@@ -440,35 +435,6 @@ class ElasticRendezvousHandler(TreeRounds):
         return True
 
 
-_LOCALHOST = ("localhost", "127.0.0.1", "::1")
-
-
-def _hosts_store(host: str, local_addr: str | None) -> bool:
-    """Whether the endpoint ``host`` names this node, as torch's c10d infers it (its
-    host name or one of its addresses: ``_matches_machine_hostname``). Given
-    ``--local_addr``, the node is that address, so a loopback endpoint (several simulated
-    nodes on one machine) names only the node whose address it is or resolves to; any
-    other endpoint names it also if it names this machine (a host name where the node's
-    address is another of its interfaces')."""
-    if not local_addr:
-        return _matches_machine_hostname(host)
-    if host == local_addr or (host in _LOCALHOST and local_addr in _LOCALHOST):
-        return True
-    endpoint = _addresses(host)
-    if endpoint & _addresses(local_addr):
-        return True
-    return bool(endpoint) and not any(ipaddress.ip_address(a.split("%")[0]).is_loopback for a in endpoint) \
-        and _matches_machine_hostname(host)
-
-
-def _addresses(name: str) -> set[str]:
-    """The addresses ``name`` resolves to (none if it does not)."""
-    try:
-        return {info[4][0] for info in socket.getaddrinfo(name, None, proto=socket.IPPROTO_TCP)}
-    except (OSError, UnicodeError):
-        return set()
-
-
 def _unreachable_hint(host: str, is_host: bool | None) -> str:
     """What a node that does not host the store, and found none, should do."""
     if is_host is False:
@@ -493,7 +459,7 @@ def create_handler(params: RendezvousParameters, settings: Settings) -> Rendezvo
     is_host = conf_bool(params, "is_host")
     # (in a tree, any member may relay others in some round: every proxy takes links)
     link_addr = link_address(params.local_addr, host, port) if store_fanout_from(params.config) else None
-    job = JobStore(host, port, hosting=_hosts_store(host, params.local_addr) if is_host is None else is_host,
+    job = JobStore(host, port, hosting=hosts_store(host, params.local_addr) if is_host is None else is_host,
                    timeout=timeout, connect_timeout=join_timeout, unreachable_hint=_unreachable_hint(host, is_host),
                    token=token_from(params.config, settings),
                    store_workers=store_workers_from(params.config), link_config=settings.link,

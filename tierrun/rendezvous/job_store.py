@@ -26,6 +26,7 @@ from datetime import timedelta
 from torch.distributed import TCPStore
 from torch.distributed.elastic.rendezvous import RendezvousConnectionError
 
+from ..link.auth import WRONG_TOKEN
 from ..link.config import LinkConfig
 from ..link.frames import LinkError
 from ..link.session import NO_LINKS
@@ -44,7 +45,7 @@ log = logging.getLogger("tierrun.rendezvous")
 #: Where a node's proxy listens for its workers and its agent.
 PROXY_HOST = "127.0.0.1"
 #: What a proxy says when its upstream refused its job token (``tierrun.link.auth``).
-TOKEN_REFUSED = ("wrong job token", "does not know the job token")
+TOKEN_REFUSED = (WRONG_TOKEN, "does not know the job token")
 
 
 class JobStore:

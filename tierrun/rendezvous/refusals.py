@@ -1,9 +1,11 @@
-"""What the store host's agent says when its store refuses a connection of the other
-store layout: a torch-protocol client on a tiered job's links-only port (a script
-connecting to --master_addr itself, a tool, a node that runs a flat store), or a node's
-link on a flat job's store (a node that is tiered). The store process logs every
-refusal to its own output, which nobody reads while it runs; the agent says it, once
-per source address (torch's client retries twice a second until its timeout)."""
+"""What the store host's agent says when its store refuses a node's connection for a
+reason a person must fix: a torch-protocol client on a tiered job's links-only port (a
+script connecting to --master_addr itself, a tool, a node that runs a flat store), a
+node's link on a flat job's store (a node that is tiered), or a link with another job
+token (a node given another secret, or another job's node). The store process logs
+every refusal to its own output, which nobody reads while it runs; the agent says it,
+once per source address and kind (torch's client retries twice a second until its
+timeout; a front-end, its link)."""
 
 from __future__ import annotations
 
@@ -11,6 +13,7 @@ import logging
 import threading
 
 from ..frontend.contracts import TORCH_CLIENT_REFUSED
+from ..link.auth import WRONG_TOKEN
 from ..link.session import NO_LINKS
 
 log = logging.getLogger("tierrun.rendezvous")
@@ -23,42 +26,53 @@ MAX_ADDRESSES = 64
 
 class Refusals:
     """Called with each line of the store process's output (``StoreProcess(on_line=...)``),
-    from its reader thread; says each refusal of the other layout once per address.
-    ``node``: this node, as messages name it; ``port``: the store's public port. O(1) a line."""
+    from its reader thread; says each refusal of the other layout, or of another job
+    token, once per address. ``node``: this node, as messages name it; ``port``: the
+    store's public port. O(1) a line."""
 
     def __init__(self, node: str, port: int) -> None:
         self.node = node
         self.port = port
-        self._said: set[tuple[str, bool]] = set()
+        self._said: set[tuple[str, str]] = set()
         self._lock = threading.Lock()
 
     def __call__(self, line: str) -> None:
         if CLOSING not in line:
             return
         peer, _, reason = line.split(CLOSING, 1)[1].partition(": ")
-        torch_client = reason.startswith(TORCH_CLIENT_REFUSED[:40])
-        if not torch_client and NO_LINKS not in reason:
+        if reason.startswith(TORCH_CLIENT_REFUSED[:40]):
+            kind = "torch"
+        elif NO_LINKS in reason:
+            kind = "layout"
+        elif reason.startswith(WRONG_TOKEN):
+            kind = "token"
+        else:
             return
         address = peer.rpartition(":")[0] or peer
         address = address.removeprefix("::ffff:") if "." in address else address  # (IPv4, on a dual-stack port)
         with self._lock:
-            if (address, torch_client) in self._said or len(self._said) > MAX_ADDRESSES:
+            if (address, kind) in self._said or len(self._said) > MAX_ADDRESSES:
                 return
-            self._said.add((address, torch_client))
+            self._said.add((address, kind))
             if len(self._said) > MAX_ADDRESSES:
                 log.warning("%s: the job's store refused connections from over %d addresses; not said again",
                             self.node, MAX_ADDRESSES)
                 return
-        log.warning("%s", self.message(address, torch_client))
+        log.warning("%s", self.message(address, kind))
 
-    def message(self, address: str, torch_client: bool) -> str:
-        if torch_client:
+    def message(self, address: str, kind: str) -> str:
+        if kind == "torch":
             return (f"{self.node}: the job's store refused a torch-protocol client from {address}: a tiered job's "
                     f"store port ({self.port}) takes node links only. Either a node there runs a flat store (give "
                     "every node the same flags and tierrun version), or a script or tool there connects to "
                     "--master_addr or --rdzv_endpoint itself: workers reach the store at $MASTER_ADDR:$MASTER_PORT "
                     "as tierrun sets them (their node's proxy); to let such clients in, launch with --rdzv_conf "
                     "store_public_clients=true (or --no-tiered). Said once per address.")
+        if kind == "token":
+            return (f"{self.node}: the job's store refused a node link from {address}: its job token is not this "
+                    "job's. Give every node of the job the same secret (TIERRUN_TOKEN_FILE or TIERRUN_TOKEN), or, "
+                    "without one, the same --rdzv_id and store port (the derived token); a node of another job "
+                    "there should use another port. Said once per address.")
         return (f"{self.node}: the job's store refused a node link from {address}: this node runs a flat store, "
                 "that node is tiered. Give every node the same --nnodes, --tiered or --no-tiered, --store-fanout "
                 "and --store-workers (with none of them, a job of 32 nodes or more is tiered), and the same "

@@ -5,9 +5,12 @@ own sockets (quietly: torch's client prints C++ stack traces)."""
 from __future__ import annotations
 
 import errno
+import ipaddress
 import socket
 import struct
 import time
+
+from torch.distributed.elastic.rendezvous.utils import _matches_machine_hostname
 
 from ..link.frames import HELLO
 from ..protocol import Op
@@ -143,3 +146,32 @@ def port_in_use(port: int) -> bool:
         return e.errno == errno.EADDRINUSE
     finally:
         s.close()
+
+
+_LOCALHOST = ("localhost", "127.0.0.1", "::1")
+
+
+def hosts_store(host: str, local_addr: str | None) -> bool:
+    """Whether the endpoint ``host`` names this node, as torch's c10d infers it (its
+    host name or one of its addresses: ``_matches_machine_hostname``). Given
+    ``--local_addr``, the node is that address, so a loopback endpoint (several simulated
+    nodes on one machine) names only the node whose address it is or resolves to; any
+    other endpoint names it also if it names this machine (a host name where the node's
+    address is another of its interfaces')."""
+    if not local_addr:
+        return _matches_machine_hostname(host)
+    if host == local_addr or (host in _LOCALHOST and local_addr in _LOCALHOST):
+        return True
+    endpoint = _addresses(host)
+    if endpoint & _addresses(local_addr):
+        return True
+    return bool(endpoint) and not any(ipaddress.ip_address(a.split("%")[0]).is_loopback for a in endpoint) \
+        and _matches_machine_hostname(host)
+
+
+def _addresses(name: str) -> set[str]:
+    """The addresses ``name`` resolves to (none if it does not)."""
+    try:
+        return {info[4][0] for info in socket.getaddrinfo(name, None, proto=socket.IPPROTO_TCP)}
+    except (OSError, UnicodeError):
+        return set()
