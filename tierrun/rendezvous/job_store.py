@@ -36,7 +36,8 @@ from ..tier.lookup import read_over_link
 from .conf import conf_flag
 from .refusals import Refusals
 from .sockets import (
-    LINKS_ONLY, SILENT, await_listener, bracket, closed_by_peer, last_line, port_in_use, watch_connection,
+    LINKS_ONLY, SILENT, await_listener, bracket, closed_by_peer, is_loopback_literal, last_line, port_in_use,
+    watch_connection,
 )
 from .tree import TreePlace
 
@@ -103,6 +104,10 @@ class JobStore:
         self._retiring: list[StoreProcess] = []
         self.link_config = link_config
         self.node = f"node {node or socket.gethostname()}"
+        #: The proxy's link leaves from the node's own address when that is a loopback one
+        #: (nodes simulated on one machine: the store host then counts and names them apart);
+        #: otherwise from the system's choice of interface, as it would anyway.
+        self._link_source = node if node is not None and is_loopback_literal(node) else None
         #: What this node's store traffic goes through, as messages name it.
         self.upstream_name = f"the job's store host {host}:{port}"
         self.root: StoreProcess | None = None
@@ -153,6 +158,8 @@ class JobStore:
             extra = ["--link-listen", f"{bracket(tree.addr)}:0"]
         elif self.link_addr is not None:
             extra = ["--link-listen", f"{bracket(self.link_addr)}:0"]
+        if self._link_source is not None:
+            extra += ["--link-source", self._link_source]
         proxy = StoreProcess(
             host=PROXY_HOST, port=0, unix=f"@tierrun-proxy-{os.getpid()}-{secrets.token_hex(4)}",
             controlled=True, command="proxy", env=store_process_env(), token=self.token,

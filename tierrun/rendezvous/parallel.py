@@ -144,8 +144,9 @@ class ParallelRendezvousHandler(StoreRendezvousHandler):
             self._raise_if_failed()
             raise RendezvousConnectionError(
                 f"node rank {self._rank} ({self.node_addr}) lost its connection to "
-                f"{self.job.upstream_name} while waiting for the other nodes ({e}). Check that "
-                "the store host is running, then restart the job."
+                f"{self.job.upstream_name} while waiting for the other nodes ({e}). The store host "
+                "stops when its own wait for the nodes times out (its log names the missing node ranks) "
+                "or it fails: check its log, then restart the job."
             ) from e
 
     def _watch_nodes(self, base: str) -> None:

@@ -175,3 +175,11 @@ def _addresses(name: str) -> set[str]:
         return {info[4][0] for info in socket.getaddrinfo(name, None, proto=socket.IPPROTO_TCP)}
     except (OSError, UnicodeError):
         return set()
+
+
+def is_loopback_literal(addr: str) -> bool:
+    """Whether ``addr`` is an IP address (not a name: no lookup) on loopback."""
+    try:
+        return ipaddress.ip_address(addr.split("%")[0]).is_loopback
+    except ValueError:
+        return False
