@@ -1,5 +1,6 @@
 """The tierrun command end to end: real agents, real workers, Gloo on CPU."""
 
+import json
 import time
 
 import pytest
@@ -180,10 +181,11 @@ def test_static_timeout_names_the_missing_nodes(tmp_path):
     assert "1 of 3 nodes arrived; missing node ranks: 1, 2" in text
 
 
-def _static_node(port: int, logs: list, nodes: int = 3):
+def _static_node(port: int, logs: list, nodes: int = 3, timeline=None):
     def node(k: int, rank: int):
+        extra = ("--timeline", timeline) if timeline is not None and rank == 0 else ()
         return tierrun("--nnodes", nodes, "--nproc_per_node", 1, "--rdzv_backend", "parallel",
-                       "--master_addr", "127.0.1.1", "--master_port", port, "--node_rank", rank,
+                       "--master_addr", "127.0.1.1", "--master_port", port, "--node_rank", rank, *extra,
                        "--local_addr", f"127.0.1.{k + 1}", SCRIPTS / "collectives.py", log=logs[k])
     return node
 
@@ -204,7 +206,7 @@ def test_of_two_nodes_started_with_one_node_rank_one_stops_saying_so_and_the_job
     rank (as a spare replacing a lost node would); once the round forms the other stops,
     naming both, before it starts any worker, and the job runs with ranks 0-2 once."""
     logs = [tmp_path / f"node{k}.log" for k in range(4)]
-    node = _static_node(free_port(), logs)
+    node = _static_node(free_port(), logs, timeline=tmp_path / "timeline.json")
     procs = [node(0, 0), node(1, 1), node(2, 1)]
     try:
         taker = _wait_for_text(logs[1:3], "takes its place") + 1
@@ -217,6 +219,8 @@ def test_of_two_nodes_started_with_one_node_rank_one_stops_saying_so_and_the_job
                 f"127.0.1.{taker + 1} was started with the same rank") in text, text[-3000:]
         assert "Traceback" not in text and not results(logs[stopped])
         check_world(results(logs[0], logs[taker], logs[3]), 3, 6)
+        members = [n["addr"] for n in json.loads((tmp_path / "timeline.json").read_text())["nodes"]]
+        assert sorted(members) == ["127.0.1.1", f"127.0.1.{taker + 1}", "127.0.1.4"]  # (not the one that stopped)
     finally:
         for p in procs:
             if p.poll() is None:

@@ -43,8 +43,10 @@ def test_the_first_claim_is_new_and_the_same_nodes_restarted_agent_takes_it_back
     assert claim(store, KEY, again, RANK) is Claim.RESTARTED
     confirm(store, KEY, again, RANK)
     assert NodeRecord.decode(store.get(KEY)).formed
-    later = node("10.0.0.2")  # restarted once more, after the round formed: still its own
-    assert claim(store, KEY, later, RANK) is Claim.RESTARTED
+    other_agent = node("10.0.0.2")  # once the round formed, its holder runs: not even this node takes it
+    with pytest.raises(DuplicateNodeRankError, match="another agent of this node holds it and that round has formed"):
+        claim(store, KEY, other_agent, RANK)
+    assert NodeRecord.decode(store.get(KEY)) == NodeRecord("10.0.0.2", 8, again.nonce, formed=True)
 
 
 def test_a_node_that_takes_a_rank_over_before_the_round_forms_runs_and_the_holder_stops():
@@ -79,9 +81,11 @@ def test_of_a_confirm_and_a_takeover_racing_exactly_one_wins(formed_first):
 def test_a_node_that_would_take_over_with_another_number_of_workers_is_refused():
     store = HashStore()
     claim(store, KEY, node("10.0.0.2", workers=8), RANK)
-    with pytest.raises(DuplicateNodeRankError, match=r"runs as many workers \(--nproc_per_node 8\)"):
+    with pytest.raises(DuplicateNodeRankError, match=r"which holds it, runs 8: .* --nproc_per_node 8"):
         claim(store, KEY, node("10.0.0.9", workers=4), RANK)
     assert NodeRecord.decode(store.get(KEY)).addr == "10.0.0.2"
+    with pytest.raises(DuplicateNodeRankError, match="this node's previous agent ran 8"):
+        claim(store, KEY, node("10.0.0.2", workers=4), RANK)  # (restarted with other flags)
     assert claim(store, KEY, node("10.0.0.9", workers=None), RANK) is Claim.TAKEN_OVER  # (under torchrun: unknown)
 
 

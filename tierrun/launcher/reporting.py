@@ -82,7 +82,11 @@ class JobReporting:
 
     def board(self) -> JobBoard | None:
         """The job's board of records; None while this node never reached the job's store
-        (it could not start, or was never found: whatever holds its port is no store)."""
+        (it could not start, or was never found: whatever holds its port is no store), and
+        for a node refused a place in the job (never a member: torch's agent still reports
+        its rendezvous attempt, which must not reach the board)."""
+        if self.handler is not None and self.handler.refused:
+            return None
         if self.handler is not None and self.handler.job is not None and self.handler.job.reached:
             if self._board is None:
                 self._board = JobBoard(self.handler.job.agent_address, self.run_id, timeout=5.0)
@@ -97,10 +101,8 @@ class JobReporting:
         round has published how it ended or is dead (see ``_read_when_all_ended``), and if
         the job failed keeps the store up ``LINGER`` s more so the others can read the
         failures too."""
-        if self.handler is None or self.handler.refused:  # (never a member: not one of the job's records)
-            return
         board = self.board()
-        if board is None:
+        if board is None or self.handler is None:
             return
         self.recorder.publish()
         mine = self.recorder.attempt

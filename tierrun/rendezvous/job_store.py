@@ -33,10 +33,9 @@ from ..link.session import NO_LINKS
 from ..server import LINK_LOST, HostedFrontEnd, StoreProcess, StoreStartError
 from ..settings import store_process_env
 from ..tier.lookup import read_over_link
-from .conf import conf_flag
 from .refusals import Refusals
 from .sockets import (
-    LINKS_ONLY, SILENT, await_listener, bracket, closed_by_peer, is_loopback_literal, last_line, port_in_use,
+    LINKS_ONLY, SILENT, await_listener, bracket, closed_by_peer, last_line, loopback_source, port_in_use,
     watch_connection,
 )
 from .tree import TreePlace
@@ -104,10 +103,7 @@ class JobStore:
         self._retiring: list[StoreProcess] = []
         self.link_config = link_config
         self.node = f"node {node or socket.gethostname()}"
-        #: The proxy's link leaves from the node's own address when that is a loopback one
-        #: (nodes simulated on one machine: the store host then counts and names them apart);
-        #: otherwise from the system's choice of interface, as it would anyway.
-        self._link_source = node if node is not None and is_loopback_literal(node) else None
+        self._local_addr = node
         #: What this node's store traffic goes through, as messages name it.
         self.upstream_name = f"the job's store host {host}:{port}"
         self.root: StoreProcess | None = None
@@ -116,7 +112,8 @@ class JobStore:
         self.reached = False  # a client of the job's store was made once (the store was up)
         self._watch: socket.socket | None = None
         self._round_listener: tuple[StoreProcess | HostedFrontEnd, str] | None = None  # (see worker_endpoint)
-        self._relay_to_advertise: str | None = None  # this relay's link address, not yet published
+        self._relay: str | None = None  # a static tree relay's link address (see advertise_relay)
+        self._relay_advertised = False
 
     @property
     def tiered(self) -> bool:
@@ -138,16 +135,18 @@ class JobStore:
             self.proxy = proxy = self._start_proxy(*upstream, self.connect_timeout)
             self.upstream_name = upstream[1]
             if tree is not None and tree.has_children:  # (the children learn it: advertise_relay)
-                self._relay_to_advertise = f"{bracket(tree.addr)}:{proxy.link_port}"
+                self._relay, self._relay_advertised = f"{bracket(tree.addr)}:{proxy.link_port}", False
 
-    def advertise_relay(self) -> None:
+    def advertise_relay(self, again: bool = False) -> None:
         """Tell this node's children in a static store tree where to link, once this node
         holds its node rank (one refused its rank must not send them to a proxy about to
-        stop: ``node_claim``), and again after a new proxy started. One SET, or none."""
-        if self._relay_to_advertise is not None:
+        stop: ``node_claim``), after a new proxy started, and ``again`` once its hold is
+        confirmed (a node it took the rank from may have advertised after it). One SET,
+        or none."""
+        if self._relay is not None and (again or not self._relay_advertised):
             assert self.tree is not None
-            self.client().set(self.tree.key(self.tree.rank), self._relay_to_advertise)
-            self._relay_to_advertise = None
+            self.client().set(self.tree.key(self.tree.rank), self._relay)
+            self._relay_advertised = True
 
     def _start_proxy(self, upstream: str, name: str, connect_timeout: float) -> StoreProcess:
         """Start a node proxy linked to ``upstream`` (named ``name`` in messages), taking
@@ -158,8 +157,11 @@ class JobStore:
             extra = ["--link-listen", f"{bracket(tree.addr)}:0"]
         elif self.link_addr is not None:
             extra = ["--link-listen", f"{bracket(self.link_addr)}:0"]
-        if self._link_source is not None:
-            extra += ["--link-source", self._link_source]
+        # (from the node's own address when that is a loopback one, nodes simulated on one
+        # machine: the store host counts and names them apart; else the system's choice)
+        source = loopback_source(self._local_addr, upstream.rpartition(":")[0].strip("[]"))
+        if source is not None:
+            extra += ["--link-source", source]
         proxy = StoreProcess(
             host=PROXY_HOST, port=0, unix=f"@tierrun-proxy-{os.getpid()}-{secrets.token_hex(4)}",
             controlled=True, command="proxy", env=store_process_env(), token=self.token,

@@ -14,7 +14,7 @@ step of the store's.
 - Once every node has arrived, each confirms its record (COMPARE_SET to a ``formed``
   copy) before it starts workers: a holder whose record was taken over stops there
   (``DuplicateNodeRankError``), so two nodes never run one rank; a record confirmed is
-  never taken over (a newcomer after that is refused).
+  never taken over, not even by an agent of the same node (it is refused).
 
 Costs: one COMPARE_SET to claim (two to take over), one to confirm, per node and round.
 """
@@ -84,8 +84,10 @@ class Rank:
 
 def claim(store, key: str, mine: NodeRecord, rank: Rank) -> Claim:
     """Claim ``key`` (the record of ``rank``) with ``mine``. Raises
-    ``DuplicateNodeRankError`` when another node holds it in a formed round, or holds it
-    with another number of workers. O(1) requests (a retry per concurrent change)."""
+    ``DuplicateNodeRankError`` when the rank's round has formed (its holder runs, even
+    one of this node's address: another agent of this node), or when the holder (another
+    node, or this node's previous agent) ran another number of workers. O(1) requests (a
+    retry per concurrent change)."""
     wanted = mine.encode()
     expected = b""
     while True:
@@ -95,33 +97,36 @@ def claim(store, key: str, mine: NodeRecord, rank: Rank) -> Claim:
                 return Claim.NEW
             return Claim.RESTARTED if NodeRecord.decode(expected).addr == mine.addr else Claim.TAKEN_OVER
         holder = NodeRecord.decode(current)
-        if holder.addr != mine.addr and holder.formed:
+        same = holder.addr == mine.addr
+        if holder.formed:
+            who = "another agent of this node holds it" if same else f"node {holder.addr} holds it"
             raise DuplicateNodeRankError(
-                f"node {mine.addr} was started with node rank {rank.rank}, which node {holder.addr} holds in "
-                f"rendezvous '{rank.run_id}', and that round has formed: its workers run. {rank.advice()[0].upper()}"
-                f"{rank.advice()[1:]}: stop this node, or, if it is to replace {holder.addr}, restart the job."
+                f"node {mine.addr} was started with node rank {rank.rank} of rendezvous '{rank.run_id}', but "
+                f"{who} and that round has formed: its workers run. Stop this agent ({rank.advice()}); to "
+                f"replace {'that agent' if same else holder.addr}, restart the job."
             )
         if holder.workers is not None and mine.workers is not None and holder.workers != mine.workers:
+            who = "this node's previous agent ran" if same else f"node {holder.addr}, which holds it, runs"
             raise DuplicateNodeRankError(
-                f"node {mine.addr} was started with node rank {rank.rank} and {mine.workers} worker(s); node "
-                f"{holder.addr} holds that rank in rendezvous '{rank.run_id}' with {holder.workers}. A node that "
-                f"takes a rank's place runs as many workers (--nproc_per_node {holder.workers}); else "
-                f"{rank.advice()}."
+                f"node {mine.addr} was started with node rank {rank.rank} of rendezvous '{rank.run_id}' and "
+                f"{mine.workers} worker(s), but {who} {holder.workers}: the round counted those. Start it with "
+                f"--nproc_per_node {holder.workers}, or restart the job ({rank.advice()})."
             )
         expected = current  # (the same node restarted, or one gone, or a twin: take its place)
 
 
 def confirm(store, key: str, mine: NodeRecord, rank: Rank) -> None:
     """The round formed: mark this node's record so, or raise ``DuplicateNodeRankError``
-    if another node took it over meanwhile (this one must not start workers). One
-    request."""
+    if another node (or agent) took it over meanwhile: this one must not start workers.
+    One request."""
     formed = replace(mine, formed=True).encode()
     current = store.compare_set(key, mine.encode(), formed)
     if current != formed:
         newcomer = NodeRecord.decode(current).addr
+        who = "another agent of this node" if newcomer == mine.addr else f"node {newcomer}"
         raise DuplicateNodeRankError(
-            f"node {mine.addr} held node rank {rank.rank} of rendezvous '{rank.run_id}' until node {newcomer} "
-            f"was started with the same rank and took its place (as a spare replacing a lost node does): "
-            f"{rank.advice()}. If {newcomer} is not to be node rank {rank.rank}, stop it, and start this "
-            "node again with the rank that is missing (node rank 0 names it while it waits)."
+            f"node {mine.addr} held node rank {rank.rank} of rendezvous '{rank.run_id}' until {who} was started "
+            f"with the same rank and took its place (as a spare replacing a lost node does): {rank.advice()}. "
+            f"If {who} is not to be node rank {rank.rank}, stop it, and start this node again with the rank "
+            "that is missing (node rank 0 names it while it waits)."
         )

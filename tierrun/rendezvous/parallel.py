@@ -99,6 +99,8 @@ class ParallelRendezvousHandler(StoreRendezvousHandler):
         with self._progress(f"rendezvous '{self.run_id}'", lambda c: self._arrivals(c, base)):
             self._wait_for_all(store, keys, base)
         self._refused_if(lambda: confirm(store, key, mine, rank))
+        if how is Claim.TAKEN_OVER:
+            self.job.advertise_relay(again=True)
         self._choose_rank_assignment(store, workers_key, self._world_size)
         if endpoint is None:
             endpoint = (self.job.host, int(store.get(f"{base}/worker_port")))
@@ -173,7 +175,7 @@ class ParallelRendezvousHandler(StoreRendezvousHandler):
             self._note_dead(addr)
             reason = f"node rank {rank} ({addr}) has not answered for {self._beat_timeout:.0f} s"
             log.warning("rendezvous '%s': %s; stopping the job", self.run_id, reason)
-            store.set(f"/{base}/failed".encode(), reason.encode())
+            store.compare_set(f"/{base}/failed".encode(), b"", reason.encode())  # (the first reason stays)
 
     def _announce_leaving(self, reason: str) -> None:
         self._stop_watching()
@@ -209,6 +211,13 @@ class ParallelRendezvousHandler(StoreRendezvousHandler):
     def _missing_message(self, store, base: str) -> str:
         missing = [r for r in range(self._world_size) if not store.check([f"{base}/node/{r}"])]
         arrived = self._world_size - len(missing)
+        if not missing:  # (a rank's first node died between its claim and its count: see node_claim)
+            return (
+                f"rendezvous '{self.run_id}' timed out after {self._timeout.total_seconds():.0f} s on node rank "
+                f"{self._rank} ({self.node_addr}): every node rank has a node, but the count of arrivals is short: "
+                "a node was lost while it joined (between claiming its rank and counting itself), and the node "
+                "that took its place is not counted again. Restart the job."
+            )
         return (
             f"rendezvous '{self.run_id}' timed out after {self._timeout.total_seconds():.0f} s "
             f"on node rank {self._rank} ({self.node_addr}): {arrived} of {self._world_size} "

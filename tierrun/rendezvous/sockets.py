@@ -177,9 +177,19 @@ def _addresses(name: str) -> set[str]:
         return set()
 
 
-def is_loopback_literal(addr: str) -> bool:
-    """Whether ``addr`` is an IP address (not a name: no lookup) on loopback."""
+def loopback_source(addr: str | None, upstream_host: str) -> str | None:
+    """``addr`` (a node's --local_addr) as the local address of a connection to
+    ``upstream_host``, when it is a loopback IP literal (nodes simulated on one machine)
+    of the family ``upstream_host`` is or resolves to (a name: one lookup, never a
+    reverse one); else None, the system's choice."""
     try:
-        return ipaddress.ip_address(addr.split("%")[0]).is_loopback
+        family = ipaddress.ip_address((addr or "").split("%")[0])
     except ValueError:
-        return False
+        return None
+    if not family.is_loopback:
+        return None
+    want = socket.AF_INET if family.version == 4 else socket.AF_INET6
+    try:
+        return addr if socket.getaddrinfo(upstream_host, None, want, socket.SOCK_STREAM) else None
+    except (OSError, UnicodeError):
+        return None
