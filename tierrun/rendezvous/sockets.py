@@ -183,12 +183,12 @@ def loopback_source(addr: str | None, upstream_host: str) -> str | None:
     of the family ``upstream_host`` is or resolves to (a name: one lookup, never a
     reverse one); else None, the system's choice."""
     try:
-        family = ipaddress.ip_address((addr or "").split("%")[0])
+        ip = ipaddress.ip_address((addr or "").split("%")[0])
     except ValueError:
         return None
-    if not family.is_loopback:
+    if not ip.is_loopback:
         return None
-    want = socket.AF_INET if family.version == 4 else socket.AF_INET6
+    want = socket.AF_INET if ip.version == 4 else socket.AF_INET6
     try:
         return addr if socket.getaddrinfo(upstream_host, None, want, socket.SOCK_STREAM) else None
     except (OSError, UnicodeError):
