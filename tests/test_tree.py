@@ -84,6 +84,18 @@ def test_a_failed_request_deep_in_the_tree_fails_that_client_only(tree):
     assert "not a number" in proxies["d"].output  # the reason travelled down two links
 
 
+def test_a_client_reads_its_own_writes_two_proxies_down(tree):
+    """torch's client under the deepest proxy: ADD, SET the number, GET it (WAIT and
+    GET), over and over; every GET sees the SET before it (a relay once answered the
+    WAIT from its watch while the SET was still on its way up: tests/test_watches.py)."""
+    _, proxies = tree
+    store = client(proxies["d"].port)
+    for _ in range(40):
+        v = store.add("c", 1)
+        store.set("c/v", str(v))
+        assert store.get("c/v") == str(v).encode()
+
+
 def test_the_link_port_takes_only_authenticated_links(tree):
     root, proxies = tree
     port = proxies["a"].link_port

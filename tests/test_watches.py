@@ -431,6 +431,32 @@ def test_stacked_front_ends_answer_from_the_middle_and_pass_invalidations_down()
     run(main())
 
 
+def test_a_relay_answers_no_watched_read_of_a_client_whose_write_is_on_its_way_up():
+    """A client two proxies down SETs a key, WAITs for it, then GETs it, as soon as the
+    WAIT is answered. Once the key has changed too often to watch at the bottom, the
+    WAIT goes up plain, as a ticket of its link client at the relay: the relay must
+    see that client's SET still on its way up and not answer from its own watch (it
+    did: the bottom then answered the GET from its stale watch, the value before)."""
+    async def main():
+        core = StoreCore()
+        middle, _ = await linked(core)
+        leaf, _ = await linked(middle)
+        view, c = leaf.view(), Client()
+        for i in range(1, 13):
+            v = b"%d" % i
+            ask(view, (Op.SET, b"/k", v), c)
+            n = len(c.replies)
+            ask(view, (Op.WAIT, (b"/k",)), c)
+            while len(c.replies) == n:  # (the GET leaves the moment the WAIT is answered)
+                await asyncio.sleep(0)
+            ask(view, (Op.GET, b"/k"), c)
+            await settle()
+            assert c.replies[-1] == value(v), f"round {i}"
+        assert leaf.watches._churn[(b"", b"/k")] >= MAX_CHURN  # (the plain-WAIT path was taken)
+
+    run(main())
+
+
 def test_a_key_that_keeps_changing_is_no_longer_watched():
     async def main():
         core = StoreCore()

@@ -27,20 +27,16 @@ from typing import Any
 from ..core import StoreError, Waiter
 from ..core.watch_state import FETCH, FETCH_AFTER_WRITES, PEEK, WATCH_READ, encode_watch_state
 from ..link.config import LinkConfig
-from ..link.frames import (
-    INVALIDATED, OK, PEEKS, WATCH_LEASE, decode_invalidate, decode_replies, encode_count, entry_cancel,
-)
+from ..link.frames import INVALIDATED, OK, PEEKS, WATCH_LEASE, decode_invalidate, decode_replies, encode_count, entry_cancel
 from ..protocol import Op, Request
 from ..protocol.limits import Limits
 from ..protocol.opcodes import NO_REPLY_OPS, WAIT_CANCELED, WATCHABLE_OPS
 from . import fanout
 from .entries import Ids, encode_plan
-from .hold import HELD_WRITES, HoldPolicy, issuer
+from .hold import HELD_WRITES, HoldPolicy
 from .pending import PendingBatch
 from .waits_of import WaitsOf
-from .plan import (
-    FETCH_AFTER_WRITES_MARK, FETCH_MARK, PEEK_MARK, WATCH_MARK, Plan, PlanLimits, UpOp, plan_batch,
-)
+from .plan import FETCH_AFTER_WRITES_MARK, FETCH_MARK, PEEK_MARK, WATCH_MARK, Plan, PlanLimits, UpOp, plan_batch
 from .connection import SessionEnd
 from .readahead import ReadAhead, plan_peeks
 from .stats import CoalescingStats
@@ -74,8 +70,8 @@ class LinkUpstream(SessionEnd):
         self.watches = WatchCache()
         self._readahead = ReadAhead(self.limits.max_key_bytes)
         self._hold_policy = HoldPolicy(self.config.contended_write_hold)
-        self._unanswered: dict[Waiter, int] = {}  # client -> its requests awaiting answers
-        self._unconfirmed: set[Waiter] = set()  # clients whose last request has no answer
+        self._unanswered: dict[Waiter, int] = {}  # client -> its requests awaiting answers (a ticket's: its client's)
+        self._unconfirmed: set[Waiter] = set()  # clients whose last request has no answer (a write)
         self._held = False  # the open batch opened with a contended write: it is held
         self._hold: asyncio.Handle | None = None  # ... until then (None: a batch is in flight)
         #: (watchers, on_done): the invalidation round of front-ends below watching keys
@@ -130,9 +126,10 @@ class LinkUpstream(SessionEnd):
             self._cancel_waits(waiter)
             return WAIT_CANCELED
         self.stats.requests += 1
+        who = getattr(waiter, "client", waiter)  # (issuer(), inlined: a relayed request's ticket is its client's)
         if op in WATCHABLE_OPS and (op == Op.GET or len(req[1]) == 1):
             k = (ns, req[1] if op == Op.GET else req[1][0])
-            clean = waiter not in self._unanswered and waiter not in self._unconfirmed
+            clean = who not in self._unanswered and who not in self._unconfirmed
             watches = self.watches
             if clean:
                 now = monotonic()
@@ -141,7 +138,7 @@ class LinkUpstream(SessionEnd):
                     self.stats.watch_answers += 1
                     return answer_from(op, value)  # type: ignore[arg-type]
                 if op == Op.WAIT and self._join_wait(k, waiter, None, now):
-                    self._unanswered[waiter] = 1
+                    self._unanswered[who] = 1
                     return None
             if watches.watchable(k):
                 if clean and (op == Op.CHECK or watches.is_poll(k, waiter, op)):
@@ -151,11 +148,11 @@ class LinkUpstream(SessionEnd):
                     req = (FETCH_MARK if clean else FETCH_AFTER_WRITES_MARK, req, None)  # type: ignore[assignment]
         self._enqueue(waiter, ns, req)
         if op in NO_REPLY_OPS:
-            self._unconfirmed.add(issuer(waiter))  # (a relayed write's ticket: its link client)
+            self._unconfirmed.add(who)
         else:
-            self._unanswered[waiter] = self._unanswered.get(waiter, 0) + 1
+            self._unanswered[who] = self._unanswered.get(who, 0) + 1
             if self._unconfirmed:
-                self._unconfirmed.discard(waiter)  # (this answer confirms what came before)
+                self._unconfirmed.discard(who)  # (this answer confirms what came before)
         return None
 
     def submit_watching(self, req: Request, waiter: Waiter, watcher: Any, ns: bytes,
@@ -280,18 +277,20 @@ class LinkUpstream(SessionEnd):
             self._flush()
 
     def _answered(self, waiter: Waiter) -> None:
-        n = self._unanswered.get(waiter)
+        who = getattr(waiter, "client", waiter)  # (issuer(), inlined)
+        n = self._unanswered.get(who)
         if n is not None:
             if n > 1:
-                self._unanswered[waiter] = n - 1
+                self._unanswered[who] = n - 1
             else:
-                del self._unanswered[waiter]
+                del self._unanswered[who]
 
     def forget(self, waiter: Waiter, ns: bytes) -> None:
-        """The client is gone: drop what it waits for."""
+        """The client is gone (a relayed WAIT's ticket: its WAIT cancelled): drop what it waits for."""
         self._cancel_waits(waiter)
-        self._unanswered.pop(waiter, None)
-        self._unconfirmed.discard(waiter)
+        if getattr(waiter, "client", waiter) is waiter:  # (a ticket's client is still there)
+            self._unanswered.pop(waiter, None)
+            self._unconfirmed.discard(waiter)
         self._stalled.discard(waiter)
 
     def _cancel_waits(self, waiter: Waiter) -> None:
