@@ -6,6 +6,7 @@ round, still to come from upstream at their largest) stops its requests at
 from __future__ import annotations
 
 import asyncio
+import logging
 import socket
 
 import uvloop
@@ -13,6 +14,7 @@ import uvloop
 from tierrun.core import StoreCore
 from tierrun.frontend.connection import REPLY_BUFFER, ClientConnection
 from tierrun.frontend.owed import WRITE_SLICE, write_answer
+from tierrun.logs import FloodLog
 from tierrun.protocol import Limits, Op
 from tierrun.protocol.requests import encode_handshake, encode_request
 
@@ -102,6 +104,7 @@ class Owner:
         self.unfinished_since = {}
         self.unread = 0
         self.unread_since = {}
+        self.closed_log = FloodLog(logging.getLogger("tierrun.store"), "connections closed")
 
     def admit(self, conn):
         return True

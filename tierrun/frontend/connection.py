@@ -406,7 +406,7 @@ class ClientConnection(asyncio.Protocol):
         """Close this connection because of something the client did; log one line."""
         if self.closed:
             return
-        log.warning("closing connection from %s: %s", self.peer, reason)
+        self._frontend.closed_log.warning("closing connection from %s: %s", self.peer, reason)
         self.closed = True
         self._frontend.unfinished -= self._unfinished  # (what its parser held goes now)
         self._frontend.unfinished_since.pop(self, None)

@@ -10,6 +10,7 @@ from typing import Any, Protocol
 
 from ..core import Waiter
 from ..core.watch_state import WATCH_READ
+from ..logs import FloodLog
 from ..protocol import Limits, Request
 
 
@@ -75,6 +76,8 @@ class ConnectionOwner(Protocol):
     unread: int
     #: Those connections, the one paused longest ago first.
     unread_since: dict[Any, None]
+    #: Where a connection closed for what its client did says so (a flood: in part).
+    closed_log: FloodLog
 
     def admit(self, conn: Any) -> bool:
         """Count ``conn`` as a client; False: refused (it is closed at once)."""

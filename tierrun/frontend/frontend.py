@@ -9,6 +9,7 @@ import socket
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
+from ..logs import FloodLog
 from ..protocol import Limits
 from .connection import ClientConnection
 from .contracts import Gate, LinkAcceptor, Upstream
@@ -58,6 +59,8 @@ class FrontEnd:
         self.unread = 0  # bytes of answers its clients have not read (see ClientConnection)
         self.unread_since: dict[ClientConnection, None] = {}  # (their connections, paused longest first)
         self.refused = 0
+        self.closed_log = FloodLog(log, "connections closed for what their clients did")
+        self._refused_log = FloodLog(log, "connections refused (too many open)")
         #: Connections that turned out to be links, still open (counted as connections).
         self.links_open = 0
         self._servers: list[asyncio.AbstractServer] = []
@@ -67,11 +70,8 @@ class FrontEnd:
         open_now = len(self.connections) + self.links_open
         if open_now >= self.config.max_connections:
             self.refused += 1
-            log.warning(
-                "refusing connection from %s: %d connections open (the limit)",
-                conn.peer,
-                open_now,
-            )
+            self._refused_log.warning("refusing connection from %s: %d connections open (the limit)", conn.peer,
+                                      open_now)
             return False
         self.accepted += 1
         self.connections.add(conn)

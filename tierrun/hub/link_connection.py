@@ -201,7 +201,7 @@ class LinkServerConnection(asyncio.Protocol):
             self._uncork()
             self.abort(str(e))
         except (LinkError, ProtocolError) as e:
-            log.warning("closing link from %s: %s", self.peer, e)
+            self._server.closed_log.warning("closing link from %s: %s", self.peer, e)
             assert self._transport is not None
             self._uncork()
             self.write(auth.error(str(e)))
@@ -310,7 +310,10 @@ class LinkServerConnection(asyncio.Protocol):
         Logged as a warning unless ``quiet`` (its front-end ended the session) or the
         link is the store host's own front-end process's."""
         if self._transport is not None and not self._transport.is_closing():
-            (log.warning if self.resumable and not quiet else log.info)("closing link from %s: %s", self.peer, reason)
+            if self.resumable and not quiet:
+                self._server.closed_log.warning("closing link from %s: %s", self.peer, reason)
+            else:
+                log.info("closing link from %s: %s", self.peer, reason)
             self._transport.abort()
 
     def pause_reading(self) -> None:

@@ -42,6 +42,7 @@ from ..frontend import Upstream
 from ..frontend.contracts import TORCH_CLIENT_REFUSED
 from ..link.config import LinkConfig
 from ..link.frames import DEFAULT_MAX_FRAME, WATCH_LEASE, LinkError, encode_resumed
+from ..logs import FloodLog
 from ..protocol.limits import Limits
 from .reply_gate import ReplyGate
 from .link_connection import LinkServerConnection
@@ -86,6 +87,8 @@ class LinkServer:
         #: Largest frame sent (the front-ends' decoders accept no larger).
         self.max_frame = DEFAULT_MAX_FRAME
         self._watchdog: asyncio.TimerHandle | None = None
+        #: Where a link connection closed for what its peer did says so (a flood: in part).
+        self.closed_log = FloodLog(log, "link connections closed")
 
     def accept(self, peer: str = "", initial: bytes = b"", token: bytes | None = None,
                resumable: bool = True, sniffed: bool = True, not_a_link: str = "not a link") -> LinkServerConnection:

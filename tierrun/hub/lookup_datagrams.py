@@ -34,6 +34,7 @@ from time import monotonic
 from ..frontend.contracts import Upstream
 from ..link import auth
 from ..link.frames import LINK_MAGIC, LOOKUP, HANDSHAKE_MAX_FRAME, LinkError
+from ..logs import FloodLog
 from .lookup import LookupAnswer
 
 log = logging.getLogger("tierrun.store")
@@ -63,6 +64,7 @@ class LookupDatagrams(asyncio.DatagramProtocol):
         #: nonce -> (the answer sent, when); oldest first: for resends that crossed it.
         self._answered: dict[bytes, tuple[bytes, float]] = {}
         self._sweep: asyncio.TimerHandle | None = None  # (while some wait: forgets the stale)
+        self._failed_log = FloodLog(log, "LOOKUPs over UDP failed")
 
     def connection_made(self, transport) -> None:  # type: ignore[override]
         self._transport = transport
@@ -106,7 +108,7 @@ class LookupDatagrams(asyncio.DatagramProtocol):
 
         def fail(reason: str) -> None:
             entry = waiting.pop(nonce, None)
-            log.warning("a LOOKUP over UDP from %s failed: %s", addr[0], reason)
+            self._failed_log.warning("a LOOKUP over UDP from %s failed: %s", addr[0], reason)
             self._send(auth.error("the LOOKUP failed: ask over TCP"), addr if entry is None else entry[1])
 
         answer = LookupAnswer(self._upstream, key, send, fail)
