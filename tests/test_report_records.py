@@ -214,6 +214,40 @@ def test_collective_failures_after_a_death_are_consequences_not_the_root_cause()
     assert [fr.failure.global_rank for fr in both.failed] == [1, 0] and not any(fr.consequence for fr in both.failed)
 
 
+def test_a_dead_node_whose_watcher_saw_its_heartbeat_stop_is_the_root_cause_not_a_survivors_collective():
+    """A whole node dies (its agent too: it records nothing); a survivor's rank fails in
+    its all_reduce at once, and the watcher declares the dead node lost 3 s later. The
+    report names the dead node first and the survivor's failure as its consequence, on
+    every node that reads the board (the watcher's record carries the loss)."""
+    gloo = "RuntimeError: [gloo/transport/tcp/pair.cc:553] Connection closed by peer [127.0.1.3]:5000"
+    survivor, watcher = recorder("127.0.1.2"), recorder("127.0.1.1")
+    for rec, rank in ((survivor, 1), (watcher, 0)):
+        rec.on_event(agent_event("RENDEZVOUS", duration_ms=1000), 5.0)
+        rec.on_event(worker_event("START", rank, 0, group_rank=rank), 6.0)
+    error = json.dumps({"message": {"message": gloo, "extraInfo": {"py_callstack": f"Traceback...\n{gloo}\n",
+                                                                    "tierrun_time": 20.01}}})
+    survivor.on_event(worker_event("FAILED", 1, 0, group_rank=1, exit_code=1, raw_error=error), 20.01)
+    watcher.node_lost("127.0.1.3", silent_since=20.0)
+    watcher.node_lost("127.0.1.3", silent_since=21.0)  # (declared once per address)
+    published = NodeRecord.from_json(watcher.node.to_json())  # (as the survivor reads it from the board)
+    assert [(n.addr, n.silent_since, n.by) for n in published.lost] == [("127.0.1.3", 20.0, "127.0.1.1")]
+    report = FailureReport.build("job", survivor.node, [published])
+    assert report.lost_first.addr == "127.0.1.3"
+    assert [(fr.failure.global_rank, fr.consequence) for fr in report.failed] == [(1, True)]
+    text = report.render()
+    assert text.splitlines()[1].startswith("  first failure: node 127.0.1.3 stopped answering at about ")
+    assert "declared lost by node 127.0.1.1" in text
+    assert "1 failure(s) in collectives after it (consequences): rank 1 on 127.0.1.2 (+0.01 s)" in text
+    # a rank that failed on its own before the node was lost stays the root cause
+    early = recorder("127.0.1.2")
+    early.on_event(agent_event("RENDEZVOUS", duration_ms=1000), 5.0)
+    early.on_event(worker_event("START", 1, 0, group_rank=1), 6.0)
+    early.on_event(worker_event("FAILED", 1, 0, group_rank=1, exit_code=3), 12.0)
+    later = FailureReport.build("job", early.node, [published])
+    assert later.lost_first is None and later.first.failure.global_rank == 1
+    assert "node(s) that stopped answering after it: 127.0.1.3 at about" in later.render()
+
+
 def _record(addr, state, workers=1, pid=1):
     from tierrun.report.board import Attempt
     ended = workers if state != "RUNNING" else 0

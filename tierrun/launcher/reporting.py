@@ -79,6 +79,7 @@ class JobReporting:
             self.handler = handler
             self.recorder.node.addr = handler.node_addr
             handler.shutdown_hooks.append(self.before_shutdown)
+            handler.lost_hooks.append(self.recorder.node_lost)
 
     def board(self) -> JobBoard | None:
         """The job's board of records; None while this node never reached the job's store

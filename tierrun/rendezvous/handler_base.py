@@ -65,6 +65,9 @@ class StoreRendezvousHandler(RendezvousHandler):
         self._heartbeat: liveness.Heartbeat | None = None
         self._stopped_beats: list[liveness.Heartbeat] = []  # (see _settle_stopped_beats)
         self._dead_addrs: dict[str, float] = {}  # members this node declared dead in its round: when
+        #: Called (address, Unix time it was last heard from) when this node's watcher
+        #: declares a member dead, from the heartbeat's thread: the failure report's.
+        self.lost_hooks: list[Callable[[str, float], None]] = []
         #: Workers on this node, from the launcher: lets a round tell torch's agent that
         #: every node runs as many (None: unknown, torch's store-based path).
         self._local_world_size = int(config["local_world_size"]) if "local_world_size" in config else None
@@ -152,7 +155,13 @@ class StoreRendezvousHandler(RendezvousHandler):
         if beat is None or not beat.in_its_thread():
             return
         with self._lock:
+            first = addr not in self._dead_addrs
             self._dead_addrs.setdefault(addr, time.monotonic())
+        for hook in self.lost_hooks if first else ():
+            try:
+                hook(addr, time.time() - self._beat_timeout)
+            except Exception:  # (reporting never stops the watch)
+                log.debug("a lost-node hook failed", exc_info=True)
 
     def declared_dead(self) -> dict[str, float]:
         """The members of the current round that this node declared dead: address ->

@@ -67,6 +67,18 @@ class Attempt:
 
 
 @dataclass
+class LostNode:
+    """A member whose heartbeat this agent's watcher saw stop (a dead node leaves no
+    record of its own): ``silent_since``, when it was last heard from, about when it
+    died; ``declared``, when the watcher gave up on it (Unix seconds)."""
+
+    addr: str
+    silent_since: float
+    declared: float
+    by: str  # the watcher's address
+
+
+@dataclass
 class NodeRecord:
     """An agent's view of its own node, from its start to now."""
 
@@ -74,6 +86,7 @@ class NodeRecord:
     addr: str
     started: float
     attempts: list[Attempt] = field(default_factory=list)
+    lost: list[LostNode] = field(default_factory=list)  # members its watcher saw die
 
     def to_json(self) -> str:
         return json.dumps(asdict(self))
@@ -87,7 +100,8 @@ class NodeRecord:
             if a["rendezvous"] is not None:
                 a["rendezvous"] = tuple(a["rendezvous"])
             attempts.append(Attempt(**a, failures=failures))
-        return NodeRecord(**d, attempts=attempts)
+        lost = [LostNode(**n) for n in d.pop("lost", ())]
+        return NodeRecord(**d, attempts=attempts, lost=lost)
 
 
 class JobBoard:

@@ -3,11 +3,14 @@
 Built from every agent's record on the job's board (when the store was still there to
 read) and this agent's own record; printed on stderr and written as JSON for tools.
 
-The root cause is the earliest failure in time across the job, with two kinds of
-failure set aside as consequences: a worker that failed *in a collective or in the
+The root cause is the earliest failure in time across the job: a worker's, or a node's
+whose heartbeat stopped (a dead node leaves no record of its own; its watcher records
+it, with when it was last heard from), with two kinds of worker failure set aside as
+consequences: a worker that failed *in a collective or in the
 store* (Gloo's "Connection closed by peer", NCCL's errors, torch's ``DistError``s) when
 another worker failed some other way no later than ``CONSEQUENCE_WINDOW`` seconds
-after it (its peer's death is what broke the collective: the peer's exit, timed by the
+after it, or when a node was last heard from no later than that (its peer's death is
+what broke the collective: the peer's exit, timed by the
 agent's :class:`~tierrun.report.exits.ExitClock`, and the collective's error race by
 milliseconds), and a worker its own agent stopped (SIGTERM, no error file) after
 another failed.
@@ -21,7 +24,7 @@ import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-from .board import Attempt, Failure, NodeRecord
+from .board import Attempt, Failure, LostNode, NodeRecord
 
 TAIL_LINES = 12
 #: seconds by which the death that broke a collective may be timed after its failure
@@ -61,6 +64,7 @@ class FailureReport:
     restarts: int  # restarts this node used
     phases: dict[str, float]  # seconds per phase of this node's last attempt
     nodes_seen: int  # how many agents' records the report was built from
+    lost: list[LostNode]  # nodes whose heartbeat stopped, the earliest first
 
     @staticmethod
     def build(run_id: str, mine: NodeRecord, others: list[NodeRecord]) -> FailureReport:
@@ -68,8 +72,12 @@ class FailureReport:
         records[mine.node] = mine  # this agent's own view is the freshest
         every = [FailedRank(r.node, r.addr, a.group_rank, f)
                  for r in records.values() for a in r.attempts for f in a.failures]
+        lost: dict[str, LostNode] = {}
+        for n in sorted((n for r in records.values() for n in r.lost), key=lambda n: n.silent_since):
+            lost.setdefault(n.addr, n)  # (each watcher's view of one death: the earliest)
         causes = [fr.failure.time for fr in every
                   if not fr.failure.stopped_by_agent and not in_collective(fr.failure)]
+        causes += [n.silent_since for n in lost.values()]
         for fr in every:
             f = fr.failure
             fr.consequence = f.stopped_by_agent or (
@@ -79,24 +87,43 @@ class FailureReport:
         return FailureReport(
             run_id=run_id, reporter=mine.node, first=failed[0] if failed else None,
             failed=failed, restarts=last.number if last else 0,
-            phases=phases(mine.started, last), nodes_seen=len(records),
+            phases=phases(mine.started, last), nodes_seen=len(records), lost=list(lost.values()),
         )
+
+    @property
+    def lost_first(self) -> LostNode | None:
+        """The node whose heartbeat stopped first, when no worker failed on its own before
+        (then it is the root cause: its death broke the others' collectives)."""
+        if not self.lost:
+            return None
+        n = self.lost[0]
+        first = self.first
+        return n if first is None or first.consequence or n.silent_since <= first.failure.time else None
 
     def render(self) -> str:
         addr, _, pid = self.reporter.rpartition(":")  # ("<address>:<pid>": the pid is no port)
         lines = [f"tierrun: job '{self.run_id}' failed (report from node {addr}, agent pid {pid})"]
-        if self.first is None:
+        lost = self.lost_first
+        if lost is not None:
+            lines.append(f"  first failure: node {lost.addr} stopped answering at about {_clock(lost.silent_since)} "
+                         f"(its heartbeat: declared lost by node {lost.by} at {_clock(lost.declared)}); a dead node "
+                         "leaves no record of its workers: look at that machine (killed, out of memory, "
+                         "rebooted, cut off?)")
+            lines += [f"  node {n.addr} also stopped answering at about {_clock(n.silent_since)}"
+                      for n in self.lost[1:]]
+        if self.first is None and lost is None:
             lines.append("  no worker failure was recorded: the agent itself failed (see the error above)")
-        else:
+        elif self.first is not None:
             f = self.first.failure
-            when = time.strftime("%H:%M:%S", time.localtime(f.time)) + f".{int(f.time % 1 * 1000):03d}"
-            lines.append(
-                f"  first failure: rank {f.global_rank} (local rank {f.local_rank}) on node "
-                f"{self.first.addr} (node rank {self.first.group_rank}) at {when}: {f.message}"
-            )
-            tail = f.traceback.strip().splitlines()[-TAIL_LINES:]
-            lines += [f"    | {t}" for t in tail]
-            rest = self.failed[1:]
+            if lost is None:
+                lines.append(
+                    f"  first failure: rank {f.global_rank} (local rank {f.local_rank}) on node "
+                    f"{self.first.addr} (node rank {self.first.group_rank}) at {_clock(f.time)}: {f.message}"
+                )
+                tail = f.traceback.strip().splitlines()[-TAIL_LINES:]
+                lines += [f"    | {t}" for t in tail]
+            rest = self.failed[1:] if lost is None else self.failed
+            t0 = f.time if lost is None else lost.silent_since
             groups = (
                 ("later failure(s)", [fr for fr in rest if not fr.consequence]),
                 ("failure(s) in collectives after it (consequences)",
@@ -106,8 +133,11 @@ class FailureReport:
             for title, group in groups:
                 if group:
                     lines.append(f"  {len(group)} {title}: " + ", ".join(
-                        f"rank {fr.failure.global_rank} on {fr.addr} ({fr.failure.time - f.time:+.2f} s)"
+                        f"rank {fr.failure.global_rank} on {fr.addr} ({fr.failure.time - t0:+.2f} s)"
                         for fr in group[:8]) + (" ..." if len(group) > 8 else ""))
+        if lost is None and self.lost:
+            lines.append("  node(s) that stopped answering after it: " + ", ".join(
+                f"{n.addr} at about {_clock(n.silent_since)}" for n in self.lost))
         lines.append(f"  restarts used on this node: {self.restarts}")
         if self.phases:
             lines.append("  this node's phases: " + ", ".join(f"{k} {v:.1f} s" for k, v in self.phases.items()))
@@ -117,6 +147,10 @@ class FailureReport:
     def write_json(self, path: Path) -> None:
         path.parent.mkdir(parents=True, exist_ok=True)
         path.write_text(json.dumps(asdict(self), indent=1))
+
+
+def _clock(t: float) -> str:
+    return time.strftime("%H:%M:%S", time.localtime(t)) + f".{int(t % 1 * 1000):03d}"
 
 
 def phases(started: float, attempt: Attempt | None) -> dict[str, float]:

@@ -19,7 +19,7 @@ from collections.abc import Callable
 from torch.distributed.elastic.events import Event, EventSource
 
 from ..client import StoreClientError
-from .board import FINAL_STATES, Attempt, Failure, JobBoard, NodeRecord
+from .board import FINAL_STATES, Attempt, Failure, JobBoard, LostNode, NodeRecord
 from .exits import ExitClock
 
 log = logging.getLogger("tierrun.report")
@@ -118,6 +118,14 @@ class AgentRecorder(logging.Handler):
         assert attempt is not None
         log.info("node %s (node rank %d): %d worker(s) started, global rank(s) %s of %s",
                  self.node.addr, attempt.group_rank, len(ranks), span, world if world is not None else "?")
+
+    def node_lost(self, addr: str, silent_since: float) -> None:
+        """This agent's watcher saw the member at ``addr`` stop beating (``silent_since``,
+        Unix seconds): recorded, for the failure report to name it. Called from the
+        heartbeat's thread; one store round trip."""
+        if all(n.addr != addr for n in self.node.lost):
+            self.node.lost.append(LostNode(addr, silent_since, time.time(), self.node.addr))
+            self.publish()
 
     def publish(self) -> None:
         if self._board_down:
