@@ -286,12 +286,16 @@ class ElasticRendezvousHandler(TreeRounds):
         """Close round r when the last call ends, or sooner: as soon as every member of
         round r-1 has either joined r or is dead (marked by its watcher, or its heartbeat
         still for ``heartbeat_timeout``). A re-rendezvous after a failure then takes
-        seconds, not the last call. One MULTI_GET of O(n) keys per poll, on one node."""
+        seconds, not the last call. One MULTI_GET of O(n) keys per poll, on one node. Ends
+        at once when round r closed without it (it filled up): the node's proxy moves to
+        the round's tree then, and a request on the old connection would fail."""
         try:
             deadline = time.monotonic() + self._last_call
             previous = self._previous_members(store, r)
             still = liveness.Stillness(self._beat_timeout)
             while time.monotonic() < deadline:
+                if store.check([self._k(r, "closed")]):
+                    return
                 if previous and self._all_accounted_for(store, r, previous, still):
                     log.info("round %d of '%s': every live member of round %d is back; closing "
                              "before the last call", r, self.run_id, r - 1)
@@ -360,11 +364,14 @@ class ElasticRendezvousHandler(TreeRounds):
 
     def _declare_dead(self, r: int, index: int) -> None:
         """Called by the heartbeat thread: member ``index`` of round r went silent. Not
-        if it is marked gone already (it left, saying why, or another watcher declared it)."""
+        if it is marked gone already (it left, saying why, or another watcher declared it),
+        nor once round r is over (``changed``: a node joined the next round, or a member
+        died or left): its members stopped beating in it to re-form, they are not dead."""
         with StoreClient(self.job.agent_address, timeout=10) as store:
-            raw, gone = store.multi_get([("/" + self._k(r, f"node/{index}")).encode(),
-                                         ("/" + self._k(r, f"dead/{index}")).encode()], wait=False)
-            if gone:
+            raw, gone, over = store.multi_get([("/" + self._k(r, f"node/{index}")).encode(),
+                                               ("/" + self._k(r, f"dead/{index}")).encode(),
+                                               ("/" + self._k(r, "changed")).encode()], wait=False)
+            if gone or over:
                 return
             addr = json.loads(raw)["addr"] if raw else f"arrival {index}"
             self._note_dead(addr)
