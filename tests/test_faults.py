@@ -147,6 +147,8 @@ def test_store_host_death_stops_every_node_with_the_reason(tmp_path, tiered):
         assert f"lost the job's store host 127.0.1.1:{port}" in text, text[-3000:]
         if tiered:
             assert "not back within the 4 s grace period" in text
+            # (said when the link drops, not only once the grace period is over)
+            assert "its store proxy: link to the store host 127.0.1.1:" in text and "reconnecting" in text
 
 
 def test_a_worker_failing_while_the_store_link_dies_is_blamed_on_the_store(tmp_path):

@@ -33,6 +33,7 @@ from ..link.session import NO_LINKS
 from ..server import LINK_LOST, HostedFrontEnd, StoreProcess, StoreStartError
 from ..settings import store_process_env
 from ..tier.lookup import read_over_link
+from .proxy_notices import ProxyNotices
 from .refusals import Refusals
 from .sockets import (
     LINKS_ONLY, SILENT, await_listener, bracket, closed_by_peer, last_line, loopback_source, port_in_use,
@@ -166,7 +167,7 @@ class JobStore:
             host=PROXY_HOST, port=0, unix=f"@tierrun-proxy-{os.getpid()}-{secrets.token_hex(4)}",
             controlled=True, command="proxy", env=store_process_env(), token=self.token,
             extra_args=["--upstream", upstream, "--connect-timeout", str(connect_timeout), *extra],
-            start_timeout=connect_timeout + 10,
+            start_timeout=connect_timeout + 10, on_line=ProxyNotices(self.node),
         )
         try:
             proxy.start()
