@@ -121,6 +121,28 @@ def test_timeline_orders_nodes_by_rank_and_phases_by_time():
     phases = tl["nodes"][1]["attempts"][0]["phases"]
     assert [(p["name"], p["start"], p["end"]) for p in phases] == [
         ("agent start", 4.0, 5.0), ("rendezvous", 5.0, 8.0), ("worker start", 8.0, 9.0), ("run", 9.0, None)]
+    a.node_lost("10.0.0.2", silent_since=120.0)  # (b died: its own record still says RUNNING)
+    tl = timeline.build("job", [b.node, a.node])
+    dead = tl["nodes"][1]["attempts"][0]
+    assert dead["state"] == "LOST" and dead["phases"][-1] == {"name": "run", "start": 9.0, "end": 20.0}
+    assert tl["nodes"][0]["attempts"][0]["state"] == "RUNNING"
+
+
+def test_the_timeline_draws_every_short_run_bar_alike(tmp_path):
+    import matplotlib.pyplot as plt
+
+    drawn = []
+    original = plt.Axes.barh
+    plt.Axes.barh = lambda ax, row, width, left, **kw: drawn.append((row, width)) or original(ax, row, width, left=left, **kw)
+    try:
+        nodes = [{"node": f"n{i}", "addr": f"10.0.0.{i}", "attempts": [{"number": 0, "group_rank": i, "state": "RUNNING",
+                  "phases": [{"name": "rendezvous", "start": 0.0, "end": 2.0 + i},
+                             {"name": "run", "start": 2.0 + i, "end": 100.0}]}]} for i in range(3)]
+        timeline.render_png({"run_id": "job", "t0": 0.0, "nodes": nodes}, tmp_path / "t.png")
+    finally:
+        plt.Axes.barh = original
+    runs = [width for row, width in drawn if width not in (2.0, 3.0, 4.0)]
+    assert len(runs) == 3 and len(set(runs)) == 1  # (row 0's was drawn shorter than the others')
 
 
 def test_arrivals_line_names_missing_nodes_or_says_how_many_are_short():

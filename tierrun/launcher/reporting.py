@@ -123,6 +123,9 @@ class JobReporting:
         if self.timeline_path is not None and hosting:
             timeline.write(self.timeline_path, timeline.build(self.run_id, self._others))
             print(f"[tierrun] wire-up timeline written to {self.timeline_path}", file=sys.stderr, flush=True)
+        elif self.timeline_path is not None:
+            print(f"[tierrun] --timeline: the store host's agent ({self.handler.job.host}) writes the job's "
+                  f"timeline, with every node's record; this node writes none", file=sys.stderr, flush=True)
 
     def _read_when_all_ended(self, board: JobBoard, members: int,
                              declared_dead: Callable[[], dict[str, float]]) -> None:

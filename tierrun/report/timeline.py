@@ -21,12 +21,20 @@ PHASES = {"agent start": "#9e9e9e", "rendezvous": "#1f77b4", "worker start": "#f
 def build(run_id: str, records: list[NodeRecord]) -> dict:
     """``{"run_id", "t0", "nodes": [{"node", "addr", "attempts": [{"number", "group_rank",
     "state", "phases": [{"name", "start", "end"}]}]}]}``; times in seconds after ``t0``,
-    the earliest agent start. Nodes are sorted by their first node rank."""
+    the earliest agent start. Nodes are sorted by their first node rank. A node that a
+    watcher saw die (``NodeRecord.lost``) while its record says its workers run ends
+    there: its last attempt is LOST, its run ends when it was last heard from."""
     t0 = min((r.started for r in records), default=0.0)
+    lost = {n.addr: n.silent_since for r in records for n in r.lost}
     nodes = []
     for r in records:
         attempts = []
         for a in r.attempts:
+            state, ended = a.state, a.ended
+            died = lost.get(r.addr)
+            if (died is not None and ended is None and state == "RUNNING" and a is r.attempts[-1]
+                    and a.workers_started is not None and a.workers_started <= died):  # (not a later agent there)
+                state, ended = "LOST", died
             spans: list[tuple[str, float, float | None]] = []
             if a.rendezvous is not None:
                 if a.number == 0 and not attempts:
@@ -34,9 +42,9 @@ def build(run_id: str, records: list[NodeRecord]) -> dict:
                 spans.append(("rendezvous", *a.rendezvous))
                 if a.workers_started is not None:
                     spans.append(("worker start", a.rendezvous[1], a.workers_started))
-                    spans.append(("run", a.workers_started, a.ended))
+                    spans.append(("run", a.workers_started, ended))
             attempts.append({
-                "number": a.number, "group_rank": a.group_rank, "state": a.state,
+                "number": a.number, "group_rank": a.group_rank, "state": state,
                 "phases": [{"name": n, "start": round(s - t0, 4), "end": None if e is None else round(e - t0, 4)}
                            for n, s, e in spans],
             })
@@ -63,15 +71,15 @@ def render_png(timeline: dict, out: Path, start_up_only: bool = True) -> None:
 
     nodes = timeline["nodes"]
     fig, ax = plt.subplots(figsize=(10, 1.6 + 0.45 * len(nodes)))
-    horizon = 0.0
-    for row, node in enumerate(nodes):
-        for attempt in node["attempts"]:
-            for p in attempt["phases"]:
-                end = p["end"] if p["end"] is not None else p["start"]
-                if p["name"] == "run" and start_up_only:
-                    end = p["start"] + max(0.05 * max(horizon, 1.0), 0.1)
-                ax.barh(row, end - p["start"], left=p["start"], color=PHASES[p["name"]], edgecolor="white")
-                horizon = max(horizon, end)
+    phases = [(row, p) for row, node in enumerate(nodes) for attempt in node["attempts"] for p in attempt["phases"]]
+    # (the start-up's length, over every node: each short run bar is drawn alike)
+    horizon = max((p["end"] if p["end"] is not None else p["start"] for _, p in phases if p["name"] != "run"),
+                  default=1.0)
+    for row, p in phases:
+        end = p["end"] if p["end"] is not None else p["start"]
+        if p["name"] == "run" and start_up_only:
+            end = p["start"] + max(0.05 * max(horizon, 1.0), 0.1)
+        ax.barh(row, end - p["start"], left=p["start"], color=PHASES[p["name"]], edgecolor="white")
     ax.set_yticks(range(len(nodes)))
     ax.set_yticklabels([f"{n['addr']} (rank {n['attempts'][0]['group_rank'] if n['attempts'] else '?'})" for n in nodes])
     ax.invert_yaxis()
