@@ -70,8 +70,8 @@ class LinkUpstream(SessionEnd):
         self.watches = WatchCache()
         self._readahead = ReadAhead(self.limits.max_key_bytes)
         self._hold_policy = HoldPolicy(self.config.contended_write_hold)
-        self._unanswered: dict[Waiter, int] = {}  # client -> its requests awaiting answers (a ticket's: its client's)
-        self._unconfirmed: set[Waiter] = set()  # clients whose last request has no answer (a write)
+        self._unanswered: dict[Waiter, int] = {}  # client (or ticket) -> its requests awaiting answers
+        self._unconfirmed: set[Waiter] = set()  # clients whose writes no later answer has confirmed
         self._held = False  # the open batch opened with a contended write: it is held
         self._hold: asyncio.Handle | None = None  # ... until then (None: a batch is in flight)
         #: (watchers, on_done): the invalidation round of front-ends below watching keys
@@ -126,10 +126,11 @@ class LinkUpstream(SessionEnd):
             self._cancel_waits(waiter)
             return WAIT_CANCELED
         self.stats.requests += 1
-        who = getattr(waiter, "client", waiter)  # (issuer(), inlined: a relayed request's ticket is its client's)
+        who = getattr(waiter, "client", waiter)  # (issuer(), inlined: a relayed request's ticket -> its client)
         if op in WATCHABLE_OPS and (op == Op.GET or len(req[1]) == 1):
             k = (ns, req[1] if op == Op.GET else req[1][0])
-            clean = who not in self._unanswered and who not in self._unconfirmed
+            unanswered = self._unanswered  # (a ticket's own answer, and its client's writes and other answers)
+            clean = waiter not in unanswered and who not in unanswered and who not in self._unconfirmed
             watches = self.watches
             if clean:
                 now = monotonic()
@@ -138,7 +139,7 @@ class LinkUpstream(SessionEnd):
                     self.stats.watch_answers += 1
                     return answer_from(op, value)  # type: ignore[arg-type]
                 if op == Op.WAIT and self._join_wait(k, waiter, None, now):
-                    self._unanswered[who] = 1
+                    self._unanswered[waiter] = 1
                     return None
             if watches.watchable(k):
                 if clean and (op == Op.CHECK or watches.is_poll(k, waiter, op)):
@@ -150,9 +151,9 @@ class LinkUpstream(SessionEnd):
         if op in NO_REPLY_OPS:
             self._unconfirmed.add(who)
         else:
-            self._unanswered[who] = self._unanswered.get(who, 0) + 1
-            if self._unconfirmed:
-                self._unconfirmed.discard(who)  # (this answer confirms what came before)
+            self._unanswered[waiter] = self._unanswered.get(waiter, 0) + 1
+            if self._unconfirmed and waiter is who:  # (this answer confirms what came before; a
+                self._unconfirmed.discard(who)  # ticket's, a WAIT's, may come long after: not it)
         return None
 
     def submit_watching(self, req: Request, waiter: Waiter, watcher: Any, ns: bytes,
@@ -277,20 +278,18 @@ class LinkUpstream(SessionEnd):
             self._flush()
 
     def _answered(self, waiter: Waiter) -> None:
-        who = getattr(waiter, "client", waiter)  # (issuer(), inlined)
-        n = self._unanswered.get(who)
+        n = self._unanswered.get(waiter)
         if n is not None:
             if n > 1:
-                self._unanswered[who] = n - 1
+                self._unanswered[waiter] = n - 1
             else:
-                del self._unanswered[who]
+                del self._unanswered[waiter]
 
     def forget(self, waiter: Waiter, ns: bytes) -> None:
-        """The client is gone (a relayed WAIT's ticket: its WAIT cancelled): drop what it waits for."""
+        """The client is gone: drop what it waits for."""
         self._cancel_waits(waiter)
-        if getattr(waiter, "client", waiter) is waiter:  # (a ticket's client is still there)
-            self._unanswered.pop(waiter, None)
-            self._unconfirmed.discard(waiter)
+        self._unanswered.pop(waiter, None)
+        self._unconfirmed.discard(waiter)
         self._stalled.discard(waiter)
 
     def _cancel_waits(self, waiter: Waiter) -> None:
