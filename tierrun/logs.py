@@ -12,6 +12,7 @@ O(1) per line; no timer (a count left out is told with the next line of its kind
 from __future__ import annotations
 
 import logging
+import time
 from time import monotonic
 
 
@@ -19,7 +20,7 @@ class FloodLog:
     """Warnings of one kind (``what``, e.g. "connections closed"), at most ``burst`` per
     ``window`` seconds."""
 
-    __slots__ = ("_log", "_what", "_burst", "_window", "_since", "_logged", "_left_out")
+    __slots__ = ("_log", "_what", "_burst", "_window", "_since", "_logged", "_left_out", "_first_left_out")
 
     def __init__(self, log: logging.Logger, what: str, burst: int = 20, window: float = 10.0) -> None:
         self._log = log
@@ -29,16 +30,20 @@ class FloodLog:
         self._since = -window  # (monotonic) when the current window began
         self._logged = 0
         self._left_out = 0
+        self._first_left_out = 0.0  # (wall clock) when the first line left out of this window came
 
     def warning(self, msg: str, *args: object) -> None:
         now = monotonic()
         if now - self._since >= self._window:
             if self._left_out:
-                self._log.warning("%s: %s more not logged in %.0f s (at most %d lines per %g s)", self._what,
-                                  f"{self._left_out:,}", now - self._since, self._burst, self._window)
+                self._log.warning("%s: %s more not logged since %s (at most %d lines per %g s)", self._what,
+                                  f"{self._left_out:,}", time.strftime("%H:%M:%S", time.localtime(self._first_left_out)),
+                                  self._burst, self._window)
             self._since, self._logged, self._left_out = now, 0, 0
         if self._logged < self._burst:
             self._logged += 1
             self._log.warning(msg, *args)
         else:
+            if not self._left_out:
+                self._first_left_out = time.time()
             self._left_out += 1

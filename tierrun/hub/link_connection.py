@@ -201,7 +201,9 @@ class LinkServerConnection(asyncio.Protocol):
             self._uncork()
             self.abort(str(e))
         except (LinkError, ProtocolError) as e:
-            self._server.closed_log.warning("closing link from %s: %s", self.peer, e)
+            # (a session's link: always said; a connection not yet a session's: a flood's, maybe)
+            (log.warning if self._session is not None else self._server.closed_log.warning)(
+                "closing link from %s: %s", self.peer, e)
             assert self._transport is not None
             self._uncork()
             self.write(auth.error(str(e)))
@@ -311,7 +313,8 @@ class LinkServerConnection(asyncio.Protocol):
         link is the store host's own front-end process's."""
         if self._transport is not None and not self._transport.is_closing():
             if self.resumable and not quiet:
-                self._server.closed_log.warning("closing link from %s: %s", self.peer, reason)
+                (log.warning if self._session is not None else self._server.closed_log.warning)(
+                    "closing link from %s: %s", self.peer, reason)
             else:
                 log.info("closing link from %s: %s", self.peer, reason)
             self._transport.abort()

@@ -87,8 +87,8 @@ class LinkServer:
         #: Largest frame sent (the front-ends' decoders accept no larger).
         self.max_frame = DEFAULT_MAX_FRAME
         self._watchdog: asyncio.TimerHandle | None = None
-        #: Where a link connection closed for what its peer did says so (a flood: in part).
-        self.closed_log = FloodLog(log, "link connections closed")
+        #: Where a connection closed before it was a session's link says so (a flood: in part).
+        self.closed_log = FloodLog(log, "connections to the link port closed")
 
     def accept(self, peer: str = "", initial: bytes = b"", token: bytes | None = None,
                resumable: bool = True, sniffed: bool = True, not_a_link: str = "not a link") -> LinkServerConnection:

@@ -365,13 +365,14 @@ class ElasticRendezvousHandler(TreeRounds):
     def _declare_dead(self, r: int, index: int) -> None:
         """Called by the heartbeat thread: member ``index`` of round r went silent. Not
         if it is marked gone already (it left, saying why, or another watcher declared it),
-        nor once round r is over (``changed``: a node joined the next round, or a member
-        died or left): its members stopped beating in it to re-form, they are not dead."""
+        nor once a node joined the next round (``changed`` says so): round r's members
+        stop beating in it to re-form, they are not dead. (A round that changed for a
+        death still declares a second one: a rack lost at once.)"""
         with StoreClient(self.job.agent_address, timeout=10) as store:
             raw, gone, over = store.multi_get([("/" + self._k(r, f"node/{index}")).encode(),
                                                ("/" + self._k(r, f"dead/{index}")).encode(),
                                                ("/" + self._k(r, "changed")).encode()], wait=False)
-            if gone or over:
+            if gone or over == b"joined":
                 return
             addr = json.loads(raw)["addr"] if raw else f"arrival {index}"
             self._note_dead(addr)

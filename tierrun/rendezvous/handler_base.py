@@ -65,8 +65,8 @@ class StoreRendezvousHandler(RendezvousHandler):
         self._heartbeat: liveness.Heartbeat | None = None
         self._stopped_beats: list[liveness.Heartbeat] = []  # (see _settle_stopped_beats)
         self._dead_addrs: dict[str, float] = {}  # members this node declared dead in its round: when
-        #: Called (address, Unix time it was last heard from) when this node's watcher
-        #: declares a member dead, from the heartbeat's thread: the failure report's.
+        #: Called (address, about when it was last heard from, Unix time) when this node's
+        #: watcher declares a member dead, in a thread of its own: the failure report's.
         self.lost_hooks: list[Callable[[str, float], None]] = []
         #: Workers on this node, from the launcher: lets a round tell torch's agent that
         #: every node runs as many (None: unknown, torch's store-based path).
@@ -157,10 +157,16 @@ class StoreRendezvousHandler(RendezvousHandler):
         with self._lock:
             first = addr not in self._dead_addrs
             self._dead_addrs.setdefault(addr, time.monotonic())
-        for hook in self.lost_hooks if first else ():
+        if first and self.lost_hooks:  # (not in the heartbeat's thread: a publish must not delay the re-formation)
+            # (silent for the timeout when declared, counted from a sample up to an interval after its last beat)
+            heard = time.time() - self._beat_timeout - self._beat_interval
+            threading.Thread(target=self._tell_lost, args=(addr, heard), daemon=True).start()
+
+    def _tell_lost(self, addr: str, heard: float) -> None:
+        for hook in self.lost_hooks:
             try:
-                hook(addr, time.time() - self._beat_timeout)
-            except Exception:  # (reporting never stops the watch)
+                hook(addr, heard)
+            except Exception:  # (reporting never stops anything)
                 log.debug("a lost-node hook failed", exc_info=True)
 
     def declared_dead(self) -> dict[str, float]:

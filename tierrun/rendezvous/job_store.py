@@ -167,7 +167,8 @@ class JobStore:
             host=PROXY_HOST, port=0, unix=f"@tierrun-proxy-{os.getpid()}-{secrets.token_hex(4)}",
             controlled=True, command="proxy", env=store_process_env(), token=self.token,
             extra_args=["--upstream", upstream, "--connect-timeout", str(connect_timeout), *extra],
-            start_timeout=connect_timeout + 10, on_line=ProxyNotices(self.node),
+            start_timeout=connect_timeout + 10,  # (a parent's loss is said by the tree's own lines)
+            on_line=ProxyNotices(self.node) if upstream == f"{self.host}:{self.port}" else None,
         )
         try:
             proxy.start()

@@ -69,8 +69,9 @@ class Attempt:
 @dataclass
 class LostNode:
     """A member whose heartbeat this agent's watcher saw stop (a dead node leaves no
-    record of its own): ``silent_since``, when it was last heard from, about when it
-    died; ``declared``, when the watcher gave up on it (Unix seconds)."""
+    record of its own): ``silent_since``, about when it was last heard from (the
+    declaration less the heartbeat timeout and one interval: it died after, within
+    about two intervals); ``declared``, when the watcher gave up on it (Unix seconds)."""
 
     addr: str
     silent_since: float

@@ -24,6 +24,10 @@ from .exits import ExitClock
 
 log = logging.getLogger("tierrun.report")
 
+#: Seconds within which two losses of one address are one death (its agent's next
+#: life there, rejoined and lost again, is another).
+SAME_DEATH = 30.0
+
 class AgentRecorder(logging.Handler):
     """``board()`` gives the board once the job's store is up (None before); events are
     forwarded to ``forward`` (the user's ``--event_log_handler``) unchanged.
@@ -123,7 +127,7 @@ class AgentRecorder(logging.Handler):
         """This agent's watcher saw the member at ``addr`` stop beating (``silent_since``,
         Unix seconds): recorded, for the failure report to name it. Called from the
         heartbeat's thread; one store round trip."""
-        if all(n.addr != addr for n in self.node.lost):
+        if all(n.addr != addr or abs(n.silent_since - silent_since) > SAME_DEATH for n in self.node.lost):
             self.node.lost.append(LostNode(addr, silent_since, time.time(), self.node.addr))
             self.publish()
 

@@ -25,16 +25,20 @@ def build(run_id: str, records: list[NodeRecord]) -> dict:
     watcher saw die (``NodeRecord.lost``) while its record says its workers run ends
     there: its last attempt is LOST, its run ends when it was last heard from."""
     t0 = min((r.started for r in records), default=0.0)
-    lost = {n.addr: n.silent_since for r in records for n in r.lost}
+    lost: dict[str, list[float]] = {}
+    for n in (n for r in records for n in r.lost):
+        lost.setdefault(n.addr, []).append(n.silent_since)
     nodes = []
     for r in records:
         attempts = []
         for a in r.attempts:
             state, ended = a.state, a.ended
-            died = lost.get(r.addr)
+            # (its death: the first since this attempt's rendezvous, not an earlier agent's there)
+            died = min((t for t in lost.get(r.addr, ()) if a.rendezvous is not None and t >= a.rendezvous[0]),
+                       default=None)
             if (died is not None and ended is None and state == "RUNNING" and a is r.attempts[-1]
-                    and a.workers_started is not None and a.workers_started <= died):  # (not a later agent there)
-                state, ended = "LOST", died
+                    and a.workers_started is not None):
+                state, ended = "LOST", max(died, a.workers_started)
             spans: list[tuple[str, float, float | None]] = []
             if a.rendezvous is not None:
                 if a.number == 0 and not attempts:
