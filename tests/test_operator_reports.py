@@ -58,7 +58,7 @@ def test_late_node_named_failure_report_and_timeline(tmp_path):
     assert report["first"]["group_rank"] == 2 and report["first"]["addr"] == "127.0.1.3"
     assert report["restarts"] == 0 and report["nodes_seen"] == 3
     assert set(report["phases"]) == {"agent start", "rendezvous", "worker start", "run"}
-    assert report["phases"]["rendezvous"] > 2  # node 0 waited for the late node (4 s later; less its own slow start)
+    assert report["phases"]["rendezvous"] > 0
 
     # the timeline: written by the store host, one row per node, phases in order
     tl = json.loads(timeline.read_text())
@@ -70,6 +70,10 @@ def test_late_node_named_failure_report_and_timeline(tmp_path):
         assert all(a["end"] <= b["start"] + 1e-3 for a, b in zip(phases, phases[1:]))
     late = tl["nodes"][2]["attempts"][0]["phases"][0]["start"]
     assert late > 3, "node 2's agent started 4 s after the others"
+    # node 0 waited for the late node: its rendezvous ended after node 2's agent started
+    # (how long it waited depends on how slowly its own agent started: a loaded machine)
+    node0_rendezvous = tl["nodes"][0]["attempts"][0]["phases"][1]
+    assert node0_rendezvous["name"] == "rendezvous" and node0_rendezvous["end"] > late, tl
     png = tmp_path / "timeline.png"
     out = subprocess.run([sys.executable, "-m", "tierrun", "timeline", str(timeline), "--png", str(png)],
                          capture_output=True, text=True, timeout=120)
