@@ -201,9 +201,7 @@ class LinkServerConnection(asyncio.Protocol):
             self._uncork()
             self.abort(str(e))
         except (LinkError, ProtocolError) as e:
-            # (a session's link: always said; a connection not yet a session's: a flood's, maybe)
-            (log.warning if self._session is not None else self._server.closed_log.warning)(
-                "closing link from %s: %s", self.peer, e)
+            self._say_closing(e)
             assert self._transport is not None
             self._uncork()
             self.write(auth.error(str(e)))
@@ -313,11 +311,16 @@ class LinkServerConnection(asyncio.Protocol):
         link is the store host's own front-end process's."""
         if self._transport is not None and not self._transport.is_closing():
             if self.resumable and not quiet:
-                (log.warning if self._session is not None else self._server.closed_log.warning)(
-                    "closing link from %s: %s", self.peer, reason)
+                self._say_closing(reason)
             else:
                 log.info("closing link from %s: %s", self.peer, reason)
             self._transport.abort()
+
+    def _say_closing(self, reason: object) -> None:
+        """A warning: always for a session's link; for a connection not yet a session's
+        (a flood's, maybe), within the link server's budget (``logs.FloodLog``)."""
+        (log.warning if self._session is not None else self._server.closed_log.warning)(
+            "closing link from %s: %s", self.peer, reason)
 
     def pause_reading(self) -> None:
         """Read nothing until :meth:`resume_reading` (``Session.relayed_writes``); not

@@ -125,8 +125,8 @@ class AgentRecorder(logging.Handler):
 
     def node_lost(self, addr: str, silent_since: float) -> None:
         """This agent's watcher saw the member at ``addr`` stop beating (``silent_since``,
-        Unix seconds): recorded, for the failure report to name it. Called from the
-        heartbeat's thread; one store round trip."""
+        Unix seconds): recorded, for the failure report to name it. Called from a thread
+        of the rendezvous handler's (``lost_hooks``); one store round trip."""
         if all(n.addr != addr or abs(n.silent_since - silent_since) > SAME_DEATH for n in self.node.lost):
             self.node.lost.append(LostNode(addr, silent_since, time.time(), self.node.addr))
             self.publish()
