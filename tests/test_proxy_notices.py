@@ -18,3 +18,23 @@ def test_the_agent_says_when_its_proxys_link_drops_and_comes_back_and_nothing_el
         "the peer); reconnecting (for up to 15 s)",
         "node 10.0.0.2: its store proxy: link to the store host resumed after 2.1 s",
     ]
+
+
+def test_a_link_that_keeps_flapping_is_told_a_few_times_a_minute_then_counted(caplog, monkeypatch):
+    clock = [1000.0]
+    monkeypatch.setattr("tierrun.logs.monotonic", lambda: clock[0])
+    notices = ProxyNotices("node 10.0.0.2")
+    lost = ("[tierrun proxy] WARNING link to the store host 10.0.0.1:29500 lost at 06:41:27 (closed by the peer); "
+            "reconnecting (for up to 15 s)\n")
+    back = "[tierrun proxy] WARNING link to the store host resumed after 0.1 s\n"
+    with caplog.at_level(logging.WARNING, logger="tierrun.rendezvous"):
+        for _ in range(30):  # 30 flaps in 30 s: 60 lines
+            notices(lost)
+            notices(back)
+            clock[0] += 1.0
+        clock[0] += 60.0
+        notices(lost)
+    said = [r.getMessage() for r in caplog.records]
+    assert len(said) == 10 + 2  # the first 10, then the count of those left out and the next line
+    assert said[10].startswith("node 10.0.0.2: its store proxy's link lines: 50 more not logged since ")
+    assert said[11].endswith("reconnecting (for up to 15 s)")
