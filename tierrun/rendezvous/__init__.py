@@ -4,8 +4,10 @@ with torch's elastic registry (torch's ``torchrun`` finds it through the
 launchers create the same handlers.
 """
 
+import difflib
+import logging
 import socket
-from typing import Callable
+from typing import Any, Callable
 
 from torch.distributed.elastic.rendezvous import RendezvousHandler, RendezvousParameters
 
@@ -14,8 +16,48 @@ from ..settings import Settings
 from . import elastic, parallel
 from .conf import RendezvousSettingError
 
+log = logging.getLogger("tierrun.rendezvous")
+
 #: called with every handler tierrun's backends create (the launcher's reporting)
 on_handler_created: list[Callable[[RendezvousHandler], None]] = []
+#: ``--rdzv_conf`` keys torch's launcher adds to every backend's (its ``--rdzv_timeout``,
+#: or 900 s), which tierrun's elastic backends do not read.
+_ADDED_BY_TORCH = frozenset({"timeout"})
+
+
+class _ReadKeys(dict):
+    """A backend's ``--rdzv_conf``, noting every key the backend looks up (present or
+    not): what it knows, found by asking it, so no list of keys can fall behind it."""
+
+    def __init__(self, config: dict) -> None:
+        super().__init__(config)
+        self.read: set[str] = set()
+
+    def get(self, key: str, default: Any = None) -> Any:
+        self.read.add(key)
+        return super().get(key, default)
+
+    def __getitem__(self, key: str) -> Any:
+        self.read.add(key)
+        return super().__getitem__(key)
+
+    def __contains__(self, key: object) -> bool:
+        self.read.add(str(key))
+        return super().__contains__(key)
+
+
+def _warn_unread(backend: str, node: str, config: _ReadKeys) -> None:
+    """A ``--rdzv_conf`` key the backend never looked up is a typo or another backend's
+    setting: torch's backends ignore those in silence (so a ``last_call_timout=5`` waits
+    the default), tierrun's say so, once per node, with the closest setting it reads."""
+    known = sorted(config.read)
+    for key in config:
+        if key in config.read or key in _ADDED_BY_TORCH:
+            continue
+        close = difflib.get_close_matches(key, known, n=1, cutoff=0.8)
+        hint = f"; did you mean {close[0]}?" if close else f" (it reads: {', '.join(known)})"
+        log.warning("node %s: --rdzv_conf %s=%s is not a setting of the %s backend: ignored%s", node, key,
+                    dict.__getitem__(config, key), backend, hint)
 
 
 def _etcd_handler(params: RendezvousParameters, settings: Settings) -> RendezvousHandler:
@@ -37,12 +79,15 @@ def create(backend: str, params: RendezvousParameters, settings: Settings) -> Re
     ``settings``: what the entry point read of the environment (``Settings.from_env()``).
     Raises :class:`RendezvousSettingError` (a ``ValueError`` and a ``RendezvousError``:
     the ``tierrun`` command prints it as one line) naming this node for a wrong setting,
-    ``MissingExtraError`` for a missing extra."""
+    ``MissingExtraError`` for a missing extra; warns of ``--rdzv_conf`` keys the backend
+    does not read."""
+    node = params.local_addr or socket.gethostname()
+    config = params.config = _ReadKeys(params.config)
     try:
         handler = _CREATORS[backend](params, settings)
     except ValueError as e:  # (a setting the backend cannot use: its message says which)
-        node = params.local_addr or socket.gethostname()
         raise RendezvousSettingError(f"node {node}: --rdzv_backend {backend}: {e}") from e
+    _warn_unread(backend, node, config)
     for callback in on_handler_created:
         callback(handler)
     return handler
