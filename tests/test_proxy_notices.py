@@ -1,7 +1,10 @@
 """The agent repeats its node proxy's link lines (tierrun/rendezvous/proxy_notices.py)."""
 
 import logging
+import re
+import time
 
+from tierrun.rendezvous import proxy_notices
 from tierrun.rendezvous.proxy_notices import ProxyNotices
 
 
@@ -20,21 +23,46 @@ def test_the_agent_says_when_its_proxys_link_drops_and_comes_back_and_nothing_el
     ]
 
 
-def test_a_link_that_keeps_flapping_is_told_a_few_times_a_minute_then_counted(caplog, monkeypatch):
-    clock = [1000.0]
-    monkeypatch.setattr("tierrun.logs.monotonic", lambda: clock[0])
+LOST = ("[tierrun proxy] WARNING link to the store host 10.0.0.1:29500 lost at 06:41:27 (closed by the peer); "
+        "reconnecting (for up to 15 s)\n")
+BACK = "[tierrun proxy] WARNING link to the store host resumed after 0.1 s\n"
+
+
+def _said(caplog, wait: float = 0.0):
+    time.sleep(wait)
+    return [r.getMessage() for r in caplog.records]
+
+
+def test_a_link_that_keeps_flapping_is_told_ten_lines_then_only_what_holds(caplog, monkeypatch):
+    monkeypatch.setattr(proxy_notices, "SETTLE", 0.2)
     notices = ProxyNotices("node 10.0.0.2")
-    lost = ("[tierrun proxy] WARNING link to the store host 10.0.0.1:29500 lost at 06:41:27 (closed by the peer); "
-            "reconnecting (for up to 15 s)\n")
-    back = "[tierrun proxy] WARNING link to the store host resumed after 0.1 s\n"
     with caplog.at_level(logging.WARNING, logger="tierrun.rendezvous"):
-        for _ in range(30):  # 30 flaps in 30 s: 60 lines
-            notices(lost)
-            notices(back)
-            clock[0] += 1.0
-        clock[0] += 60.0
-        notices(lost)
-    said = [r.getMessage() for r in caplog.records]
-    assert len(said) == 10 + 2  # the first 10, then the count of those left out and the next line
-    assert said[10].startswith("node 10.0.0.2: its store proxy's link lines: 50 more not logged since ")
-    assert said[11].endswith("reconnecting (for up to 15 s)")
+        for _ in range(30):  # 30 flaps at once: 60 lines
+            notices(LOST)
+            notices(BACK)
+        said = _said(caplog, 0.5)
+        assert len(said) == 10 + 1  # the first 10, then how many flaps were left out (the link is back)
+        assert said[9].endswith("resumed after 0.1 s")
+        assert said[10].startswith("node 10.0.0.2: its store proxy's link dropped and came back 25 more times since ")
+        notices(LOST)  # a drop that lasts: told once it held for SETTLE
+        assert len(_said(caplog)) == 11
+        said = _said(caplog, 0.5)
+    assert len(said) == 12 and said[11].endswith("reconnecting (for up to 15 s)")
+
+
+def test_the_last_drop_after_a_burst_of_flaps_is_told(caplog, monkeypatch):
+    """After 5 flaps (the burst), a drop the link never comes back from: the agent's last
+    line must say the link is lost, not that it resumed."""
+    monkeypatch.setattr(proxy_notices, "SETTLE", 0.2)
+    notices = ProxyNotices("node 10.0.0.2")
+    with caplog.at_level(logging.WARNING, logger="tierrun.rendezvous"):
+        for _ in range(5):
+            notices(LOST)
+            notices(BACK)
+        notices(LOST)
+        notices(BACK)
+        notices(LOST)
+        said = _said(caplog, 0.5)
+    assert len(said) == 11
+    assert said[10].startswith("node 10.0.0.2: its store proxy: link to the store host 10.0.0.1:29500 lost at ")
+    assert re.search(r"reconnecting \(for up to 15 s\) \(2 link lines left out since \d\d:\d\d:\d\d\)$", said[10])

@@ -20,9 +20,14 @@ log = logging.getLogger("tierrun.rendezvous")
 
 #: called with every handler tierrun's backends create (the launcher's reporting)
 on_handler_created: list[Callable[[RendezvousHandler], None]] = []
-#: ``--rdzv_conf`` keys torch's launcher adds to every backend's (its ``--rdzv_timeout``,
-#: or 900 s), which tierrun's elastic backends do not read.
-_ADDED_BY_TORCH = frozenset({"timeout"})
+#: What torch's launcher adds to every backend's ``--rdzv_conf`` when it has no
+#: ``timeout`` (an int: what ``--rdzv_conf`` gives is a string), which tierrun's
+#: elastic backends do not read (they wait ``join_timeout``).
+_TORCH_TIMEOUT = ("timeout", 900)
+#: Set by tierrun's launcher, not by a person: never offered as a setting to write.
+_LAUNCHER_KEYS = frozenset({"local_world_size"})
+#: Other backends' names of a setting (torch's etcd and static backends wait ``timeout``).
+_SAME_AS = {"timeout": "join_timeout"}
 
 
 class _ReadKeys(dict):
@@ -49,15 +54,19 @@ class _ReadKeys(dict):
 def _warn_unread(backend: str, node: str, config: _ReadKeys) -> None:
     """A ``--rdzv_conf`` key the backend never looked up is a typo or another backend's
     setting: torch's backends ignore those in silence (so a ``last_call_timout=5`` waits
-    the default), tierrun's say so, once per node, with the closest setting it reads."""
-    known = sorted(config.read)
-    for key in config:
-        if key in config.read or key in _ADDED_BY_TORCH:
+    the default), tierrun's say so, once per node, with the closest setting it reads
+    (not the value: it may be a secret, and every node's log would keep it)."""
+    known = sorted(config.read - _LAUNCHER_KEYS)
+    for key, value in config.items():
+        if key in config.read or (key, value) == _TORCH_TIMEOUT and isinstance(value, int):
             continue
-        close = difflib.get_close_matches(key, known, n=1, cutoff=0.8)
+        plain = key.lower().replace("-", "_")
+        if plain in known or _SAME_AS.get(plain) in known:
+            close = [plain if plain in known else _SAME_AS[plain]]
+        else:  # (a typo: one or two letters off)
+            close = difflib.get_close_matches(plain, known, n=1, cutoff=0.85)
         hint = f"; did you mean {close[0]}?" if close else f" (it reads: {', '.join(known)})"
-        log.warning("node %s: --rdzv_conf %s=%s is not a setting of the %s backend: ignored%s", node, key,
-                    dict.__getitem__(config, key), backend, hint)
+        log.warning("node %s: --rdzv_conf %s is not a setting of the %s backend: ignored%s", node, key, backend, hint)
 
 
 def _etcd_handler(params: RendezvousParameters, settings: Settings) -> RendezvousHandler:

@@ -50,6 +50,11 @@ def none_may_host(no_host: list[tuple[str, str]]) -> str:
             "; ".join(f"{addr}: {why}" for addr, why in no_host) + ")")
 
 
+#: What a node says that gave up on a round's store host.
+JOINED_HINT = ("check that the round's store host (the node named above) is running and that its port is open "
+               "(--rdzv_conf store_port), or give it more time (--rdzv_conf join_timeout=SECONDS).")
+
+
 @dataclass(frozen=True)
 class RoundStores:
     """How this node makes the store of a round: hosts it on ``port`` (rank 0), or
@@ -82,4 +87,4 @@ class RoundStores:
     def joined(self, host: str, port: int) -> JobStore:
         """The store ``host:port`` hosts, as a client (a proxy of its own when tiered)."""
         return JobStore(host, port, hosting=False, timeout=self.timeout, token=self.token,
-                        link_config=self.link_config, node=self.node)
+                        link_config=self.link_config, node=self.node, unreachable_hint=JOINED_HINT)

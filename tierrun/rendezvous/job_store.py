@@ -210,7 +210,7 @@ class JobStore:
         what to do."""
         hint = self.unreachable_hint or ("check that the store host (node rank 0 / the --rdzv_endpoint "
                                          "host) is running and that its port is open, or give it more time "
-                                         "if it starts later (--rdzv_conf timeout, or join_timeout).")
+                                         "if it starts later (--rdzv_conf timeout=SECONDS).")
         after = self.connect_timeout if after is None else after
         return f"{self.node}: no store at {self.host}:{self.port} after {after:.0f} s; {hint}"
 

@@ -2,32 +2,89 @@
 own output, which nobody reads while it runs, so a node whose link to the store host
 dropped would say nothing until the link's grace period ran out (15 s) and the job
 failed. The agent repeats the two lines a person waits for: the link lost (and until
-when the proxy retries), and the link back; a link that keeps dropping and coming back
-says so at most ``BURST`` times a minute, then how many lines it left out."""
+when the proxy retries), and the link back.
+
+A link that keeps dropping and coming back would repeat two lines a flap: past
+``BURST`` lines a minute, a line is repeated only once what it says has held for
+``SETTLE`` seconds (a drop that lasts, or the link back for good), with the count of
+the lines left out; so the last line the agent shows always says where the link is."""
 
 from __future__ import annotations
 
 import logging
-
-from ..logs import FloodLog
+import threading
+import time
+from time import monotonic
 
 log = logging.getLogger("tierrun.rendezvous")
 
 #: How the proxy's lines begin and what they say (``tier.connection.reconnect``).
 _PREFIX = "[tierrun proxy] WARNING "
-_SAID = ("; reconnecting (for up to ", "link to the store host resumed after ")
-#: Lines repeated per minute, at most (a flapping link: two a flap).
+_LOST, _BACK = "; reconnecting (for up to ", "link to the store host resumed after "
+#: Lines repeated at once per ``WINDOW`` seconds, at most (a flapping link: two a flap).
 BURST = 10
+WINDOW = 60.0
+#: Past the burst, how long (seconds) a line's news must hold before it is repeated.
+SETTLE = 2.0
 
 
 class ProxyNotices:
     """Called with each line of the node proxy's output (``StoreProcess(on_line=...)``),
-    from its reader thread. O(len(line))."""
+    from its reader thread; past the burst, a timer thread says what held. O(len(line))."""
 
     def __init__(self, node: str) -> None:
         self.node = node
-        self._log = FloodLog(log, f"{node}: its store proxy's link lines", burst=BURST, window=60.0)
+        self._lock = threading.Lock()
+        self._window_began = -WINDOW  # (monotonic)
+        self._told = 0  # lines repeated in this window
+        self._shown_lost: bool | None = None  # what the last line repeated said (lost: True)
+        self._latest: tuple[bool, str] | None = None  # the latest line left out, and what it says
+        self._left_out = 0
+        self._left_out_since = 0.0  # (wall clock) the first of them
+        self._timer: threading.Timer | None = None
 
     def __call__(self, line: str) -> None:
-        if line.startswith(_PREFIX) and any(said in line for said in _SAID):
-            self._log.warning("%s: its store proxy: %s", self.node, line[len(_PREFIX):].rstrip())
+        if not line.startswith(_PREFIX) or not (_LOST in line or _BACK in line):
+            return
+        lost = _LOST in line
+        text = line[len(_PREFIX):].rstrip()
+        with self._lock:
+            now = monotonic()
+            if now - self._window_began >= WINDOW:
+                self._window_began, self._told = now, 0
+            if self._told < BURST and self._latest is None:
+                self._told += 1
+                self._say(lost, text)
+                return
+            if not self._left_out:
+                self._left_out_since = time.time()
+            self._left_out += 1
+            self._latest = (lost, text)
+            if self._timer is not None:
+                self._timer.cancel()
+            self._timer = threading.Timer(SETTLE, self._settled, (self._latest,))
+            self._timer.daemon = True
+            self._timer.start()
+
+    def _settled(self, latest: tuple[bool, str]) -> None:
+        """``latest`` held for ``SETTLE`` seconds: repeat it if it changes what was shown."""
+        with self._lock:
+            if self._latest is not latest:
+                return  # (a later line's timer says what holds)
+            self._timer = None
+            self._latest = None
+            lost, text = latest
+            left_out = self._left_out - (lost != self._shown_lost)  # (the one repeated now is not left out)
+            self._left_out = 0
+            if lost == self._shown_lost:
+                if left_out:
+                    log.warning("%s: its store proxy's link dropped and came back %d more times since %s", self.node,
+                                left_out // 2 or 1, time.strftime("%H:%M:%S", time.localtime(self._left_out_since)))
+                return
+            more = (f" ({left_out} link lines left out since "
+                    f"{time.strftime('%H:%M:%S', time.localtime(self._left_out_since))})") if left_out else ""
+            self._say(lost, text + more)
+
+    def _say(self, lost: bool, text: str) -> None:
+        self._shown_lost = lost
+        log.warning("%s: its store proxy: %s", self.node, text)
