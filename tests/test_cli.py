@@ -1,5 +1,6 @@
 """Flag parsing: torchrun's and torch_npu_run's spellings, and one-line errors."""
 
+import logging
 import os
 import subprocess
 import sys
@@ -65,9 +66,26 @@ def test_a_pet_rdzv_backend_that_cannot_be_used_is_named_as_written(monkeypatch)
     with pytest.raises(UsageError, match="^unknown PET_RDZV_BACKEND=bogus: write one of tierrun,"):
         parse()
     assert parse("--rdzv_backend", "c10d").rdzv_backend == "tierrun"  # (the flag wins)
+
+
+
+def test_a_fixed_node_backend_given_min_max_runs_max_nodes_and_says_so(monkeypatch, caplog):
+    """torchrun's static and torch_npu_run's parallel backends run MAX nodes of --nnodes MIN:MAX."""
     monkeypatch.setenv("PET_RDZV_BACKEND", "static")
-    with pytest.raises(UsageError, match="^PET_RDZV_BACKEND=static needs a fixed node count, not --nnodes 1:2"):
-        parse("--nnodes", "1:2")
+    with caplog.at_level(logging.WARNING, logger="tierrun"):
+        a = parse("--nnodes", "1:2")
+    assert (a.rdzv_backend, a.nnodes) == ("parallel", "2")
+    assert caplog.messages == ["PET_RDZV_BACKEND=static is not elastic: --nnodes 1:2 runs as --nnodes 2 (as torchrun's "
+                               "static and torch_npu_run's parallel backends run it); for an elastic job use "
+                               "--rdzv_backend tierrun"]
+
+
+def test_a_torch_npu_run_flag_value_neither_true_nor_false_is_false_as_there(caplog):
+    with caplog.at_level(logging.WARNING, logger="tierrun"):
+        a = parse("--nnodes", "64", "--enable_tiered_parallel_tcpstore=disable")
+    assert (a.enable_tiered_parallel_tcpstore, a.tiered) == (False, False)
+    assert caplog.messages == ["--enable_tiered_parallel_tcpstore disable is neither true nor false: read as false "
+                               "(no tiering), as torch_npu_run reads it"]
 
 
 def test_pet_rdzv_backend_and_pet_node_rank_are_read(monkeypatch):
@@ -115,7 +133,6 @@ def test_the_tiered_flag_falls_back_on_pet_tiered_and_a_flag_wins(monkeypatch):
 @pytest.mark.parametrize(
     "argv, message",
     [
-        (["--rdzv_backend", "parallel", "--nnodes", "2:3"], "write --nnodes 3"),
         (["--rdzv_backend", "tierrun-etcd", "--nnodes", "2:3"], "tierrun-etcd needs --rdzv_endpoint: etcd's"),
         (["--nnodes", "3:2"], "0 < MIN <= MAX"),
         (["--nnodes", "x"], "is not a number"),
@@ -233,7 +250,7 @@ def test_a_tiering_chosen_by_size_without_a_tree_says_one_link_per_node(caplog):
             "serves one link per node" in caplog.text), caplog.text
 
 
-@pytest.mark.parametrize("argv", [("--nnodes", "3:2"), ("--enable_tiered_parallel_tcpstore", "maybe"),
+@pytest.mark.parametrize("argv", [("--nnodes", "3:2"), ("--tiered=maybe",),
                                   ("--max_restarts", "abc"), ("--no-such-flag",),
                                   ("--standalone", "--nproc_per_node", "xpu")])
 def test_cli_error_is_one_line_and_exit_code_2(argv):

@@ -1,6 +1,7 @@
 """The tierrun command end to end: real agents, real workers, Gloo on CPU."""
 
 import json
+import socket
 import time
 
 import pytest
@@ -416,3 +417,33 @@ def test_torchruns_default_flags_honour_the_node_rank(tmp_path):
         (row,) = results(logs[k])
         assert (row["group_rank"], row["rank"], row["world"]) == (str(k), str(k), "2"), logs[k].read_text()[-2000:]
         assert "node_rank is only used for static" not in logs[k].read_text()
+
+
+def test_a_one_node_job_whose_store_port_is_taken_fails_at_once_and_never_joins_it(tmp_path):
+    """torchrun fails with EADDRINUSE; tierrun's elastic backend would join whatever store
+    listens there (torch's c10d rule for agents of one job on one machine): a second
+    one-node job on the same --master_port waited as a spare and exited 0 without running."""
+    port = free_port()
+    slow = tmp_path / "slow.py"
+    slow.write_text("import time, torch.distributed as dist\ndist.init_process_group('gloo')\ntime.sleep(20)\n"
+                    "dist.destroy_process_group()\n")
+    first = tierrun("--nnodes", "1", "--master_port", port, "--nproc_per_node", "1", slow, log=tmp_path / "first.log")
+    try:
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline and first.poll() is None:
+            with socket.socket() as probe:  # (the first job's store listens: the port is taken)
+                if probe.connect_ex(("127.0.0.1", port)) == 0:
+                    break
+            time.sleep(0.2)
+        assert first.poll() is None, (tmp_path / "first.log").read_text()
+        started = time.monotonic()
+        second = tierrun("--nnodes", "1", "--master_port", port, "--nproc_per_node", "1", SCRIPTS / "ddp_toy.py",
+                         log=tmp_path / "second.log")
+        assert finish([second], timeout=60) == [1]
+        assert time.monotonic() - started < 30
+        said = (tmp_path / "second.log").read_text()
+        assert (f"could not start the job's store on port {port} (port {port} is taken). Pick a free port with "
+                "--master_port or --rdzv_endpoint HOST:PORT: a job of one node hosts its store itself") in said, said
+        assert not results(tmp_path / "second.log")
+    finally:
+        assert finish([first]) == [0], (tmp_path / "first.log").read_text()[-3000:]

@@ -204,6 +204,16 @@ def test_the_worker_script_runs_as_python_runs_it(tmp_path):
     assert (out.returncode, out.stderr) == (python.returncode, python.stderr) == (2, python.stderr)
     assert "can't open file" in json.loads(err.read_text())["message"]["message"]
     err.unlink()
+    # sys.argv as written, sys.path[0] the real directory of a script reached by a symbolic link
+    (tmp_path / "sub").mkdir()
+    (tmp_path / "sub" / "sibling.py").write_text("NAME = 'sibling'\n")
+    (tmp_path / "sub" / "imp.py").write_text("import sys, sibling\nprint(sys.argv, sys.path[0], __file__, __name__, "
+                                             "sibling.NAME, __package__, __spec__)\n")
+    (tmp_path / "link_imp.py").symlink_to(tmp_path / "sub" / "imp.py")
+    for script in ("link_imp.py", "sub/imp.py"):
+        out = run(script)
+        python = subprocess.run([sys.executable, script], capture_output=True, text=True, cwd=tmp_path)
+        assert (out.returncode, out.stdout) == (python.returncode, python.stdout) == (0, python.stdout), out.stderr
     (tmp_path / "job.py").write_text("import atexit\natexit.register(print, 'cleaned up')\nraise KeyboardInterrupt\n")
     out = run("job.py")  # (after the script's clean-up, as Python's)
     assert out.returncode == -signal.SIGINT and "KeyboardInterrupt" in out.stderr and out.stdout == "cleaned up\n"

@@ -7,6 +7,7 @@ environment fallback, because the parser *is* torchrun's.
 from __future__ import annotations
 
 import argparse
+import logging
 import os
 
 from torch.distributed.argparse_util import env
@@ -15,6 +16,8 @@ from torch.distributed.run import _parse_rendezvous_config, get_args_parser
 
 from ..rendezvous.conf import RendezvousSettingError, conf_flag
 from .tiering import choose
+
+log = logging.getLogger("tierrun")
 
 #: rendezvous backends whose name maps to tierrun's own, unless ``torch-`` is prefixed
 BACKEND_ALIASES = {"c10d": "tierrun", "static": "parallel"}
@@ -33,6 +36,18 @@ def parse_bool(value: str) -> bool:
     if v in ("0", "false", "no", "off"):
         return False
     raise argparse.ArgumentTypeError(f"expected true or false, got '{value}'")
+
+
+class NotABoolean(str):
+    """A value of ``--enable_tiered_parallel_tcpstore`` that is neither true nor false:
+    torch_npu_run reads every value but ``true`` as false, and so does tierrun (saying so)."""
+
+
+def parse_npu_flag(value: str) -> bool | NotABoolean:
+    try:
+        return parse_bool(value)
+    except argparse.ArgumentTypeError:
+        return NotABoolean(value)
 
 
 class InvalidEnvSetting(str):
@@ -121,9 +136,10 @@ def build_parser() -> argparse.ArgumentParser:
         "--enable-tiered-parallel-tcpstore",
         "--enable_tiered_parallel_tcpstore",
         action=EnvFlag,
-        type=parse_bool,
+        type=parse_npu_flag,
         default=None,
-        help="torch_npu_run's flag: tiered store wire-up (a store proxy per node), true or false. "
+        help="torch_npu_run's flag: tiered store wire-up (a store proxy per node), true or false "
+        "(another value is false, as torch_npu_run reads it). "
         "Unset: chosen from --nnodes (see --tiered).",
     )
     parser.add_argument(
@@ -245,11 +261,11 @@ def normalise(args: argparse.Namespace) -> argparse.Namespace:
             "and give --rdzv_endpoint, or write --nnodes 1"
         )
     if args.rdzv_backend == "parallel":
-        if nmin != nmax:
-            raise UsageError(
-                f"{named} needs a fixed node count, not --nnodes {args.nnodes}: "
-                f"write --nnodes {nmax}, or use --rdzv_backend tierrun for an elastic job"
-            )
+        if nmin != nmax:  # (torchrun's static and torch_npu_run's parallel run MAX nodes: so does tierrun, saying so)
+            log.warning("%s is not elastic: --nnodes %s runs as --nnodes %d (as torchrun's static and "
+                        "torch_npu_run's parallel backends run it); for an elastic job use --rdzv_backend tierrun",
+                        named, args.nnodes, nmax)
+            args.nnodes, nmin = str(nmax), nmax
         if not 0 <= args.node_rank < nmax:
             raise UsageError(
                 f"--node_rank {args.node_rank} is outside 0..{nmax - 1} for --nnodes {nmax}"
@@ -288,6 +304,11 @@ def _choose_tiering(args: argparse.Namespace, max_nodes: int, backend: str) -> N
     said: dict[str, bool] = {}  # setting as written -> whether it tiers
     if args.tiered is not None:
         said[_as_written(args, "tiered", "--tiered" if args.tiered else "--no-tiered")] = args.tiered
+    if isinstance(args.enable_tiered_parallel_tcpstore, NotABoolean):
+        log.warning("%s is neither true nor false: read as false (no tiering), as torch_npu_run reads it",
+                    _as_written(args, "enable_tiered_parallel_tcpstore",
+                                f"--enable_tiered_parallel_tcpstore {args.enable_tiered_parallel_tcpstore}"))
+        args.enable_tiered_parallel_tcpstore = False
     if args.enable_tiered_parallel_tcpstore is not None:
         flag = f"--enable_tiered_parallel_tcpstore {str(args.enable_tiered_parallel_tcpstore).lower()}"
         said[_as_written(args, "enable_tiered_parallel_tcpstore", flag)] = args.enable_tiered_parallel_tcpstore

@@ -10,6 +10,7 @@ give it; the exit code and the traceback on stderr are Python's own.
 from __future__ import annotations
 
 import atexit
+import builtins
 import json
 import os
 import runpy
@@ -17,6 +18,9 @@ import signal
 import sys
 import time
 import traceback
+import types
+import zipfile
+from importlib.machinery import SourceFileLoader
 from types import TracebackType
 
 
@@ -57,6 +61,25 @@ def _die_by_sigint() -> None:
         os.kill(os.getpid(), signal.SIGINT)
 
 
+def _run_file(path: str) -> None:
+    """Run the script at ``path`` (absolute) as ``python script`` does: as ``__main__``,
+    ``__file__`` absolute, ``sys.argv[0]`` as written (``runpy.run_path`` would make it
+    ``path``). A directory or zip file with a ``__main__.py``: ``runpy.run_path``."""
+    if not os.path.isfile(path) or zipfile.is_zipfile(path):
+        runpy.run_path(path, run_name="__main__")
+        return
+    with open(path, "rb") as f:  # (bytes: compile reads the source's coding line, as Python does)
+        code = compile(f.read(), path, "exec", dont_inherit=True)
+    main = types.ModuleType("__main__")
+    main.__dict__.update(__file__=path, __cached__=None, __package__=None, __spec__=None, __builtins__=builtins,
+                         __loader__=SourceFileLoader("__main__", path))
+    ours, sys.modules["__main__"] = sys.modules["__main__"], main
+    try:
+        exec(code, main.__dict__)
+    finally:
+        sys.modules["__main__"] = ours
+
+
 def main() -> None:
     atexit.register(_die_by_sigint)
     args = sys.argv[1:]
@@ -71,8 +94,8 @@ def main() -> None:
             print(f"{sys.executable}: {message}", file=sys.stderr)
             _record(FileNotFoundError(message), message, "")
             sys.exit(2)
-        sys.path[0] = os.path.dirname(script)
-        run = lambda: runpy.run_path(script, run_name="__main__")
+        sys.path[0] = os.path.dirname(os.path.realpath(script))  # (symbolic links resolved, as Python does)
+        run = lambda: _run_file(script)
     try:
         run()
     except SystemExit as e:

@@ -443,6 +443,11 @@ class ElasticRendezvousHandler(TreeRounds):
         return True
 
 
+#: What ends the message of a one-node job whose store port is taken.
+ALONE_HINT = (": a job of one node hosts its store itself, and another job or program on this machine uses "
+              "that port.")
+
+
 def _unreachable_hint(host: str, is_host: bool | None) -> str:
     """What a node that does not host the store, and found none, should do."""
     if is_host is False:
@@ -457,7 +462,9 @@ def create_handler(params: RendezvousParameters, settings: Settings) -> Rendezvo
     """``--rdzv_conf is_host=true|false`` as torch's c10d backend reads it: given, it
     decides whether this node hosts the store (and a host that cannot start it fails);
     else this node hosts if the endpoint names it, and becomes a client of the endpoint
-    if its store cannot start there (another agent on this machine hosts it)."""
+    if its store cannot start there (another agent on this machine hosts it). A job of
+    one node hosts its store itself whatever the endpoint, and fails if it cannot (a
+    second job on the same port must not join the first as a spare and exit 0)."""
     host, port = parse_rendezvous_endpoint(params.endpoint, DEFAULT_PORT)
     join_timeout = conf_float(params.config, "join_timeout", DEFAULT_JOIN_TIMEOUT)
     last_call = conf_float(params.config, "last_call_timeout", DEFAULT_LAST_CALL_TIMEOUT)
@@ -467,12 +474,13 @@ def create_handler(params: RendezvousParameters, settings: Settings) -> Rendezvo
     is_host = conf_bool(params, "is_host")
     # (in a tree, any member may relay others in some round: every proxy takes links)
     link_addr = link_address(params.local_addr, host, port) if store_fanout_from(params.config) else None
-    job = JobStore(host, port, hosting=hosts_store(host, params.local_addr) if is_host is None else is_host,
+    alone = is_host is None and params.max_nodes == 1  # (its store is its own: it never joins one found on its port)
+    job = JobStore(host, port, hosting=alone or (hosts_store(host, params.local_addr) if is_host is None else is_host),
                    timeout=timeout, connect_timeout=join_timeout, unreachable_hint=_unreachable_hint(host, is_host),
                    token=token_from(params.config, settings),
                    store_workers=store_workers_from(params.config), link_config=settings.link,
                    public_clients=public_clients_from(params.config),
-                   host_fallback="any" if is_host is None else "never", node=params.local_addr,
-                   link_addr=link_addr)
+                   host_fallback="any" if is_host is None and not alone else "never", node=params.local_addr,
+                   link_addr=link_addr, host_hint=ALONE_HINT if alone else None)
     return ElasticRendezvousHandler(job, params.run_id, params.min_nodes, params.max_nodes,
                                     join_timeout, last_call, params.local_addr, params.config)

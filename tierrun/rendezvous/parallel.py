@@ -16,6 +16,7 @@ next round's rendezvous for a node that will not come.
 from __future__ import annotations
 
 import logging
+import socket
 from collections.abc import Callable
 from datetime import timedelta
 from typing import TypeVar
@@ -252,12 +253,10 @@ class ParallelRendezvousHandler(StoreRendezvousHandler):
 
 
 def create_handler(params: RendezvousParameters, settings: Settings) -> RendezvousHandler:
-    if params.min_nodes != params.max_nodes:
-        raise ValueError(
-            f"the parallel rendezvous needs a fixed number of nodes, got "
-            f"--nnodes {params.min_nodes}:{params.max_nodes}: write --nnodes "
-            f"{params.max_nodes}, or use --rdzv_backend tierrun for an elastic job"
-        )
+    if params.min_nodes != params.max_nodes:  # (as torch_npu_run's parallel and torchrun's static: MAX nodes)
+        log.warning("node %s: --rdzv_backend parallel is not elastic: --nnodes %d:%d runs %d nodes; for an elastic "
+                    "job use --rdzv_backend tierrun", params.local_addr or socket.gethostname(), params.min_nodes,
+                    params.max_nodes, params.max_nodes)
     if "rank" not in params.config and params.max_nodes > 1:
         raise ValueError(
             "the parallel rendezvous needs this node's rank: torch's torchrun passes "
