@@ -463,8 +463,8 @@ def create_handler(params: RendezvousParameters, settings: Settings) -> Rendezvo
     decides whether this node hosts the store (and a host that cannot start it fails);
     else this node hosts if the endpoint names it, and becomes a client of the endpoint
     if its store cannot start there (another agent on this machine hosts it). A job of
-    one node hosts its store itself whatever the endpoint, and fails if it cannot (a
-    second job on the same port must not join the first as a spare and exit 0)."""
+    one node whose endpoint names it fails if its store cannot start (a second job on
+    the same port must not join the first as a spare and exit 0)."""
     host, port = parse_rendezvous_endpoint(params.endpoint, DEFAULT_PORT)
     join_timeout = conf_float(params.config, "join_timeout", DEFAULT_JOIN_TIMEOUT)
     last_call = conf_float(params.config, "last_call_timeout", DEFAULT_LAST_CALL_TIMEOUT)
@@ -474,8 +474,9 @@ def create_handler(params: RendezvousParameters, settings: Settings) -> Rendezvo
     is_host = conf_bool(params, "is_host")
     # (in a tree, any member may relay others in some round: every proxy takes links)
     link_addr = link_address(params.local_addr, host, port) if store_fanout_from(params.config) else None
-    alone = is_host is None and params.max_nodes == 1  # (its store is its own: it never joins one found on its port)
-    job = JobStore(host, port, hosting=alone or (hosts_store(host, params.local_addr) if is_host is None else is_host),
+    hosting = hosts_store(host, params.local_addr) if is_host is None else is_host
+    alone = is_host is None and hosting and params.max_nodes == 1  # (it never joins a store found on its port)
+    job = JobStore(host, port, hosting=hosting,
                    timeout=timeout, connect_timeout=join_timeout, unreachable_hint=_unreachable_hint(host, is_host),
                    token=token_from(params.config, settings),
                    store_workers=store_workers_from(params.config), link_config=settings.link,
