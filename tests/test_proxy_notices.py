@@ -28,8 +28,12 @@ LOST = ("[tierrun proxy] WARNING link to the store host 10.0.0.1:29500 lost at 0
 BACK = "[tierrun proxy] WARNING link to the store host resumed after 0.1 s\n"
 
 
-def _said(caplog, wait: float = 0.0):
-    time.sleep(wait)
+def _said(caplog, count: int | None = None):
+    """What was logged, once ``count`` lines are (the timer thread's too), or within 10 s."""
+    deadline = time.monotonic() + 10
+    while count is not None and len(caplog.records) < count and time.monotonic() < deadline:
+        time.sleep(0.05)
+    time.sleep(0.3 if count is not None else 0)  # (and nothing more comes)
     return [r.getMessage() for r in caplog.records]
 
 
@@ -40,13 +44,13 @@ def test_a_link_that_keeps_flapping_is_told_ten_lines_then_only_what_holds(caplo
         for _ in range(30):  # 30 flaps at once: 60 lines
             notices(LOST)
             notices(BACK)
-        said = _said(caplog, 0.5)
+        said = _said(caplog, 11)
         assert len(said) == 10 + 1  # the first 10, then how many flaps were left out (the link is back)
         assert said[9].endswith("resumed after 0.1 s")
         assert said[10].startswith("node 10.0.0.2: its store proxy's link dropped and came back 25 more times since ")
         notices(LOST)  # a drop that lasts: told once it held for SETTLE
         assert len(_said(caplog)) == 11
-        said = _said(caplog, 0.5)
+        said = _said(caplog, 12)
     assert len(said) == 12 and said[11].endswith("reconnecting (for up to 15 s)")
 
 
@@ -62,7 +66,7 @@ def test_the_last_drop_after_a_burst_of_flaps_is_told(caplog, monkeypatch):
         notices(LOST)
         notices(BACK)
         notices(LOST)
-        said = _said(caplog, 0.5)
+        said = _said(caplog, 11)
     assert len(said) == 11
     assert said[10].startswith("node 10.0.0.2: its store proxy: link to the store host 10.0.0.1:29500 lost at ")
     assert re.search(r"reconnecting \(for up to 15 s\) \(2 link lines left out since \d\d:\d\d:\d\d\)$", said[10])
