@@ -80,12 +80,16 @@ def test_a_fixed_node_backend_given_min_max_runs_max_nodes_and_says_so(monkeypat
                                "--rdzv_backend tierrun"]
 
 
-def test_a_torch_npu_run_flag_value_neither_true_nor_false_is_false_as_there(caplog):
+@pytest.mark.parametrize("value", ["disable", "1", "yes"])
+def test_a_torch_npu_run_flag_value_other_than_true_or_false_is_false_as_there(value, caplog):
+    """torch_npu_run tiers only for ``true`` (any case)."""
     with caplog.at_level(logging.WARNING, logger="tierrun"):
-        a = parse("--nnodes", "64", "--enable_tiered_parallel_tcpstore=disable")
+        a = parse("--nnodes", "64", f"--enable_tiered_parallel_tcpstore={value}")
     assert (a.enable_tiered_parallel_tcpstore, a.tiered) == (False, False)
-    assert caplog.messages == ["--enable_tiered_parallel_tcpstore disable is neither true nor false: read as false "
-                               "(no tiering), as torch_npu_run reads it"]
+    assert caplog.messages == [f"--enable_tiered_parallel_tcpstore {value} is not true: read as false (no tiering), "
+                               "as torch_npu_run reads every value but true; write true (or --tiered) to tier"]
+    with pytest.raises(UsageError, match=f"--enable_tiered_parallel_tcpstore {value} .*disagree"):
+        parse("--nnodes", "64", f"--enable_tiered_parallel_tcpstore={value}", "--tiered")
 
 
 def test_pet_rdzv_backend_and_pet_node_rank_are_read(monkeypatch):

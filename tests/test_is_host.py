@@ -216,3 +216,19 @@ def test_an_inferred_host_is_found_through_its_addresses(monkeypatch):
     assert sockets.hosts_store("sim0", "127.0.1.1") and not sockets.hosts_store("sim0", "127.0.1.2")
     assert not sockets.hosts_store("localhost", "127.0.1.2") and sockets.hosts_store("localhost", "127.0.0.1")
     assert sockets.hosts_store("127.0.1.1", "127.0.1.1") and not sockets.hosts_store("127.0.1.1", "127.0.1.2")
+
+
+@pytest.mark.parametrize("endpoint, local_addr, hosts", [
+    ("127.0.0.1:29400", None, True), ("127.0.0.1:29400", "127.0.1.3", True), ("localhost:29400", "127.0.1.3", True),
+    ("127.0.1.3:29400", "127.0.1.3", True)])
+def test_a_job_of_one_node_on_this_machine_hosts_its_store_and_never_joins_another(endpoint, local_addr, hosts):
+    """Whatever --local_addr makes the node (a simulated one's loopback address, say), a
+    one-node job whose endpoint is on this machine hosts the store, and one whose port is
+    taken fails instead of joining what listens there (another job: it would wait as its
+    spare and exit 0 without running)."""
+    handler = elastic.create_handler(RendezvousParameters("tierrun", endpoint, "alone", 1, 1, local_addr=local_addr),
+                                     Settings.from_env())
+    assert (handler.job.hosting, handler.job.host_fallback) == (hosts, "never")
+    two = elastic.create_handler(RendezvousParameters("tierrun", endpoint, "two", 1, 2, local_addr=local_addr),
+                                 Settings.from_env())
+    assert two.job.host_fallback == "any"  # (torch's c10d rule: another agent of the job on this machine)

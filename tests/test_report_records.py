@@ -2,6 +2,7 @@
 the failure report and the timeline; the worker wrapper's error file."""
 
 import json
+import py_compile
 import os
 import signal
 import subprocess
@@ -210,7 +211,14 @@ def test_the_worker_script_runs_as_python_runs_it(tmp_path):
     (tmp_path / "sub" / "imp.py").write_text("import sys, sibling\nprint(sys.argv, sys.path[0], __file__, __name__, "
                                              "sibling.NAME, __package__, __spec__)\n")
     (tmp_path / "link_imp.py").symlink_to(tmp_path / "sub" / "imp.py")
-    for script in ("link_imp.py", "sub/imp.py"):
+    # the script stays __main__ once its body ended (an atexit handler pickles its class);
+    # a compiled script; a directory with a __main__.py
+    (tmp_path / "ax.py").write_text("import atexit, pickle, sys\nclass Ckpt:\n    pass\n"
+                                    "atexit.register(lambda: print(len(pickle.dumps(Ckpt())) > 0, sys.argv[0]))\n")
+    py_compile.compile(str(tmp_path / "sub" / "sibling.py"), cfile=str(tmp_path / "sub" / "compiled.pyc"))
+    (tmp_path / "app").mkdir()
+    (tmp_path / "app" / "__main__.py").write_text("import sys\nprint(sys.argv, sys.path[0], __name__)\n")
+    for script in ("link_imp.py", "sub/imp.py", "ax.py", "sub/compiled.pyc", "app"):
         out = run(script)
         python = subprocess.run([sys.executable, script], capture_output=True, text=True, cwd=tmp_path)
         assert (out.returncode, out.stdout) == (python.returncode, python.stdout) == (0, python.stdout), out.stderr

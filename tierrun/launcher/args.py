@@ -39,15 +39,14 @@ def parse_bool(value: str) -> bool:
 
 
 class NotABoolean(str):
-    """A value of ``--enable_tiered_parallel_tcpstore`` that is neither true nor false:
-    torch_npu_run reads every value but ``true`` as false, and so does tierrun (saying so)."""
+    """A value of ``--enable_tiered_parallel_tcpstore`` other than true or false:
+    torch_npu_run reads every value but ``true`` (any case) as false, and so does
+    tierrun, saying so."""
 
 
 def parse_npu_flag(value: str) -> bool | NotABoolean:
-    try:
-        return parse_bool(value)
-    except argparse.ArgumentTypeError:
-        return NotABoolean(value)
+    v = value.strip().lower()
+    return v == "true" if v in ("true", "false") else NotABoolean(value)
 
 
 class InvalidEnvSetting(str):
@@ -139,7 +138,7 @@ def build_parser() -> argparse.ArgumentParser:
         type=parse_npu_flag,
         default=None,
         help="torch_npu_run's flag: tiered store wire-up (a store proxy per node), true or false "
-        "(another value is false, as torch_npu_run reads it). "
+        "(any other value is false, as torch_npu_run reads it). "
         "Unset: chosen from --nnodes (see --tiered).",
     )
     parser.add_argument(
@@ -304,14 +303,15 @@ def _choose_tiering(args: argparse.Namespace, max_nodes: int, backend: str) -> N
     said: dict[str, bool] = {}  # setting as written -> whether it tiers
     if args.tiered is not None:
         said[_as_written(args, "tiered", "--tiered" if args.tiered else "--no-tiered")] = args.tiered
-    if isinstance(args.enable_tiered_parallel_tcpstore, NotABoolean):
-        log.warning("%s is neither true nor false: read as false (no tiering), as torch_npu_run reads it",
-                    _as_written(args, "enable_tiered_parallel_tcpstore",
-                                f"--enable_tiered_parallel_tcpstore {args.enable_tiered_parallel_tcpstore}"))
-        args.enable_tiered_parallel_tcpstore = False
-    if args.enable_tiered_parallel_tcpstore is not None:
-        flag = f"--enable_tiered_parallel_tcpstore {str(args.enable_tiered_parallel_tcpstore).lower()}"
-        said[_as_written(args, "enable_tiered_parallel_tcpstore", flag)] = args.enable_tiered_parallel_tcpstore
+    npu = args.enable_tiered_parallel_tcpstore
+    if npu is not None:
+        flag = _as_written(args, "enable_tiered_parallel_tcpstore",
+                           f"--enable_tiered_parallel_tcpstore {npu if isinstance(npu, NotABoolean) else str(npu).lower()}")
+        if isinstance(npu, NotABoolean):
+            log.warning("%s is not true: read as false (no tiering), as torch_npu_run reads every value but true; "
+                        "write true (or --tiered) to tier", flag)
+            npu = args.enable_tiered_parallel_tcpstore = False
+        said[flag] = npu
     if conf_tiered is not None:
         said[f"--rdzv_conf tiered={conf['tiered']}"] = conf_tiered
     # the command line wins over PET_* values (defaults, as torchrun reads them): those

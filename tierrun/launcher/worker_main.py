@@ -13,6 +13,7 @@ import atexit
 import builtins
 import json
 import os
+import pkgutil
 import runpy
 import signal
 import sys
@@ -20,7 +21,7 @@ import time
 import traceback
 import types
 import zipfile
-from importlib.machinery import SourceFileLoader
+from importlib.machinery import SourceFileLoader, SourcelessFileLoader
 from types import TracebackType
 
 
@@ -62,22 +63,21 @@ def _die_by_sigint() -> None:
 
 
 def _run_file(path: str) -> None:
-    """Run the script at ``path`` (absolute) as ``python script`` does: as ``__main__``,
-    ``__file__`` absolute, ``sys.argv[0]`` as written (``runpy.run_path`` would make it
-    ``path``). A directory or zip file with a ``__main__.py``: ``runpy.run_path``."""
-    if not os.path.isfile(path) or zipfile.is_zipfile(path):
-        runpy.run_path(path, run_name="__main__")
-        return
-    with open(path, "rb") as f:  # (bytes: compile reads the source's coding line, as Python does)
-        code = compile(f.read(), path, "exec", dont_inherit=True)
+    """Run the script file at ``path`` (absolute) as ``python script`` does: as
+    ``__main__`` (which it stays once its body ends: its atexit handlers and threads
+    still pickle its classes), ``__file__`` absolute, ``sys.argv[0]`` as written
+    (``runpy.run_path`` would make it ``path``); source or compiled (``.pyc``)."""
+    with open(path, "rb") as f:
+        code = pkgutil.read_code(f)  # (a .pyc of this Python's; else None)
+        loader = SourcelessFileLoader if code is not None else SourceFileLoader
+        if code is None:
+            f.seek(0)  # (bytes: compile reads the source's coding line, as Python does)
+            code = compile(f.read(), path, "exec", dont_inherit=True)
     main = types.ModuleType("__main__")
     main.__dict__.update(__file__=path, __cached__=None, __package__=None, __spec__=None, __builtins__=builtins,
-                         __loader__=SourceFileLoader("__main__", path))
-    ours, sys.modules["__main__"] = sys.modules["__main__"], main
-    try:
-        exec(code, main.__dict__)
-    finally:
-        sys.modules["__main__"] = ours
+                         __loader__=loader("__main__", path), __annotations__={})
+    sys.modules["__main__"] = main
+    exec(code, main.__dict__)
 
 
 def main() -> None:
@@ -94,8 +94,12 @@ def main() -> None:
             print(f"{sys.executable}: {message}", file=sys.stderr)
             _record(FileNotFoundError(message), message, "")
             sys.exit(2)
-        sys.path[0] = os.path.dirname(os.path.realpath(script))  # (symbolic links resolved, as Python does)
-        run = lambda: _run_file(script)
+        if os.path.isfile(script) and not zipfile.is_zipfile(script):
+            sys.path[0] = os.path.dirname(os.path.realpath(script))  # (symbolic links resolved, as Python does)
+            run = lambda: _run_file(script)
+        else:  # a directory or zip file with a __main__.py: on sys.path itself, run as Python runs it
+            sys.path[0] = script
+            run = lambda: runpy._run_module_as_main("__main__", alter_argv=False)  # type: ignore[attr-defined]
     try:
         run()
     except SystemExit as e:

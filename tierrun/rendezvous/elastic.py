@@ -63,7 +63,7 @@ from . import liveness, spare
 from .conf import conf_bool, conf_float, public_clients_from, store_workers_from, token_from
 from .elastic_tree import TreeRounds
 from .job_store import JobStore
-from .sockets import hosts_store, link_address
+from .sockets import hosts_store, link_address, on_this_machine
 from .tree import store_fanout_from
 from .messages import closed_while_waiting, join_timeout_message
 
@@ -463,8 +463,9 @@ def create_handler(params: RendezvousParameters, settings: Settings) -> Rendezvo
     decides whether this node hosts the store (and a host that cannot start it fails);
     else this node hosts if the endpoint names it, and becomes a client of the endpoint
     if its store cannot start there (another agent on this machine hosts it). A job of
-    one node whose endpoint names it fails if its store cannot start (a second job on
-    the same port must not join the first as a spare and exit 0)."""
+    one node whose endpoint is on this machine (whatever ``--local_addr`` says) hosts
+    its store and fails if it cannot start it (a second job on the same port must not
+    join the first as a spare and exit 0)."""
     host, port = parse_rendezvous_endpoint(params.endpoint, DEFAULT_PORT)
     join_timeout = conf_float(params.config, "join_timeout", DEFAULT_JOIN_TIMEOUT)
     last_call = conf_float(params.config, "last_call_timeout", DEFAULT_LAST_CALL_TIMEOUT)
@@ -475,8 +476,9 @@ def create_handler(params: RendezvousParameters, settings: Settings) -> Rendezvo
     # (in a tree, any member may relay others in some round: every proxy takes links)
     link_addr = link_address(params.local_addr, host, port) if store_fanout_from(params.config) else None
     hosting = hosts_store(host, params.local_addr) if is_host is None else is_host
-    alone = is_host is None and hosting and params.max_nodes == 1  # (it never joins a store found on its port)
-    job = JobStore(host, port, hosting=hosting,
+    # (a job of one node on this machine hosts its store, and never joins one found on its port)
+    alone = is_host is None and params.max_nodes == 1 and (hosting or on_this_machine(host))
+    job = JobStore(host, port, hosting=hosting or alone,
                    timeout=timeout, connect_timeout=join_timeout, unreachable_hint=_unreachable_hint(host, is_host),
                    token=token_from(params.config, settings),
                    store_workers=store_workers_from(params.config), link_config=settings.link,

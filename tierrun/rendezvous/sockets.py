@@ -169,6 +169,13 @@ def hosts_store(host: str, local_addr: str | None) -> bool:
         and _matches_machine_hostname(host)
 
 
+def on_this_machine(host: str) -> bool:
+    """Whether the endpoint ``host`` is on this machine, whatever ``--local_addr`` makes
+    the node: a loopback name or address, or one of the machine's own names."""
+    return any(ipaddress.ip_address(a.split("%")[0]).is_loopback for a in _addresses(host)) \
+        or _matches_machine_hostname(host)
+
+
 def _addresses(name: str) -> set[str]:
     """The addresses ``name`` resolves to (none if it does not)."""
     try:
