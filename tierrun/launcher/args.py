@@ -264,7 +264,7 @@ def normalise(args: argparse.Namespace) -> argparse.Namespace:
             log.warning("%s is not elastic: --nnodes %s runs as --nnodes %d (as torchrun's static and "
                         "torch_npu_run's parallel backends run it); for an elastic job use --rdzv_backend tierrun",
                         named, args.nnodes, nmax)
-            args.nnodes, nmin = str(nmax), nmax
+            args.nnodes = str(nmax)
         if not 0 <= args.node_rank < nmax:
             raise UsageError(
                 f"--node_rank {args.node_rank} is outside 0..{nmax - 1} for --nnodes {nmax}"
