@@ -76,14 +76,13 @@ class ProxyNotices:
             lost, text = latest
             left_out = self._left_out - (lost != self._shown_lost)  # (the one repeated now is not left out)
             self._left_out = 0
+            since = time.strftime("%H:%M:%S", time.localtime(self._left_out_since))
             if lost == self._shown_lost:
                 if left_out:
                     log.warning("%s: its store proxy's link dropped and came back %d more times since %s", self.node,
-                                left_out // 2 or 1, time.strftime("%H:%M:%S", time.localtime(self._left_out_since)))
+                                left_out // 2 or 1, since)
                 return
-            more = (f" ({left_out} link lines left out since "
-                    f"{time.strftime('%H:%M:%S', time.localtime(self._left_out_since))})") if left_out else ""
-            self._say(lost, text + more)
+            self._say(lost, text + (f" ({left_out} link lines left out since {since})" if left_out else ""))
 
     def _say(self, lost: bool, text: str) -> None:
         self._shown_lost = lost
