@@ -252,7 +252,7 @@ class Cluster:
         its arrival (the last SETs the key all wait for), wait, confirm its record, read
         the count (all alike: torch's agent computes ranks locally); then, while its workers run, a
         standing WAIT on the round's ``failed`` key and its heartbeat, as
-        ``liveness.Heartbeat`` sends it: ADD its beat counter at once, then on each whole
+        ``liveness.Heartbeat`` sends it: ADD its beat counter at once, then SET its next count on each whole
         second of the wall clock; the first 3 ranks also read every other node's in one
         MULTI_GET half a second after each beat."""
         base = "/tierrun/job/static/0"
@@ -273,13 +273,14 @@ class Cluster:
         theirs = tuple(f"{base}/beat/{j}".encode() for j in range(self.k) if j != n) if n < 3 else ()
 
         async def beat() -> None:  # on liveness.Heartbeat's schedule
-            await beater.call(Op.ADD, mine, 1)
+            count = int(await beater.call(Op.ADD, mine, 1))
             while True:
                 if theirs:  # the first 3 ranks watch every other node, half an interval later
                     await asyncio.sleep(until(0.5, 1.0, time.time()))
                     await beater.call(Op.MULTI_GET, theirs)
                 await asyncio.sleep(until(0.0, 1.0, time.time()))
-                await beater.call(Op.ADD, mine, 1)
+                count += 1
+                await beater.call(Op.SET, mine, b"%d" % count)
 
         beating = asyncio.ensure_future(beat())
         await self.ranks(n, target)

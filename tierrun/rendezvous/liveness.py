@@ -1,24 +1,29 @@
 """Liveness of a round's members: heartbeat counters in the job's store.
 
-Every member of round ``r`` ADDs 1 to ``r/beat/<id>`` every ``interval`` seconds. The
-first ``WATCHERS`` members (by rank) watch every other member, reading all their
-counters in one MULTI_GET per interval; the others only beat. So the store does
-N + WATCHERS requests per interval for N members (a ring, where each member reads its
-neighbour's counter, costs 2N: at 512 nodes, 500 requests a second more at the store
-host, none of which a front-end can merge). A death goes unnoticed only if every
-watcher dies with it at once. A counter that has not moved for ``timeout`` seconds is
-a dead member: its watchers mark it, setting a round key on which every member holds
-a WAIT, and their agents restart their workers to re-form without it, even when those
-workers are stuck in a collective with the dead node. A member that leaves in order (its
-agent shuts down: its workers ended) sets its counter to ``LEFT`` first, and its watchers
-stop watching it without a word.
+Every member of round ``r`` counts its beats in ``r/beat/<id>``, one every ``interval``
+seconds: an ADD first (the counter exists, and the answer is where its count starts),
+then a SET of the next count. A SET has no answer, so nothing comes back down a tree of
+proxies for it, and a proxy folds its subtree's SETs that meet in one batch into one
+MULTI_SET entry (ADDs to distinct counters stay an entry and an answer each); beats are
+most of what a started job sends the store host. The first ``WATCHERS`` members (by
+rank) watch every other member, reading all their counters in one MULTI_GET per
+interval; the others only beat. So the store gets N + WATCHERS requests per interval
+for N members (a ring, where each member reads its neighbour's counter, costs 2N: at
+512 nodes, 500 reads a second more at the store host, none of which a front-end can
+merge). A death goes unnoticed only if every watcher dies with it at once. A counter
+that has not changed for ``timeout`` seconds is a dead member: its watchers mark it,
+setting a round key on which every member holds a WAIT, and their agents restart their
+workers to re-form without it, even when those workers are stuck in a collective with
+the dead node. A member that leaves in order (its agent shuts down: its workers ended)
+sets its counter to ``LEFT`` first, once its last beat was taken, and its watchers stop
+watching it without a word.
 
 Counters, not timestamps: nodes' clocks do not have to agree; each observer times
 the silence on its own monotonic clock. Beats fall on the wall clock's multiples of the
 interval, and watchers read half an interval later: so on nodes whose clocks agree to a
 few milliseconds (NTP), every member's beat of one interval reaches the store host at
 about the same moment, and node front-ends carry them up in a few batches instead of
-one frame per node (a frame costs the store host far more than the ADD it carries).
+one frame per node (a frame costs the store host far more than the beat it carries).
 Clocks that disagree cost only that merging.
 """
 
@@ -117,6 +122,8 @@ class Heartbeat:
         ``timeout`` seconds; store errors are ignored: a member whose store is gone is
         not watched through it any more)."""
         self._stop.set()
+        if not self.in_its_thread():  # (its last beat taken first: a late one would overwrite LEFT)
+            self._thread.join(timeout)
         try:
             with StoreClient(self._address, timeout=timeout) as store:
                 store.set(self._key(f"beat/{self._index}"), LEFT)
@@ -131,7 +138,7 @@ class Heartbeat:
         still = Stillness(self._timeout)
         try:
             with StoreClient(self._address, timeout=max(self._timeout, 10.0)) as store:
-                store.add(mine, 1)  # (at once: the counter exists from the start)
+                count = store.add(mine, 1)  # (at once: the counter exists from the start)
                 while True:
                     if theirs:  # half an interval after the beats
                         if self._stop.wait(until(interval / 2, interval, time.time())):
@@ -149,6 +156,8 @@ class Heartbeat:
                             self._on_dead(m)
                     if self._stop.wait(until(0.0, interval, time.time())):
                         break
-                    store.add(mine, 1)
+                    count += 1
+                    store.set(mine, b"%d" % count)
+                store.check([mine])  # (answered: every beat sent before it was taken)
         except (OSError, StoreClientError):
             log.debug("heartbeat of member %d stopped", self._index, exc_info=True)
