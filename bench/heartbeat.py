@@ -4,12 +4,14 @@ ProcessGroupNCCL's heartbeat monitor CHECKs one dump key about once a second on 
 rank, for the whole job. This runs bench/wireup.py's start-up simulation twice per
 set-up, with ``--heartbeats`` LOW and HIGH beats per rank, and reports what the extra
 HIGH - LOW seconds of beating cost node 0, per second: requests it parsed and CPU
-seconds, against torch's server flat, in the same run. Medians of --repeat runs;
-writes docs/bench/heartbeat.json and its section of docs/benchmarks.md.
+seconds, and the busiest node's CPU seconds (in the tree a relay, a real proxy
+process), against torch's server flat, in the same run. The two runs of a round start
+alike (every node at once, the same seed), so their difference is the beating. Medians
+of --repeat runs; writes docs/bench/heartbeat.json and its section of docs/benchmarks.md.
 
 --agents tierrun: tierrun's set-ups also run what tierrun's agents of a static job send
-while the job runs (wireup.py --agents tierrun): each node's liveness beat, an ADD once
-a second on the wall clock's whole seconds, and the first 3 nodes' MULTI_GET of every
+while the job runs (wireup.py --agents tierrun): each node's liveness beat, a SET of its
+count once a second on the wall clock's whole seconds, and the first 3 nodes' MULTI_GET of every
 node's counter; torch's set-up is torchrun's static job, which has no liveness (its
 server sees only the ranks' CHECKs). Writes heartbeat_tierrun_agents.
 
@@ -68,22 +70,28 @@ def main() -> None:
             got = {}
             for beats in (args.low, args.high):
                 sim = types.SimpleNamespace(procs=2, traffic="nccl", heartbeats=beats, fanout=8, agents=args.agents)
-                got[beats] = wireup.measure(setup, k, pp, sim)
-            r = {m: (got[args.high][m] - got[args.low][m]) / seconds for m in ("requests", "frames", "cpu_s")}
+                got[beats] = wireup.measure(setup, k, pp, 0.0, f"heartbeat-{i}", sim)
+            r = {m: (got[args.high][m] - got[args.low][m]) / seconds
+                 for m in ("requests", "frames", "node0_cpu_s", "busiest_cpu_s")}
             per_second[setup].append(r)
             print(f"run {i + 1} {setup}: {r}", flush=True)
     med = {s: {m: statistics.median(r[m] for r in rs) for m in rs[0]} for s, rs in per_second.items()}
     torch = med["torch"]
     agents = ("" if args.agents == "torch" else "; tierrun's set-ups: tierrun's agents too (each node's liveness "
-              "ADD once a second, the first 3 nodes' MULTI_GET of every counter), torch's: torchrun's static job")
+              "beat once a second, the first 3 nodes' MULTI_GET of every counter), torch's: torchrun's static job")
     lines = [f"{args.size}, each rank CHECKing the dump key once a second{agents}; per second of beating "
              f"(runs with {args.high} and {args.low} beats per rank, the difference over {seconds} s), "
-             f"medians of {args.repeat} runs.", "",
-             "| set-up | node-0 requests / s | node-0 frames / s | node-0 CPU ms / s | CPU: torch / set-up |",
-             "|---|---:|---:|---:|---:|"]
+             f"medians of {args.repeat} runs. Busiest: node 0 or a relay (tree), whichever spent more.", "",
+             "| set-up | node-0 requests / s | node-0 frames / s | node-0 CPU ms / s | busiest CPU ms / s "
+             "| CPU: torch / busiest |",
+             "|---|---:|---:|---:|---:|---:|"]
+
+    def ratio(m: dict) -> str:
+        return f"{torch['node0_cpu_s'] / m['busiest_cpu_s']:.0f}x" if m["busiest_cpu_s"] > 0 else "no cost measured"
+
     for setup, m in med.items():
-        ratio = "—" if setup == "torch" else (f"{torch['cpu_s'] / m['cpu_s']:.0f}x" if m["cpu_s"] > 0 else "no cost measured")
-        lines.append(f"| {setup} | {m['requests']:,.0f} | {m['frames']:,.0f} | {1000 * m['cpu_s']:.1f} | {ratio} |")
+        lines.append(f"| {setup} | {m['requests']:,.0f} | {m['frames']:,.0f} | {1000 * m['node0_cpu_s']:.1f} "
+                     f"| {1000 * m['busiest_cpu_s']:.1f} | {'—' if setup == 'torch' else ratio(m)} |")
     table = "\n".join(lines)
     print(table)
     name = "heartbeat" if args.agents == "torch" else "heartbeat_tierrun_agents"
