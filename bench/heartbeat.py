@@ -77,7 +77,9 @@ def main() -> None:
             print(f"run {i + 1} {setup}: {r}", flush=True)
     med = {s: {m: statistics.median(r[m] for r in rs) for m in rs[0]} for s, rs in per_second.items()}
     torch = med["torch"]
-    agents = ("" if args.agents == "torch" else "; tierrun's set-ups: tierrun's agents too (each node's liveness "
+    agents = ("; the tree: tierrun's agents (a tree needs tierrun's parallel backend), so its line also counts their "
+              "liveness beats" if args.agents == "torch" else
+              "; tierrun's set-ups: tierrun's agents too (each node's liveness "
               "beat once a second, the first 3 nodes' MULTI_GET of every counter), torch's: torchrun's static job")
     lines = [f"{args.size}, each rank CHECKing the dump key once a second{agents}; per second of beating "
              f"(runs with {args.high} and {args.low} beats per rank, the difference over {seconds} s), "

@@ -19,7 +19,7 @@ Counts at the store host (node 0), from the traffic ``wireup_sim.py`` replays:
                     f1, r1: a tiered node's link (n = 1); alpha, beta: the tree's top
                     links (their subtrees' sizes as TreePlace lays them out), per regime
                     (skewed, lockstep); u = 7 requests no front-end can merge (a node's
-                    two COMPARE_SETs and APPEND of its record, ~4 beat ADDs to its counter).
+                    two COMPARE_SETs and APPEND of its record, ~4 beats to its counter).
                     Under skew a subtree's requests trickle in; a link sends one batch
                     in flight at a time, so frames grow sub-linearly with n (alpha < 1).
   own               node 0's own front-end: o = 11 P + a requests, each a frame

@@ -34,8 +34,8 @@ tierrun's agents (the parallel backend): ADD to the count of nodes with P worker
 COMPARE_SET its node record, ADD to the arrival count (the last SETs all_arrived),
 APPEND to the arrivals, WAIT for all_arrived, GET the count; while the ranks run, a
 standing WAIT on the round's failed key and the heartbeat (ADD its beat counter at
-once, then on every whole second of the wall clock; nodes 0-2 also MULTI_GET every
-other node's half a second later); then the same exit barrier. In a tree, a node with a
+once, then SET its next count on every whole second of the wall clock; nodes 0-2 also
+MULTI_GET every other node's half a second later); then the same exit barrier. In a tree, a node with a
 parent first reads where its parent takes links with a LOOKUP at the store host (a UDP
 datagram and its answer, as ``tier.lookup`` sends it first), and a relay's agent SETs
 that address.
