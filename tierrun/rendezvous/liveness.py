@@ -2,21 +2,20 @@
 
 Every member of round ``r`` counts its beats in ``r/beat/<id>``, one every ``interval``
 seconds: an ADD first (the counter exists, and the answer is where its count starts),
-then a SET of the next count. A SET has no answer, so nothing comes back down a tree of
-proxies for it, and a proxy folds its subtree's SETs that meet in one batch into one
-MULTI_SET entry (ADDs to distinct counters stay an entry and an answer each); beats are
-most of what a started job sends the store host. The first ``WATCHERS`` members (by
-rank) watch every other member, reading all their counters in one MULTI_GET per
-interval; the others only beat. So the store gets N + WATCHERS requests per interval
-for N members (a ring, where each member reads its neighbour's counter, costs 2N: at
-512 nodes, 500 reads a second more at the store host, none of which a front-end can
-merge). A death goes unnoticed only if every watcher dies with it at once. A counter
-that has not changed for ``timeout`` seconds is a dead member: its watchers mark it,
-setting a round key on which every member holds a WAIT, and their agents restart their
-workers to re-form without it, even when those workers are stuck in a collective with
-the dead node. A member that leaves in order (its agent shuts down: its workers ended)
-sets its counter to ``LEFT`` first, once its last beat was taken, and its watchers stop
-watching it without a word.
+then a SET of the next count. A SET has no answer: nothing comes back down a tree of
+proxies for it (an ADD's answer would travel back through every level), and once a
+tiered job runs, beats are most of what reaches its store host. The first ``WATCHERS``
+members (by rank) watch every other member, reading all their counters in one MULTI_GET
+per interval; the others only beat. So the store gets N + WATCHERS requests per interval
+for N members (a ring, where each member reads its neighbour's counter, costs 2N: at 512
+nodes, 500 reads a second more at the store host, none of which a front-end can merge).
+A death goes unnoticed only if every watcher dies with it at once. A counter that has
+not changed for ``timeout`` seconds is a dead member: its watchers mark it, setting a
+round key on which every member holds a WAIT, and their agents restart their workers to
+re-form without it, even when those workers are stuck in a collective with the dead
+node. A member that leaves in order (its agent shuts down: its workers ended) sets its
+counter to ``LEFT`` first, once its last beat was taken, and its watchers stop watching
+it without a word.
 
 Counters, not timestamps: nodes' clocks do not have to agree; each observer times
 the silence on its own monotonic clock. Beats fall on the wall clock's multiples of the
