@@ -44,6 +44,31 @@ def test_a_silent_member_is_declared_dead_by_every_watcher_once(store):
     assert sorted(dead) == [(w, silent) for w in range(WATCHERS)]
 
 
+def test_a_member_that_leaves_stays_left_and_its_stopped_beat_ends_answered(store):
+    """A beat is a SET of the member's next count, with no answer: leave() waits for the
+    heartbeat's last beat to be taken before it sets LEFT, which a beat landing after it
+    would overwrite (its watchers would then call the member dead); a stopped heartbeat
+    ends once its last beat is taken (a CHECK answered after it), so join() says so."""
+    key = lambda name: f"/leaving/{name}".encode()  # noqa: E731
+    from tierrun.rendezvous.liveness import LEFT
+    for m in range(12):  # leave at every phase of a fast beat
+        beat = Heartbeat(("127.0.0.1", store.port), key, m, [], 0.02, 10.0, lambda m: None).start()
+        time.sleep(0.05 + 0.003 * m)
+        beat.leave()
+        assert beat.join(0)  # (leave() waited for it)
+        time.sleep(0.06)  # three intervals: a late beat would have landed
+        with StoreClient(("127.0.0.1", store.port)) as c:
+            assert c.get(key(f"beat/{m}")) == LEFT
+    stopped = Heartbeat(("127.0.0.1", store.port), key, 99, [], 0.02, 10.0, lambda m: None).start()
+    time.sleep(0.1)
+    stopped.stop()
+    assert stopped.join(5.0)
+    with StoreClient(("127.0.0.1", store.port)) as c:
+        count = int(c.get(key("beat/99")))
+        time.sleep(0.06)
+        assert int(c.get(key("beat/99"))) == count >= 3  # it counted, and stopped
+
+
 def test_until_gives_the_next_moment_at_a_phase_of_the_interval():
     assert until(0.0, 1.0, 100.25) == 0.75
     assert until(0.5, 1.0, 100.25) == 0.25
