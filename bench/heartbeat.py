@@ -7,7 +7,8 @@ HIGH - LOW seconds of beating cost node 0, per second: requests it parsed and CP
 seconds, and the busiest node's CPU seconds (in the tree a relay, a real proxy
 process), against torch's server flat, in the same run. The two runs of a round start
 alike (every node at once, the same seed), so their difference is the beating. Medians
-of --repeat runs; writes docs/bench/heartbeat.json and its section of docs/benchmarks.md.
+of --repeat runs; writes docs/bench/heartbeat.json and its section of docs/benchmarks.md
+(unless --no-write).
 
 --agents tierrun: tierrun's set-ups also run what tierrun's agents of a static job send
 while the job runs (wireup.py --agents tierrun): each node's liveness beat, a SET of its
@@ -54,6 +55,7 @@ def main() -> None:
                    help="agent traffic of tierrun's set-ups (see wireup.py --agents)")
     p.add_argument("--idle", action="store_true", help="measure idle connections instead (see above)")
     p.add_argument("--idle-child", nargs=3, help=argparse.SUPPRESS)
+    p.add_argument("--no-write", action="store_true", help="print only: write nothing under docs/")
     args = p.parse_args()
     raise_fd_limit()
     if args.idle_child:
@@ -97,8 +99,9 @@ def main() -> None:
     table = "\n".join(lines)
     print(table)
     name = "heartbeat" if args.agents == "torch" else "heartbeat_tierrun_agents"
-    write_json(name, {"args": vars(args), "per_second": per_second})
-    write_section(name, table)
+    if not args.no_write:
+        write_json(name, {"args": vars(args), "per_second": per_second})
+        write_section(name, table)
 
 
 IDLE_SECONDS = 6.0
@@ -171,8 +174,9 @@ def idle(k: int, pp: int, args) -> None:
         lines.append(f"| {setup} | {count:,} | {1000 * statistics.median(runs[setup]):.2f} |")
     table = "\n".join(lines)
     print(table)
-    write_json("heartbeat_idle", {"args": vars(args), "cpu_s_per_s": runs})
-    write_section("heartbeat_idle", table)
+    if not args.no_write:
+        write_json("heartbeat_idle", {"args": vars(args), "cpu_s_per_s": runs})
+        write_section("heartbeat_idle", table)
 
 
 if __name__ == "__main__":
