@@ -27,7 +27,7 @@ from tierrun.protocol import Op
 from tierrun.protocol.opcodes import NO_REPLY_OPS, VALIDATION_MAGIC
 from tierrun.protocol.requests import encode_request
 from tierrun.rendezvous.tree import TreePlace
-from tierrun.rendezvous.liveness import until
+from tierrun.rendezvous.liveness import CONFIRM_EVERY, until
 
 _u32 = struct.Struct("<I").unpack_from
 _i64 = struct.Struct("<q").unpack_from
@@ -252,7 +252,8 @@ class Cluster:
         its arrival (the last SETs the key all wait for), wait, confirm its record, read
         the count (all alike: torch's agent computes ranks locally); then, while its workers run, a
         standing WAIT on the round's ``failed`` key and its heartbeat, as
-        ``liveness.Heartbeat`` sends it: ADD its beat counter at once, then SET its next count on each whole
+        ``liveness.Heartbeat`` sends it: ADD its beat counter at once, then SET its next count (every
+        ``CONFIRM_EVERY``-th an ADD) on each whole
         second of the wall clock; the first 3 ranks also read every other node's in one
         MULTI_GET half a second after each beat."""
         base = "/tierrun/job/static/0"
@@ -279,8 +280,11 @@ class Cluster:
                     await asyncio.sleep(until(0.5, 1.0, time.time()))
                     await beater.call(Op.MULTI_GET, theirs)
                 await asyncio.sleep(until(0.0, 1.0, time.time()))
-                count += 1
-                await beater.call(Op.SET, mine, b"%d" % count)
+                if (count + 1) % CONFIRM_EVERY:
+                    count += 1
+                    await beater.call(Op.SET, mine, b"%d" % count)
+                else:
+                    count = int(await beater.call(Op.ADD, mine, 1))
 
         beating = asyncio.ensure_future(beat())
         await self.ranks(n, target)

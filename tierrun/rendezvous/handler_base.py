@@ -216,6 +216,9 @@ class StoreRendezvousHandler(RendezvousHandler):
             self._watcher = None
         if self._heartbeat is not None:
             if leaving and self.store_lost is None:
+                deadline = time.monotonic() + 5.0  # (a heartbeat stopped by a move beats the same
+                for beat in self._stopped_beats:   # key: its late beat would overwrite LEFT too)
+                    beat.join(max(0.0, deadline - time.monotonic()))
                 self._heartbeat.leave()
             else:
                 self._heartbeat.stop()

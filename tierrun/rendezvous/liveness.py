@@ -2,20 +2,20 @@
 
 Every member of round ``r`` counts its beats in ``r/beat/<id>``, one every ``interval``
 seconds: an ADD first (the counter exists, and the answer is where its count starts),
-then a SET of the next count. A SET has no answer: nothing comes back down a tree of
-proxies for it (an ADD's answer would travel back through every level), and once a
-tiered job runs, beats are most of what reaches its store host. The first ``WATCHERS``
-members (by rank) watch every other member, reading all their counters in one MULTI_GET
-per interval; the others only beat. So the store gets N + WATCHERS requests per interval
-for N members (a ring, where each member reads its neighbour's counter, costs 2N: at 512
-nodes, 500 reads a second more at the store host, none of which a front-end can merge).
-A death goes unnoticed only if every watcher dies with it at once. A counter that has
-not changed for ``timeout`` seconds is a dead member: its watchers mark it, setting a
-round key on which every member holds a WAIT, and their agents restart their workers to
-re-form without it, even when those workers are stuck in a collective with the dead
-node. A member that leaves in order (its agent shuts down: its workers ended) sets its
-counter to ``LEFT`` first, once its last beat was taken, and its watchers stop watching
-it without a word.
+then a SET of the next count (every ``CONFIRM_EVERY``-th an ADD again). A SET has no
+answer: nothing comes back down a tree of proxies for it (an ADD's answer would travel
+back through every level), and once a tiered job runs, beats are most of what reaches
+its store host. The first ``WATCHERS`` members (by rank) watch every other member,
+reading all their counters in one MULTI_GET per interval; the others only beat. So the
+store gets N + WATCHERS requests per interval for N members (a ring, where each member
+reads its neighbour's counter, costs 2N: at 512 nodes, 500 reads a second more at the
+store host, none of which a front-end can merge). A death goes unnoticed only if every
+watcher dies with it at once. A counter that has not changed for ``timeout`` seconds is
+a dead member: its watchers mark it, setting a round key on which every member holds a
+WAIT, and their agents restart their workers to re-form without it, even when those
+workers are stuck in a collective with the dead node. A member that leaves in order (its
+agent shuts down: its workers ended) sets its counter to ``LEFT`` first, once its last
+beat was taken, and its watchers stop watching it without a word.
 
 Counters, not timestamps: nodes' clocks do not have to agree; each observer times
 the silence on its own monotonic clock. Beats fall on the wall clock's multiples of the
@@ -43,6 +43,11 @@ DEFAULT_TIMEOUT = 3.0
 WATCHERS = 3
 #: A member's counter once it left in order: not a death.
 LEFT = b"left"
+#: Every this many beats, the beat is an ADD: its answer confirms the SETs before it to
+#: the node's proxy (and every relay on the way), which remember a write with no answer
+#: until some later answer on their link (``tier.writes``): a node that only beats would
+#: otherwise make them hold up to their cap of such writes.
+CONFIRM_EVERY = 16
 
 
 def watched_by(rank: int, me: int, members: range) -> list[int]:
@@ -79,8 +84,11 @@ class Heartbeat:
     """Beat for member ``index`` of round r and watch the members ``watched`` (see
     ``watched_by``; empty: beat only). ``keys(name)`` gives a round key as sent on the
     wire. ``on_dead(member)`` is called once per member, from the heartbeat thread, when
-    that watched member goes silent. ``stop`` ends the thread within one interval. Store
-    errors end it quietly: the store going away is reported by the rendezvous itself.
+    that watched member goes silent. After ``stop`` the thread ends at once, or, when a
+    beat it sent is not yet confirmed by an answer, once a CHECK is answered (at most
+    the store client's timeout: ``max(timeout, 10)`` seconds), so that an ended heartbeat
+    has had its last request taken. Store errors end it quietly: the store going away is
+    reported by the rendezvous itself.
     It beats at once, then on the wall clock's multiples of ``interval``; watchers read
     half an interval after each beat (see the module docstring).
     """
@@ -117,11 +125,13 @@ class Heartbeat:
 
     def leave(self, timeout: float = 5.0) -> None:
         """Stop, and tell the watchers this member left in order: its counter becomes
-        ``LEFT`` (one SET, on a connection of its own; blocks until it is sent, at most
-        ``timeout`` seconds; store errors are ignored: a member whose store is gone is
-        not watched through it any more)."""
+        ``LEFT`` (one SET, on a connection of its own, then a CHECK). Blocks until this
+        heartbeat's last beat was taken (a beat landing after ``LEFT`` would overwrite
+        it), at most ``timeout`` seconds, then until ``LEFT`` is answered, at most
+        ``timeout`` seconds more; store errors are ignored: a member whose store is gone
+        is not watched through it any more."""
         self._stop.set()
-        if not self.in_its_thread():  # (its last beat taken first: a late one would overwrite LEFT)
+        if not self.in_its_thread():
             self._thread.join(timeout)
         try:
             with StoreClient(self._address, timeout=timeout) as store:
@@ -138,6 +148,7 @@ class Heartbeat:
         try:
             with StoreClient(self._address, timeout=max(self._timeout, 10.0)) as store:
                 count = store.add(mine, 1)  # (at once: the counter exists from the start)
+                unconfirmed = False  # a SET sent since the last answer
                 while True:
                     if theirs:  # half an interval after the beats
                         if self._stop.wait(until(interval / 2, interval, time.time())):
@@ -146,6 +157,7 @@ class Heartbeat:
                         members = list(theirs)
                         # (a member that has not beaten yet reads as empty: still too)
                         values = store.multi_get([theirs[m] for m in members], wait=False)
+                        unconfirmed = False
                         for m, value in zip(members, values):
                             if value == LEFT:
                                 del theirs[m]
@@ -155,8 +167,14 @@ class Heartbeat:
                             self._on_dead(m)
                     if self._stop.wait(until(0.0, interval, time.time())):
                         break
-                    count += 1
-                    store.set(mine, b"%d" % count)
-                store.check([mine])  # (answered: every beat sent before it was taken)
+                    if (count + 1) % CONFIRM_EVERY:
+                        count += 1
+                        store.set(mine, b"%d" % count)
+                        unconfirmed = True
+                    else:
+                        count = store.add(mine, 1)
+                        unconfirmed = False
+                if unconfirmed:
+                    store.check([mine])  # (answered: every beat sent before it was taken)
         except (OSError, StoreClientError):
             log.debug("heartbeat of member %d stopped", self._index, exc_info=True)
