@@ -250,12 +250,12 @@ class Cluster:
         torch's static rendezvous and rank assignment: claim its node rank's record, count
         itself among the nodes with its number of workers, append to the arrivals, count
         its arrival (the last SETs the key all wait for), wait, confirm its record, read
-        the count (all alike: torch's agent computes ranks locally); then, while its workers run, a
-        standing WAIT on the round's ``failed`` key and its heartbeat, as
-        ``liveness.Heartbeat`` sends it: ADD its beat counter at once, then SET its next count (every
-        ``CONFIRM_EVERY``-th an ADD) on each whole
-        second of the wall clock; the first 3 ranks also read every other node's in one
-        MULTI_GET half a second after each beat."""
+        the count (all alike: torch's agent computes ranks locally); then, while its
+        workers run, a standing WAIT on the round's ``failed`` key and its heartbeat, as
+        ``liveness.Heartbeat`` sends it: ADD its beat counter at once, then SET its next
+        count (every ``CONFIRM_EVERY``-th an ADD) on each whole second of the wall clock;
+        the first 3 ranks also read every other node's in one MULTI_GET half a second
+        after each beat."""
         base = "/tierrun/job/static/0"
         same = f"{base}/local_world_size/{self.p}".encode()
         fields = {"addr": f"10.0.{n // 250}.{n % 250}", "nonce": secrets.token_hex(8), "workers": self.p}
