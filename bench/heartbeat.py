@@ -12,8 +12,8 @@ of --repeat runs; writes docs/bench/heartbeat.json and its section of docs/bench
 
 --agents tierrun: tierrun's set-ups also run what tierrun's agents of a static job send
 while the job runs (wireup.py --agents tierrun): each node's liveness beat, a SET of its
-count once a second on the wall clock's whole seconds, and the first 3 nodes' MULTI_GET of every
-node's counter; torch's set-up is torchrun's static job, which has no liveness (its
+count once a second on the wall clock's whole seconds (every 16th an ADD), and the first 3
+nodes' MULTI_GET of every node's counter; torch's set-up is torchrun's static job, which has no liveness (its
 server sees only the ranks' CHECKs). Writes heartbeat_tierrun_agents.
 
 --idle: what idle connections cost node 0 a second, nothing else running: torch's server

@@ -8,7 +8,7 @@ from types import SimpleNamespace
 
 from tierrun.client import StoreClient
 from tierrun.rendezvous.handler_base import StoreRendezvousHandler
-from tierrun.rendezvous.liveness import WATCHERS, Heartbeat, until, watched_by
+from tierrun.rendezvous.liveness import LEFT, WATCHERS, Heartbeat, until, watched_by
 
 
 def test_the_first_ranks_watch_everyone_the_others_only_beat():
@@ -50,7 +50,6 @@ def test_a_member_that_leaves_stays_left_and_its_stopped_beat_ends_answered(stor
     would overwrite (its watchers would then call the member dead); a stopped heartbeat
     ends once its last beat is taken (a CHECK answered after it), so join() says so."""
     key = lambda name: f"/leaving/{name}".encode()  # noqa: E731
-    from tierrun.rendezvous.liveness import LEFT
     for m in range(12):  # leave at every phase of a fast beat
         beat = Heartbeat(("127.0.0.1", store.port), key, m, [], 0.02, 10.0, lambda m: None).start()
         time.sleep(0.05 + 0.003 * m)
