@@ -29,10 +29,11 @@ Liveness (``liveness.py``): while round r runs, every member beats a counter and
 first ranks watch them all; a silent one is marked dead and ``r/changed`` set,
 which every member WAITs on, so all agents restart their workers, even workers stuck in
 a collective. Running agents also learn of nodes waiting for round r+1 through
-``r/changed`` (its first arrival sets it). When round r+1 re-forms, its last call ends
-as soon as every member of round r is back or dead: recovering from a dead node takes
-``heartbeat_timeout`` seconds (``--rdzv_conf heartbeat_timeout=3,heartbeat_interval=1``),
-not the last call.
+``r/changed`` (its first arrival sets it), and stop their workers together
+(``restart_together``: else the first to stop fails the others' workers, which costs
+them a restart). When round r+1 re-forms, its last call ends as soon as every member
+of round r is back or dead: recovering from a dead node takes ``heartbeat_timeout``
+seconds (``--rdzv_conf heartbeat_timeout=3,heartbeat_interval=1``), not the last call.
 """
 
 from __future__ import annotations
@@ -59,13 +60,13 @@ from torch.distributed.elastic.rendezvous.utils import parse_rendezvous_endpoint
 from ..client import StoreClient, StoreClientError
 from ..report.progress import Arrivals
 from ..settings import Settings
-from . import liveness, spare
+from . import liveness, restart_together, spare
 from .conf import conf_bool, conf_float, public_clients_from, store_workers_from, token_from
 from .elastic_tree import TreeRounds
 from .job_store import JobStore
 from .sockets import hosts_store, link_address, on_this_machine
 from .tree import store_fanout_from
-from .messages import closed_while_waiting, join_timeout_message
+from .messages import ALONE_HINT, closed_while_waiting, join_timeout_message, unreachable_hint
 
 log = logging.getLogger("tierrun.rendezvous")
 
@@ -99,6 +100,7 @@ class ElasticRendezvousHandler(TreeRounds):
         self._rank = -1
         self._members = 0  # nodes in that round
         self._waiting_seen: set[int] = set()  # rounds r whose membership changed
+        self._counted_in: set[int] = set()  # rounds whose change this node saw (restart_together)
 
     # -- keys -------------------------------------------------------------------------
 
@@ -169,6 +171,9 @@ class ElasticRendezvousHandler(TreeRounds):
         store.set(self._k(r, f"node/{index}"), json.dumps(me))
         if r > 0 and (index == 1 or self._round == r - 1):  # the running members restart (a member
             store.compare_set(self._k(r - 1, "changed"), "", "joined")  # back: round r-1 is over, spares join)
+        if r > 0 and self._round == r - 1 and r - 1 not in self._counted_in:  # (back without being asked)
+            self._counted_in.add(r - 1)
+            restart_together.count_in(store, lambda name: self._k(r - 1, name), self._members)
         store.append(self._k(r, "arrivals"), f"{self.node_addr}\n")
         endpoint = None
         if not self.job.tiered:  # flat: the host publishes it
@@ -411,11 +416,24 @@ class ElasticRendezvousHandler(TreeRounds):
         with self._lock:
             if self._round not in self._waiting_seen:
                 return 0
+            r, first = self._round, self._round not in self._counted_in
+            self._counted_in.add(r)
+        if first:
+            self._restart_together(r)
         try:  # nodes waiting, or 1 when a member died: either way, restart to re-form
             return max(int(self.job.client().add(self._k(self._round + 1, "joined"), 0)), 1)
         except Exception:
             self.check_store_host()
             return 1
+
+    def _restart_together(self, r: int) -> None:
+        try:
+            restart_together.wait_for_members(
+                self.job.client(), lambda name: self._k(r, name), self._members,
+                lambda keys, timeout: self._wait_quietly(keys, timeout, self.check_store_host),
+                f"rendezvous '{self.run_id}' round {r}, node {self.node_addr}")
+        except Exception:  # (the store is lost: the caller finds out and says so)
+            log.debug("restarting together in round %d failed", r, exc_info=True)
 
     def is_closed(self) -> bool:
         return bool(self.job.client().check([f"{self._base}/closed"]))
@@ -443,21 +461,6 @@ class ElasticRendezvousHandler(TreeRounds):
         return True
 
 
-#: What ends the message of a one-node job whose store port is taken.
-ALONE_HINT = (": a job of one node hosts its store itself, and another job or program on this machine uses "
-              "that port.")
-
-
-def _unreachable_hint(host: str, is_host: bool | None) -> str:
-    """What a node that does not host the store, and found none, should do."""
-    if is_host is False:
-        return ("this node does not host it (--rdzv_conf is_host=false). One node must host the store: set "
-                "is_host=true on the endpoint's node, or leave is_host unset so the endpoint's host is inferred.")
-    return (f"this node does not host it (the endpoint names another machine). Start tierrun on {host}, or "
-            "raise --rdzv_conf join_timeout if it is late; if the endpoint's name is not that node's own (a "
-            "Kubernetes Service, a DNS alias), set --rdzv_conf is_host=true on the node that should host it.")
-
-
 def create_handler(params: RendezvousParameters, settings: Settings) -> RendezvousHandler:
     """``--rdzv_conf is_host=true|false`` as torch's c10d backend reads it: given, it
     decides whether this node hosts the store (and a host that cannot start it fails);
@@ -479,7 +482,7 @@ def create_handler(params: RendezvousParameters, settings: Settings) -> Rendezvo
     # (a job of one node on this machine hosts its store, and never joins one found on its port)
     alone = is_host is None and params.max_nodes == 1 and (hosting or on_this_machine(host))
     job = JobStore(host, port, hosting=hosting or alone,
-                   timeout=timeout, connect_timeout=join_timeout, unreachable_hint=_unreachable_hint(host, is_host),
+                   timeout=timeout, connect_timeout=join_timeout, unreachable_hint=unreachable_hint(host, is_host),
                    token=token_from(params.config, settings),
                    store_workers=store_workers_from(params.config), link_config=settings.link,
                    public_clients=public_clients_from(params.config),

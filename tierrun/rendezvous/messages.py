@@ -1,5 +1,5 @@
 """What the elastic backends (``tierrun``, ``tierrun-etcd``) say when a rendezvous times
-out: one line, with who arrived, what was missing and what to do."""
+out, or finds no store: one line, with who arrived, what was missing and what to do."""
 
 from __future__ import annotations
 
@@ -33,3 +33,18 @@ def join_timeout_message(run_id: str, node_addr: str, join_timeout: float, arriv
 def closed_while_waiting(run_id: str, node: str, r: int) -> str:
     return (f"rendezvous '{run_id}' was closed while node {node} waited for round {r}: another node ended the "
             "job (its workers failed past --max-restarts, or it was stopped); its output says why")
+
+
+#: What ends the message of a one-node job whose store port is taken.
+ALONE_HINT = (": a job of one node hosts its store itself, and another job or program on this machine uses "
+              "that port.")
+
+
+def unreachable_hint(host: str, is_host: bool | None) -> str:
+    """What a node that does not host the store, and found none, should do."""
+    if is_host is False:
+        return ("this node does not host it (--rdzv_conf is_host=false). One node must host the store: set "
+                "is_host=true on the endpoint's node, or leave is_host unset so the endpoint's host is inferred.")
+    return (f"this node does not host it (the endpoint names another machine). Start tierrun on {host}, or "
+            "raise --rdzv_conf join_timeout if it is late; if the endpoint's name is not that node's own (a "
+            "Kubernetes Service, a DNS alias), set --rdzv_conf is_host=true on the node that should host it.")
