@@ -86,9 +86,12 @@ def test_rounds_stable_ranks_waiting_nodes_and_closing(etcd):
     t = threading.Thread(target=lambda: late_info.append(late.next_rendezvous()))
     t.start()
     deadline = time.monotonic() + 20
-    while not all(h.num_nodes_waiting() > 0 for h in first):
-        assert time.monotonic() < deadline, "the running nodes never saw the waiting one"
-        time.sleep(0.2)
+    seen = []  # (each agent asks on its own: the first to see a join waits until all have)
+    for h in first:
+        threading.Thread(target=lambda h=h: seen.append(_sees_waiting(h, deadline)), daemon=True).start()
+    while len(seen) < len(first) and time.monotonic() < deadline + 1:
+        time.sleep(0.1)
+    assert seen == [True] * len(first), "the running nodes never saw the waiting one"
     again = _rendezvous_all(first)
     t.join(30)
     assert [i.rank for i in again] == [i.rank for i in infos]  # stable
@@ -175,6 +178,26 @@ def _three_nodes(tmp_path, etcd, run_id, *extra):
         time.sleep(0.2)
     assert {r["world"] for r in results(*logs, tag="UP")} == {"3"}, logs[0].read_text()[-3000:]
     return procs, logs
+
+
+def test_scale_up_with_no_restart_to_spare(tmp_path, etcd):
+    """As with the tierrun backend (tests/test_launcher.py): agents polling 0.1 s and
+    2 s apart admit a late node with --max_restarts 0, stopping their workers together."""
+    common = ("--rdzv_backend", "tierrun-etcd", "--nproc_per_node", 1, "--max_restarts", 0, "--nnodes", "2:3",
+              "--rdzv_endpoint", etcd.endpoint, "--rdzv_id", "up", "--rdzv_conf", "last_call_timeout=1")
+    logs = [tmp_path / f"node{k}.log" for k in range(3)]
+    procs = [tierrun(*common, "--monitor_interval", interval, "--local_addr", f"127.0.1.{k + 1}",
+                     SCRIPTS / "elastic_worker.py", "--want", 3, log=logs[k])
+             for k, interval in enumerate(["0.1", "2"])]
+    deadline = time.time() + 60
+    while len(results(*logs[:2], tag="ROUND")) < 2 and time.time() < deadline:
+        time.sleep(0.2)
+    assert {r["world"] for r in results(*logs[:2], tag="ROUND")} == {"2"}
+    procs.append(tierrun(*common, "--monitor_interval", "0.5", "--local_addr", "127.0.1.3",
+                         SCRIPTS / "elastic_worker.py", "--want", 3, log=logs[2]))
+    assert finish(procs) == [0, 0, 0], logs[1].read_text()[-3000:]
+    rows = results(*logs)
+    assert sorted(int(r["rank"]) for r in rows) == [0, 1, 2] and {r["sum"] for r in rows} == {"6"}
 
 
 def _store_host(log) -> str:
@@ -273,3 +296,11 @@ def test_etcd_authentication_with_a_password_from_the_environment(tmp_path, etcd
     monkeypatch.setenv("TIERRUN_ETCD_PASSWORD", "wrong")
     with pytest.raises(RendezvousConnectionError, match="refused user 'trainer': .*authentication failed"):
         _handler(etcd, "auth-wrong", "127.0.1.1", nnodes=(1, 1), username="trainer").next_rendezvous()
+
+
+def _sees_waiting(handler, deadline: float) -> bool:
+    while handler.num_nodes_waiting() == 0:
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.2)
+    return True

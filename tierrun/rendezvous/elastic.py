@@ -60,7 +60,7 @@ from torch.distributed.elastic.rendezvous.utils import parse_rendezvous_endpoint
 from ..client import StoreClient, StoreClientError
 from ..report.progress import Arrivals
 from ..settings import Settings
-from . import liveness, restart_together, spare
+from . import liveness, spare
 from .conf import conf_bool, conf_float, public_clients_from, store_workers_from, token_from
 from .elastic_tree import TreeRounds
 from .job_store import JobStore
@@ -100,7 +100,6 @@ class ElasticRendezvousHandler(TreeRounds):
         self._rank = -1
         self._members = 0  # nodes in that round
         self._waiting_seen: set[int] = set()  # rounds r whose membership changed
-        self._counted_in: set[int] = set()  # rounds whose change this node saw (restart_together)
 
     # -- keys -------------------------------------------------------------------------
 
@@ -171,9 +170,8 @@ class ElasticRendezvousHandler(TreeRounds):
         store.set(self._k(r, f"node/{index}"), json.dumps(me))
         if r > 0 and (index == 1 or self._round == r - 1):  # the running members restart (a member
             store.compare_set(self._k(r - 1, "changed"), "", "joined")  # back: round r-1 is over, spares join)
-        if r > 0 and self._round == r - 1 and r - 1 not in self._counted_in:  # (back without being asked)
-            self._counted_in.add(r - 1)
-            restart_together.count_in(store, lambda name: self._k(r - 1, name), self._members)
+        if r > 0 and self._round == r - 1:  # (back on its own, maybe: restart_together)
+            self._together.back(r - 1, store, lambda name: self._k(r - 1, name), self._members)
         store.append(self._k(r, "arrivals"), f"{self.node_addr}\n")
         endpoint = None
         if not self.job.tiered:  # flat: the host publishes it
@@ -416,24 +414,17 @@ class ElasticRendezvousHandler(TreeRounds):
         with self._lock:
             if self._round not in self._waiting_seen:
                 return 0
-            r, first = self._round, self._round not in self._counted_in
-            self._counted_in.add(r)
-        if first:
-            self._restart_together(r)
+            r = self._round
+        try:  # (a join, not a death or a leave: restart_together)
+            if self.job.client().multi_get([self._k(r, "changed")])[0] == b"joined":
+                self._restart_together(r, lambda name: self._k(r, name), self._members)
+        except Exception:
+            pass  # (the store is lost: found out below)
         try:  # nodes waiting, or 1 when a member died: either way, restart to re-form
             return max(int(self.job.client().add(self._k(self._round + 1, "joined"), 0)), 1)
         except Exception:
             self.check_store_host()
             return 1
-
-    def _restart_together(self, r: int) -> None:
-        try:
-            restart_together.wait_for_members(
-                self.job.client(), lambda name: self._k(r, name), self._members,
-                lambda keys, timeout: self._wait_quietly(keys, timeout, self.check_store_host),
-                f"rendezvous '{self.run_id}' round {r}, node {self.node_addr}")
-        except Exception:  # (the store is lost: the caller finds out and says so)
-            log.debug("restarting together in round %d failed", r, exc_info=True)
 
     def is_closed(self) -> bool:
         return bool(self.job.client().check([f"{self._base}/closed"]))

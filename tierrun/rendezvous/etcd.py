@@ -105,7 +105,7 @@ class EtcdRendezvousHandler(StoreRendezvousHandler):
         self._keepalive_stop = threading.Event()
         self._round, self._rank, self._members = -1, -1, 0  # last round this node was a member of, its rank, size
         self._host_id = ""  # the id of that round's store host
-        self._changed: set[int] = set()  # rounds whose membership changed
+        self._changed: dict[int, bytes] = {}  # rounds whose membership changed: why
         self._lost_reported: set[int] = set()  # rounds whose store host this node marked lost
         self._round_stop = threading.Event()  # ends the current round's watch threads
 
@@ -374,7 +374,7 @@ class EtcdRendezvousHandler(StoreRendezvousHandler):
     def _watch_changed(self, r: int, stop: threading.Event) -> None:
         def changed(kv: KeyValue) -> None:
             with self._lock:
-                self._changed.add(r)
+                self._changed[r] = kv.value
             log.info("round %d of '%s' changed: %s", r, self.run_id, kv.value.decode())
 
         when_set(self._etcd, self._k(r, "sig/changed"), stop, _WATCH_SLICE, changed)
@@ -398,10 +398,14 @@ class EtcdRendezvousHandler(StoreRendezvousHandler):
         with self._lock:
             r = self._round
             changed = r in self._changed or self._lease_lost
+            joined = self._changed.get(r) == b"joined"  # (not a death or a leave)
         if self._store_lost():
             return 1
         if not changed:
             return 0
+        if joined:  # (a member back on its own does not count in: its round's store may be what it lost, and
+            # a frozen one would hold its rejoin; the others wait for it restart_together.TIMEOUT at most)
+            self._restart_together(r, lambda name: f"tierrun/{self.run_id}/{r}/{name}", self._members)
         try:
             return max(self._etcd.count(self._k(r + 1, "joined/")), 1)
         except EtcdUnavailable:

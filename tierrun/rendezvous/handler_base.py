@@ -20,7 +20,7 @@ from torch.distributed.elastic.utils.store import _barrier_nonblocking
 
 from ..client import StoreClient, StoreClientError
 from ..report.progress import MODES, Arrivals, RendezvousProgress, StillWaiting
-from . import liveness
+from . import liveness, restart_together
 from .conf import conf_float
 from .job_store import JobStore
 
@@ -65,6 +65,7 @@ class StoreRendezvousHandler(RendezvousHandler):
         self._heartbeat: liveness.Heartbeat | None = None
         self._stopped_beats: list[liveness.Heartbeat] = []  # (see _settle_stopped_beats)
         self._dead_addrs: dict[str, float] = {}  # members this node declared dead in its round: when
+        self._together = restart_together.Barrier()  # (see _restart_together)
         #: Called (address, about when it was last heard from, Unix time) when this node's
         #: watcher declares a member dead, in a thread of its own: the failure report's.
         self.lost_hooks: list[Callable[[str, float], None]] = []
@@ -207,6 +208,18 @@ class StoreRendezvousHandler(RendezvousHandler):
             raise
         if outcome[0] is not None:
             raise outcome[0]
+
+    def _restart_together(self, r: int, key: Callable[[str], str], members: int) -> None:
+        """Round r changed because a node joined (not a death or a leave): block until
+        its other members have seen it too, at most ``restart_together.TIMEOUT`` s (see
+        there). ``key(name)`` names a round key. Never raises: a lost store is for
+        ``num_nodes_waiting``, which calls this, to find out."""
+        try:
+            self._together.wait(r, self.job.client(), key, members,
+                                lambda keys, timeout: self._wait_quietly(keys, timeout, self.check_store_host),
+                                f"rendezvous '{self.run_id}' round {r}, node {self.node_addr}")
+        except Exception:
+            log.debug("restarting together in round %d failed", r, exc_info=True)
 
     def _stop_watching(self, leaving: bool = False) -> None:
         """Stop the round's watch and heartbeat; ``leaving``: this agent is shutting down

@@ -18,6 +18,7 @@ counts itself in for the round it left. Two store requests per member per change
 from __future__ import annotations
 
 import logging
+import threading
 from typing import Callable
 
 log = logging.getLogger("tierrun.rendezvous")
@@ -25,27 +26,45 @@ log = logging.getLogger("tierrun.rendezvous")
 TIMEOUT = 5.0  # seconds a member waits for the others to see the change
 
 
-def wait_for_members(store, key: Callable[[str], str], members: int,
-                     wait: Callable[[list[str], float], None], where: str) -> None:
-    """Count this member in and block until every member of the round has seen that a
-    node joined, at most ``TIMEOUT`` s. Not after a death or a leave (``changed`` says
-    which): the members' workers fail then anyway, and a restart must not wait for the
-    dead. ``wait(keys, timeout)`` WAITs, raising ``TimeoutError``; store errors raise."""
-    if store.multi_get([key("changed")])[0] != b"joined":
-        return
-    if count_in(store, key, members):
-        return
-    try:
-        wait([key("all_seen")], TIMEOUT)
-    except TimeoutError:
-        log.info("%s: not every member saw the new node within %.0f s; restarting this node's "
-                 "workers now", where, TIMEOUT)
+class Barrier:
+    """One node's side, across rounds: it counts itself in at most once per round.
+    Thread-safe. ``store`` is a torch ``Store`` holding round r's keys, ``key(name)``
+    names one of them; store errors raise."""
+
+    def __init__(self) -> None:
+        self._counted: set[int] = set()
+        self._lock = threading.Lock()
+
+    def wait(self, r: int, store, key: Callable[[str], str], members: int,
+             wait: Callable[[list[str], float], None], where: str) -> None:
+        """Round r changed because a node joined (the caller knows: not after a death or
+        a leave, when the members' workers fail anyway and nobody may wait for the
+        dead): count in, the first time, and block until every member has, at most
+        ``TIMEOUT`` s. ``wait(keys, timeout)`` WAITs, raising ``TimeoutError``."""
+        if not self._first(r) or count_in(store, key, members):
+            return
+        try:
+            wait([key("all_seen")], TIMEOUT)
+        except TimeoutError:
+            log.info("%s: not every member saw the new node within %.0f s; restarting this node's "
+                     "workers now", where, TIMEOUT)
+
+    def back(self, r: int, store, key: Callable[[str], str], members: int) -> None:
+        """This member left round r on its own (its workers failed; it is back in the
+        next round) without having counted in: it counts in, so nobody waits for it."""
+        if self._first(r):
+            count_in(store, key, members)
+
+    def _first(self, r: int) -> bool:
+        with self._lock:
+            first = r not in self._counted
+            self._counted.add(r)
+            return first
 
 
 def count_in(store, key: Callable[[str], str], members: int) -> bool:
     """ADD the round's ``seen`` count; the member that completes it SETs ``all_seen``,
-    which the others WAIT for. Returns whether every member has now seen the change.
-    ``store`` is a torch ``Store``; ``key(name)`` names a key of the round."""
+    which the others WAIT for. Returns whether every member has now seen the change."""
     if int(store.add(key("seen"), 1)) < members:
         return False
     store.set(key("all_seen"), "1")
