@@ -149,6 +149,7 @@ def prepare(argv: list[str], settings: Settings):
     config, entrypoint, cmd_args = config_from_args(args)
     if args.rdzv_backend in TIERRUN_BACKENDS:  # (as torch resolved --nproc_per_node)
         config.rdzv_configs["local_world_size"] = config.nproc_per_node
+        config.rdzv_configs["monitor_interval"] = config.monitor_interval
     reporting = JobReporting(config.run_id, config.local_addr, Path(args.timeline) if args.timeline else None,
                              local_workers=config.nproc_per_node)
     config.event_log_handler = reporting.install(config.event_log_handler)

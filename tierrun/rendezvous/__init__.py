@@ -25,7 +25,7 @@ on_handler_created: list[Callable[[RendezvousHandler], None]] = []
 #: elastic backends do not read (they wait ``join_timeout``).
 _TORCH_TIMEOUT = ("timeout", 900)
 #: Set by tierrun's launcher, not by a person: never offered as a setting to write.
-_LAUNCHER_KEYS = frozenset({"local_world_size"})
+_LAUNCHER_KEYS = frozenset({"local_world_size", "monitor_interval"})
 #: Other backends' names of a setting (torch's etcd and static backends wait ``timeout``).
 _SAME_AS = {"timeout": "join_timeout"}
 

@@ -60,7 +60,7 @@ from torch.distributed.elastic.rendezvous.utils import parse_rendezvous_endpoint
 from ..client import StoreClient, StoreClientError
 from ..report.progress import Arrivals
 from ..settings import Settings
-from . import liveness, spare
+from . import liveness, restart_together, spare
 from .conf import conf_bool, conf_float, public_clients_from, store_workers_from, token_from
 from .elastic_tree import TreeRounds
 from .job_store import JobStore
@@ -295,6 +295,8 @@ class ElasticRendezvousHandler(TreeRounds):
         try:
             deadline = time.monotonic() + self._last_call
             previous = self._previous_members(store, r)
+            if previous and store.multi_get([self._k(r - 1, "changed")])[0] == b"joined":  # (restart_together)
+                deadline += restart_together.last_call_limit(self._last_call, self._monitor_interval) - self._last_call
             still = liveness.Stillness(self._beat_timeout)
             while time.monotonic() < deadline:
                 if store.check([self._k(r, "closed")]):
@@ -394,8 +396,8 @@ class ElasticRendezvousHandler(TreeRounds):
             return
         log.warning("rendezvous '%s' round %d: node %s is leaving (%s)", self.run_id, r, self.node_addr, reason)
         with StoreClient(self.job.agent_address, timeout=10) as store:
-            store.multi_set([("/" + self._k(r, f"dead/{index}")).encode(), ("/" + self._k(r, "changed")).encode()],
-                            [self.node_addr.encode(), f"left {self.node_addr}: {reason}".encode()])
+            store.multi_set([("/" + self._k(r, name)).encode() for name in (f"dead/{index}", "changed", "all_seen")],
+                            [self.node_addr.encode(), f"left {self.node_addr}: {reason}".encode(), b"1"])
 
     def _agents_store(self) -> tuple[str, int] | None:
         return (self._k(self._round, "agents"), self._members) if self._round >= 0 else None
@@ -415,11 +417,7 @@ class ElasticRendezvousHandler(TreeRounds):
             if self._round not in self._waiting_seen:
                 return 0
             r = self._round
-        try:  # (a join, not a death or a leave: restart_together)
-            if self.job.client().multi_get([self._k(r, "changed")])[0] == b"joined":
-                self._restart_together(r, lambda name: self._k(r, name), self._members)
-        except Exception:
-            pass  # (the store is lost: found out below)
+        self._restart_together(r, lambda name: self._k(r, name), self._members)
         try:  # nodes waiting, or 1 when a member died: either way, restart to re-form
             return max(int(self.job.client().add(self._k(self._round + 1, "joined"), 0)), 1)
         except Exception:

@@ -60,7 +60,7 @@ from .handler_base import StoreRendezvousHandler
 from .conf import conf_bool, conf_float
 from .job_store import JobStore
 from .etcd_hosts import RoundStores, descriptor, in_rank_order, may_not_host, none_may_host
-from . import spare
+from . import restart_together, spare
 from .messages import closed_while_waiting, join_timeout_message
 
 log = logging.getLogger("tierrun.rendezvous")
@@ -257,8 +257,10 @@ class EtcdRendezvousHandler(StoreRendezvousHandler):
         reads per poll, on one node."""
         etcd = self._etcd.clone()
         try:
-            deadline = time.monotonic() + self._last_call
             previous = self._members_of(etcd, r - 1) if r > 0 else set()
+            joined = previous and getattr(etcd.get(self._k(r - 1, "sig/changed"))[0], "value", None) == b"joined"
+            deadline = time.monotonic() + (restart_together.last_call_limit(self._last_call, self._monitor_interval)
+                                           if joined else self._last_call)  # (see restart_together)
             while time.monotonic() < deadline:
                 if previous and self._previous_all_back(etcd, r, previous):
                     log.info("round %d of '%s': every live member of round %d is back; closing "
@@ -398,14 +400,13 @@ class EtcdRendezvousHandler(StoreRendezvousHandler):
         with self._lock:
             r = self._round
             changed = r in self._changed or self._lease_lost
-            joined = self._changed.get(r) == b"joined"  # (not a death or a leave)
+            why = self._changed.get(r)
         if self._store_lost():
             return 1
         if not changed:
             return 0
-        if joined:  # (a member back on its own does not count in: its round's store may be what it lost, and
-            # a frozen one would hold its rejoin; the others wait for it restart_together.TIMEOUT at most)
-            self._restart_together(r, lambda name: f"tierrun/{self.run_id}/{r}/{name}", self._members)
+        if why is not None:  # (a member back on its own does not count in: its round's store may be what it lost)
+            self._restart_together(r, lambda name: f"tierrun/{self.run_id}/{r}/{name}", self._members, why)
         try:
             return max(self._etcd.count(self._k(r + 1, "joined/")), 1)
         except EtcdUnavailable:

@@ -13,6 +13,7 @@ from collections.abc import Callable, Iterator
 
 from torch.distributed import PrefixStore, TCPStore
 from torch.distributed.elastic.agent.server.api import _TERMINAL_STATE_SYNC_ID
+from torch.distributed.elastic.multiprocessing.api import SignalException
 from torch.distributed.elastic.rendezvous import (
     RendezvousConnectionError, RendezvousError, RendezvousHandler,
 )
@@ -60,6 +61,8 @@ class StoreRendezvousHandler(RendezvousHandler):
         self._progress_interval = conf_float(config, "progress_interval", DEFAULT_PROGRESS_INTERVAL)
         self._beat_interval = conf_float(config, "heartbeat_interval", liveness.DEFAULT_INTERVAL)
         self._beat_timeout = conf_float(config, "heartbeat_timeout", liveness.DEFAULT_TIMEOUT)
+        #: How often torch's agent asks ``num_nodes_waiting`` (the launcher passes it).
+        self._monitor_interval = conf_float(config, "monitor_interval", 0.1)
         self._lock = threading.Lock()  # state the watch threads set
         self._watcher: StoreClient | None = None
         self._heartbeat: liveness.Heartbeat | None = None
@@ -209,15 +212,20 @@ class StoreRendezvousHandler(RendezvousHandler):
         if outcome[0] is not None:
             raise outcome[0]
 
-    def _restart_together(self, r: int, key: Callable[[str], str], members: int) -> None:
-        """Round r changed because a node joined (not a death or a leave): block until
-        its other members have seen it too, at most ``restart_together.TIMEOUT`` s (see
-        there). ``key(name)`` names a round key. Never raises: a lost store is for
-        ``num_nodes_waiting``, which calls this, to find out."""
+    def _restart_together(self, r: int, key: Callable[[str], str], members: int, why: bytes | None = None) -> None:
+        """If round r changed because a node joined (``why``, or its ``changed`` key when
+        None; not a death or a leave), block until its other members have seen it too, at
+        most ``restart_together.wait_limit`` (see there). ``key(name)`` names a round key.
+        Raises only torch's ``SignalException`` (the agent was told to stop): a lost store
+        is for ``num_nodes_waiting``, which calls this, to find out."""
         try:
-            self._together.wait(r, self.job.client(), key, members,
-                                lambda keys, timeout: self._wait_quietly(keys, timeout, self.check_store_host),
-                                f"rendezvous '{self.run_id}' round {r}, node {self.node_addr}")
+            store = self.job.client()
+            if (store.multi_get([key("changed")])[0] if why is None else why) == b"joined":
+                self._together.wait(r, store, key, members, restart_together.wait_limit(self._monitor_interval),
+                                    lambda keys, timeout: self._wait_quietly(keys, timeout, self.check_store_host),
+                                    f"rendezvous '{self.run_id}' round {r}, node {self.node_addr}")
+        except SignalException:
+            raise
         except Exception:
             log.debug("restarting together in round %d failed", r, exc_info=True)
 

@@ -8,11 +8,15 @@ agent that finds its worker failed before it asked counts a failure: with no res
 left, a job that was only scaling up ends (torchrun's c10d backend has this race).
 
 So a member, the first time it sees its round changed by a joining node, counts itself
-in and waits until every member of the round has (at most ``TIMEOUT``: a member whose
-workers finished, or that hangs, never will). While it waits its agent is inside
-``num_nodes_waiting``, past the health check: its workers may fail now, it restarts them
-anyway. A member that comes back to the next round (its workers failed, it restarts)
-counts itself in for the round it left. Two store requests per member per change.
+in and waits until every member of the round has, at most ``wait_limit`` (a member whose
+workers finished, or that hangs, never will; nor one whose agent looks less often than
+that). While it waits its agent is inside ``num_nodes_waiting``, past the health check:
+its workers may fail now, it restarts them anyway. A member that comes back to the next
+round on its own (its workers failed, it restarts) counts itself in for the round it
+left; one that leaves releases the others. Per member and change: a GET of why the round
+changed, an ADD, and unless it completes the count a WAIT on a connection of its own.
+Members come back to the next round up to ``wait_limit`` apart, so that round's last
+call waits for them that long, plus ``REJOIN``, at least (``last_call_limit``).
 """
 
 from __future__ import annotations
@@ -23,7 +27,22 @@ from typing import Callable
 
 log = logging.getLogger("tierrun.rendezvous")
 
-TIMEOUT = 5.0  # seconds a member waits for the others to see the change
+#: Seconds a member waits for the others to see the change, past their agents' monitor interval.
+TIMEOUT = 5.0
+#: Seconds a member may take to stop its workers and join the next round, once all have seen.
+REJOIN = 5.0
+
+
+def wait_limit(monitor_interval: float) -> float:
+    """How long a member waits for the others, whose agents look every ``monitor_interval``
+    seconds (torch's agent's; the launcher passes it, the same on every node as a rule)."""
+    return TIMEOUT + monitor_interval
+
+
+def last_call_limit(last_call: float, monitor_interval: float) -> float:
+    """The last call of a round whose previous round changed by a join: long enough for
+    that round's members, which restart together, to be back."""
+    return max(last_call, wait_limit(monitor_interval) + REJOIN)
 
 
 class Barrier:
@@ -35,19 +54,20 @@ class Barrier:
         self._counted: set[int] = set()
         self._lock = threading.Lock()
 
-    def wait(self, r: int, store, key: Callable[[str], str], members: int,
+    def wait(self, r: int, store, key: Callable[[str], str], members: int, limit: float,
              wait: Callable[[list[str], float], None], where: str) -> None:
         """Round r changed because a node joined (the caller knows: not after a death or
         a leave, when the members' workers fail anyway and nobody may wait for the
         dead): count in, the first time, and block until every member has, at most
-        ``TIMEOUT`` s. ``wait(keys, timeout)`` WAITs, raising ``TimeoutError``."""
+        ``limit`` s. ``wait(keys, timeout)`` WAITs, raising ``TimeoutError``."""
         if not self._first(r) or count_in(store, key, members):
             return
         try:
-            wait([key("all_seen")], TIMEOUT)
+            wait([key("all_seen")], limit)
         except TimeoutError:
-            log.info("%s: not every member saw the new node within %.0f s; restarting this node's "
-                     "workers now", where, TIMEOUT)
+            log.warning("%s: not every member saw the new node within %.0f s (their agents look every "
+                        "--monitor_interval seconds; or one has finished, or hangs); restarting this node's "
+                        "workers now: another node's may fail in a collective first", where, limit)
 
     def back(self, r: int, store, key: Callable[[str], str], members: int) -> None:
         """This member left round r on its own (its workers failed; it is back in the
