@@ -124,6 +124,27 @@ def test_elastic_scale_up_admits_a_late_node(tmp_path):
     check_world(results(*logs), 3, 6)
 
 
+def test_elastic_two_late_nodes_at_once_into_one_free_place(tmp_path):
+    """2:3 nodes, two running, two arriving together (which alone make the minimum):
+    the running members, restarting together, are waited for, so one round of 3 forms
+    and the fourth node is a spare; not rounds of 2 that take turns (a review's case)."""
+    port = free_port()
+    common = ("--nnodes", "2:3", "--nproc_per_node", 1, "--rdzv_endpoint", f"127.0.1.1:{port}",
+              "--rdzv_id", "two", "--rdzv_conf", "last_call_timeout=1", "--max_restarts", 0)
+    logs = [tmp_path / f"node{k}.log" for k in range(4)]
+    start = lambda k, interval: tierrun(*common, "--monitor_interval", interval, "--local_addr", f"127.0.1.{k + 1}",
+                                        SCRIPTS / "elastic_worker.py", "--want", 3, log=logs[k])
+    procs = [start(0, "0.1"), start(1, "2")]
+    deadline = time.time() + 60
+    while len(results(*logs[:2], tag="ROUND")) < 2 and time.time() < deadline:
+        time.sleep(0.2)
+    procs += [start(2, "0.5"), start(3, "1")]
+    assert finish(procs) == [0, 0, 0, 0], logs[0].read_text()[-3000:]
+    check_world(results(*logs), 3, 6)
+    rounds = results(*logs, tag="ROUND")
+    assert [r["world"] for r in rounds].count("2") == 2, rounds  # (the first round only)
+
+
 def test_elastic_scale_down_after_an_agent_is_killed(tmp_path):
     port = free_port()
     common = ("--nnodes", "2:3", "--nproc_per_node", 1, "--rdzv_endpoint", f"127.0.1.1:{port}",
