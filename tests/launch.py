@@ -9,6 +9,7 @@ import signal
 import socket
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 SCRIPTS = Path(__file__).parent / "scripts"
@@ -83,3 +84,22 @@ def results(*logs: Path, tag: str = "RESULT") -> list[dict[str, str]]:
             if line.startswith(tag + " "):
                 rows.append(dict(re.findall(r"(\w+)=(\S+)", line)))
     return rows
+
+
+def scale_up_out_of_phase(tmp_path: Path, *common) -> list[dict[str, str]]:
+    """Two nodes of a 2:3 job whose agents poll 0.1 s and 2 s apart, with no restart to
+    spare (``common`` has ``--max_restarts 0``), run a round of 2; a third node joins.
+    The first agent to stop its workers would fail the other's collective before that
+    agent looks (torch's agent checks its workers before it asks about waiting nodes):
+    the members must restart together. Asserts all exit 0; returns the RESULT rows."""
+    logs = [tmp_path / f"node{k}.log" for k in range(3)]
+    start = lambda k, interval: tierrun(*common, "--monitor_interval", interval, "--local_addr",
+                                        f"127.0.1.{k + 1}", SCRIPTS / "elastic_worker.py", "--want", 3, log=logs[k])
+    procs = [start(0, "0.1"), start(1, "2")]
+    deadline = time.time() + 60
+    while len(results(*logs[:2], tag="ROUND")) < 2 and time.time() < deadline:
+        time.sleep(0.2)
+    assert {r["world"] for r in results(*logs[:2], tag="ROUND")} == {"2"}
+    procs.append(start(2, "0.5"))
+    assert finish(procs) == [0, 0, 0], logs[1].read_text()[-3000:]
+    return results(*logs)

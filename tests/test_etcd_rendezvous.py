@@ -16,7 +16,7 @@ from torch.distributed.elastic.rendezvous import (
 )
 
 from etcd_server import Certificates, EtcdServer
-from launch import SCRIPTS, finish, free_port, kill_tree, results, tierrun
+from launch import SCRIPTS, finish, free_port, kill_tree, results, scale_up_out_of_phase, tierrun
 from tierrun.rendezvous.etcd import create_handler
 from tierrun.rendezvous.etcd_client import EtcdOptions
 from tierrun.rendezvous.spare import SpareNotNeededError
@@ -181,22 +181,10 @@ def _three_nodes(tmp_path, etcd, run_id, *extra):
 
 
 def test_scale_up_with_no_restart_to_spare(tmp_path, etcd):
-    """As with the tierrun backend (tests/test_launcher.py): agents polling 0.1 s and
-    2 s apart admit a late node with --max_restarts 0, stopping their workers together."""
+    """As with the tierrun backend: a late node admitted with --max_restarts 0 (``scale_up_out_of_phase``)."""
     common = ("--rdzv_backend", "tierrun-etcd", "--nproc_per_node", 1, "--max_restarts", 0, "--nnodes", "2:3",
               "--rdzv_endpoint", etcd.endpoint, "--rdzv_id", "up", "--rdzv_conf", "last_call_timeout=1")
-    logs = [tmp_path / f"node{k}.log" for k in range(3)]
-    procs = [tierrun(*common, "--monitor_interval", interval, "--local_addr", f"127.0.1.{k + 1}",
-                     SCRIPTS / "elastic_worker.py", "--want", 3, log=logs[k])
-             for k, interval in enumerate(["0.1", "2"])]
-    deadline = time.time() + 60
-    while len(results(*logs[:2], tag="ROUND")) < 2 and time.time() < deadline:
-        time.sleep(0.2)
-    assert {r["world"] for r in results(*logs[:2], tag="ROUND")} == {"2"}
-    procs.append(tierrun(*common, "--monitor_interval", "0.5", "--local_addr", "127.0.1.3",
-                         SCRIPTS / "elastic_worker.py", "--want", 3, log=logs[2]))
-    assert finish(procs) == [0, 0, 0], logs[1].read_text()[-3000:]
-    rows = results(*logs)
+    rows = scale_up_out_of_phase(tmp_path, *common)
     assert sorted(int(r["rank"]) for r in rows) == [0, 1, 2] and {r["sum"] for r in rows} == {"6"}
 
 

@@ -293,10 +293,10 @@ class ElasticRendezvousHandler(TreeRounds):
         at once when round r closed without it (it filled up): the node's proxy moves to
         the round's tree then, and a request on the old connection would fail."""
         try:
-            deadline = time.monotonic() + self._last_call
             previous = self._previous_members(store, r)
-            if previous and store.multi_get([self._k(r - 1, "changed")])[0] == b"joined":  # (restart_together)
-                deadline += restart_together.last_call_limit(self._last_call, self._monitor_interval) - self._last_call
+            joined = previous and store.multi_get([self._k(r - 1, "changed")])[0] == b"joined"
+            deadline = time.monotonic() + (restart_together.last_call_limit(self._last_call, self._monitor_interval)
+                                           if joined else self._last_call)  # (see restart_together)
             still = liveness.Stillness(self._beat_timeout)
             while time.monotonic() < deadline:
                 if store.check([self._k(r, "closed")]):
