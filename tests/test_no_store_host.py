@@ -146,3 +146,43 @@ def test_node_0_whose_store_port_is_taken_says_so_at_once(tmp_path):
         "store, and never joins a store it did not start: another job's, maybe), or, if this job's node rank 0 "
         "runs already there, give this node its own --node_rank."], text[-3000:]
     assert "cannot publish this node's record" not in text and elapsed < 9, (elapsed, text[-3000:])
+
+
+def test_the_endpoint_node_whose_port_another_program_holds_says_so_while_it_waits(tmp_path):
+    """The endpoint is this machine's, but another program listens on its port and never
+    answers: the node cannot host the store there and waits for it as a client (another
+    agent of the job on this machine might host it). It says every progress interval
+    that it still waits, and that something there takes connections without answering,
+    not only once join_timeout is over (it said nothing for 600 s by default)."""
+    log = tmp_path / "node.log"
+    with socket.socket() as silent:
+        silent.bind(("0.0.0.0", 0))
+        silent.listen(64)
+        port = silent.getsockname()[1]
+        p = tierrun("--nnodes", "1:2", "--nproc_per_node", 1, "--rdzv_endpoint", f"127.0.0.1:{port}",
+                    "--rdzv_id", "held", "--rdzv_conf", "join_timeout=8,progress_interval=2",
+                    SCRIPTS / "sleep_worker.py", log=log)
+        codes = finish([p], timeout=60)
+    text = log.read_text()
+    assert codes == [1], text[-3000:]
+    waiting = [line for line in text.splitlines() if f"still waiting for the job's store host 127.0.0.1:{port}" in line]
+    assert waiting and all("Something there accepts connections but does not answer as a store" in line
+                           for line in waiting[1:]), text[-3000:]
+    assert len(_errors(text)) == 1 and "accepts connections but did not answer as a store within 8 s" in text, \
+        text[-3000:]
+
+
+def test_a_store_host_name_that_does_not_resolve_is_named(tmp_path):
+    log = tmp_path / "node.log"
+    p = tierrun("--nnodes", 2, "--node_rank", 1, "--nproc_per_node", 1, "--master_addr", "nosuchhost.invalid",
+                "--master_port", free_port(), "--rdzv_conf", "timeout=6,progress_interval=2",
+                "--local_addr", "127.0.1.2", SCRIPTS / "sleep_worker.py", log=log)
+    codes = finish([p], timeout=60)
+    text = log.read_text()
+    assert codes == [1], text[-3000:]
+    assert ("still waiting for the job's store host nosuchhost.invalid" in text
+            and "The name nosuchhost.invalid does not resolve from this node" in text), text[-3000:]
+    [error] = _errors(text)
+    assert error.endswith("the name nosuchhost.invalid does not resolve from this node: check its spelling, and "
+                          "that this node's DNS (or /etc/hosts) knows it."), error
+    assert not CPP_NOISE.search(text) and "Traceback" not in text, text[-3000:]

@@ -116,13 +116,13 @@ class Settings:
     @classmethod
     def from_env(cls, environ: Mapping[str, str] = os.environ) -> Settings:
         """Read every variable once. Raises :class:`SettingsError` naming a link
-        timing that is not a number, or a store budget that is not a positive whole
-        number."""
+        timing that is not a number, a store budget that is not a positive whole
+        number, or a log level that is not one."""
         return cls(
             token=environ.get(TOKEN) or None,
             token_file=environ.get(TOKEN_FILE) or None,
             link=_link_config(environ),
-            log_level=environ.get(LOG_LEVEL, "WARNING"),
+            log_level=_log_level(environ),
             etcd_password=environ.get(ETCD_PASSWORD),
             max_store_bytes=_count(MAX_STORE_BYTES, environ),
             max_store_keys=_count(MAX_STORE_KEYS, environ),
@@ -175,6 +175,21 @@ def _link_config(environ: Mapping[str, str]) -> LinkConfig:
             whole = isinstance(getattr(defaults, name), int)
             overrides[name] = _number(variable, environ[variable], whole)
     return LinkConfig(**overrides)  # type: ignore[arg-type]
+
+
+#: The levels ``$TIERRUN_LOG_LEVEL`` may name (any case).
+LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL")
+
+
+def _log_level(environ: Mapping[str, str]) -> str:
+    """``$TIERRUN_LOG_LEVEL`` upper-cased, WARNING when unset or empty (a template that
+    left it blank). Raises SettingsError for a name logging does not know."""
+    text = environ.get(LOG_LEVEL, "").strip()
+    if not text:
+        return "WARNING"
+    if text.upper() not in LOG_LEVELS:
+        raise SettingsError(f"${LOG_LEVEL}={text!r}: write one of {', '.join(LOG_LEVELS)}")
+    return text.upper()
 
 
 def _count(variable: str, environ: Mapping[str, str]) -> int | None:

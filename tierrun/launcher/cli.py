@@ -199,7 +199,7 @@ def main(argv: list[str]) -> int:
     logging.getLogger("torch.distributed.elastic.multiprocessing.errors.error_handler").addFilter(_NoParentErrorFile())
     try:
         settings = Settings.take_from_env()  # (secrets out of the environment the workers copy)
-        logging.getLogger("tierrun").setLevel(settings.log_level.upper())
+        logging.getLogger("tierrun").setLevel(settings.log_level)
         config, entrypoint, cmd_args, reporting = prepare(argv, settings)
     except (UsageError, SettingsError) as e:
         print(f"tierrun: error: {e}", file=sys.stderr)

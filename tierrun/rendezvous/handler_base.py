@@ -270,15 +270,18 @@ class StoreRendezvousHandler(RendezvousHandler):
     def connect(self) -> TCPStore:
         """Start this node's store processes and connect to the job's store: blocks
         until it answers, up to the store timeout, and raises
-        ``RendezvousConnectionError`` saying what is unreachable. A node that does not
-        host the store says every progress interval that it is still waiting, and for
-        what (unless ``progress=off``): a node started before the store host, or with a
-        wrong address, would otherwise wait the whole timeout in silence."""
-        if self.job.hosting or self._progress_mode == "off" or self.job.ready():
+        ``RendezvousConnectionError`` saying what is unreachable. A node that waits for
+        the store (one that does not host it, or whose port another program holds) says
+        every progress interval that it still does, for what, and what to check (a name
+        that does not resolve is named) unless ``progress=off``: a node started before
+        the store host, or with a wrong address, would otherwise wait the whole timeout
+        in silence."""
+        if self._progress_mode == "off" or self.job.ready():
             self.job.start()
             return self.job.client()
-        notice = StillWaiting(self.node_addr, lambda: self.job.upstream_name,
-                              self.job.connect_timeout, self._progress_interval).start()
+        # (also on a node meant to host it: one whose port was taken waits as another's client)
+        notice = StillWaiting(self.node_addr, lambda: self.job.upstream_name, self.job.connect_timeout,
+                              self._progress_interval, self.job.waiting_hint).start()
         reached = False
         try:
             self.job.start()

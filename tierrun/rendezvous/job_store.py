@@ -36,10 +36,14 @@ from ..tier.lookup import read_over_link
 from .proxy_notices import ProxyNotices
 from .refusals import Refusals
 from .sockets import (
-    LINKS_ONLY, SILENT, await_listener, bracket, closed_by_peer, last_line, loopback_source, port_in_use,
+    LINKS_ONLY, SILENT, await_listener, bracket, closed_by_peer, last_line, loopback_source, port_in_use, unresolved,
     watch_connection,
 )
 from .tree import TreePlace
+
+#: What to check when something takes connections on the store's port and never answers.
+SILENT_HINT = ("the store host may be frozen (stopped, swapping) or another program holds that port. Check node rank "
+               "0 / the --rdzv_endpoint host, and that nothing else listens on the store port.")
 
 log = logging.getLogger("tierrun.rendezvous")
 
@@ -111,6 +115,7 @@ class JobStore:
         self.proxy: StoreProcess | HostedFrontEnd | None = None
         self._client: TCPStore | None = None
         self.reached = False  # a client of the job's store was made once (the store was up)
+        self.silent = False  # what listens on the store's port took a connection and answered nothing
         self._watch: socket.socket | None = None
         self._round_listener: tuple[StoreProcess | HostedFrontEnd, str] | None = None  # (see worker_endpoint)
         self._relay: str | None = None  # a static tree relay's link address (see advertise_relay)
@@ -204,6 +209,17 @@ class JobStore:
                 "--store-workers (with none of them, a job of 32 nodes or more is tiered), and the same tierrun "
                 "version.")
 
+    def _silent_listener(self) -> None:
+        self.silent = True
+
+    def waiting_hint(self) -> str | None:
+        """What a node still waiting for the store should check, when it knows better
+        than whether the store host is up: a silent listener, or a name that does not
+        resolve (one forward lookup: not on the request path)."""
+        if self.silent:
+            return f"Something there accepts connections but does not answer as a store: {SILENT_HINT}"
+        return unresolved(self.host)
+
     def unreachable(self, after: float | None = None) -> str:
         """What a node that does not host the store says when the store host has not
         answered within ``after`` seconds (default ``connect_timeout``): one line, with
@@ -212,6 +228,9 @@ class JobStore:
                                          "host) is running and that its port is open, or give it more time "
                                          "if it starts later (--rdzv_conf timeout=SECONDS).")
         after = self.connect_timeout if after is None else after
+        name = unresolved(self.host)
+        if name is not None:  # (then nothing else matters)
+            hint = name[0].lower() + name[1:]
         return f"{self.node}: no store at {self.host}:{self.port} after {after:.0f} s; {hint}"
 
     def ready(self) -> bool:
@@ -406,7 +425,7 @@ class JobStore:
             host, port = self.client_address
             if self.proxy is None and self.root is None:  # flat, on a node without the store
                 # (torch's client would wait in silence, then print C++ stack traces)
-                found = await_listener(host, port, self.connect_timeout)
+                found = await_listener(host, port, self.connect_timeout, self._silent_listener)
                 if found is None:
                     raise RendezvousConnectionError(self.unreachable())
                 if found == LINKS_ONLY:
@@ -414,9 +433,7 @@ class JobStore:
                 if found == SILENT:
                     raise RendezvousConnectionError(
                         f"{self.node}: something at {host}:{port} accepts connections but did not answer as a "
-                        f"store within {self.connect_timeout:.0f} s: the store host may be frozen (stopped, "
-                        "swapping) or another program holds that port. Check node rank 0 / the --rdzv_endpoint "
-                        "host, and that nothing else listens on the store port.")
+                        f"store within {self.connect_timeout:.0f} s: {SILENT_HINT}")
             try:
                 self._client = TCPStore(host, port, is_master=False, timeout=self.timeout,
                                         wait_for_workers=False)

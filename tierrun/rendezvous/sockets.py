@@ -9,6 +9,7 @@ import ipaddress
 import socket
 import struct
 import time
+from collections.abc import Callable
 
 from torch.distributed.elastic.rendezvous.utils import _matches_machine_hostname
 
@@ -65,7 +66,7 @@ def connect(host: str, port: int, timeout: float) -> socket.socket:
     return sock
 
 
-def await_listener(host: str, port: int, timeout: float) -> str | None:
+def await_listener(host: str, port: int, timeout: float, on_silent: Callable[[], None] = lambda: None) -> str | None:
     """What accepts connections on ``host:port`` within ``timeout`` seconds
     (``TORCH_STORE``, ``LINKS_ONLY`` or ``SILENT``), or None: nothing. Tries every 0.1 s
     to 1 s (backing off), with Python's sockets (quiet), and on the connection it gets
@@ -73,18 +74,25 @@ def await_listener(host: str, port: int, timeout: float) -> str | None:
     links-only port greets every connection with a link's HELLO (and closes this one,
     which is no link), where torch's client would retry in C++ stack traces until its
     timeout. One round trip; a peer that has answered nothing by ``timeout`` (2 s after
-    it took the connection at least) is ``SILENT``."""
+    it took the connection at least) is ``SILENT`` (``on_silent()`` is called the first
+    time a connection it took answered nothing: the caller may say so while it waits)."""
     deadline = time.monotonic() + timeout
     delay = 0.1
     silent = False
     while True:
         try:
             with connect(host, port, max(min(deadline - time.monotonic(), 5.0), 0.1)) as sock:
-                # (a slow store host has until the deadline to answer, and 2 s at least)
-                sock.settimeout(max(deadline - time.monotonic(), 2.0))
-                found = _what_listens(sock)
-                if found is not None:
-                    return found
+                sock.sendall(encode_request((Op.VALIDATE, VALIDATION_MAGIC)) + encode_request((Op.PING, _NONCE)))
+                # (a slow store host has until the deadline to answer, and 2 s at least;
+                # silent for 2 s, it is said so meanwhile)
+                sock.settimeout(min(max(deadline - time.monotonic(), 2.0), 2.0))
+                head = _answer(sock)
+                if head == b"" and not silent:
+                    on_silent()
+                    sock.settimeout(max(deadline - time.monotonic(), 0.1))
+                    head = _answer(sock)
+                if head is None or head:
+                    return _what_answered(head)
                 silent = True
         except OSError:
             pass
@@ -94,24 +102,29 @@ def await_listener(host: str, port: int, timeout: float) -> str | None:
         delay = min(2 * delay, 1.0)
 
 
-def _what_listens(sock: socket.socket) -> str | None:
-    """``LINKS_ONLY`` if the peer's first bytes are a link's HELLO frame rather than
-    the answer to a PING; None if it sent nothing within the socket's timeout; else
-    ``TORCH_STORE`` (also when it cannot tell: torch's client then says what it finds)."""
-    sock.sendall(encode_request((Op.VALIDATE, VALIDATION_MAGIC)) + encode_request((Op.PING, _NONCE)))
+def _answer(sock: socket.socket) -> bytes | None:
+    """The first bytes the peer sent after VALIDATE and PING: b"" if nothing within the
+    socket's timeout, None if the connection failed (a peer that closed or reset it)."""
     pong, head = struct.pack("<I", _NONCE), b""
     try:
         while len(head) < 5 and head[:4] != pong:  # (a PING's answer is 4 bytes; a frame's header 5)
             chunk = sock.recv(5 - len(head))
             if not chunk:
-                break
+                return head or None
             head += chunk
     except TimeoutError:
-        if not head:
-            return None
+        return head
     except OSError:
-        pass
-    return LINKS_ONLY if len(head) == 5 and head[:4] != pong and head[4] == HELLO else TORCH_STORE
+        return head or None
+    return head
+
+
+def _what_answered(head: bytes | None) -> str:
+    """``LINKS_ONLY`` if the peer's first bytes are a link's HELLO frame rather than
+    the answer to a PING; else ``TORCH_STORE`` (also when it cannot tell: torch's
+    client then says what it finds)."""
+    pong = struct.pack("<I", _NONCE)
+    return LINKS_ONLY if head is not None and len(head) == 5 and head[:4] != pong and head[4] == HELLO else TORCH_STORE
 
 
 def watch_connection(host: str, port: int, timeout: float) -> socket.socket | None:
@@ -174,6 +187,21 @@ def on_this_machine(host: str) -> bool:
     the node: a loopback name or address, or one of the machine's own names."""
     return any(ipaddress.ip_address(a.split("%")[0]).is_loopback for a in _addresses(host)) \
         or _matches_machine_hostname(host)
+
+
+def unresolved(host: str) -> str | None:
+    """A sentence for a node waiting for ``host``, if that name does not resolve here
+    (a typo, or a name the cluster's DNS does not know yet); None if it does, or is an
+    address. One forward lookup (it may wait for DNS): call it off the request path."""
+    try:
+        ipaddress.ip_address(host.split("%")[0])
+        return None
+    except ValueError:
+        pass
+    if _addresses(host):
+        return None
+    return (f"The name {host} does not resolve from this node: check its spelling, and that this node's DNS "
+            "(or /etc/hosts) knows it.")
 
 
 def _addresses(name: str) -> set[str]:
