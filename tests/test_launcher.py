@@ -192,6 +192,27 @@ def test_static_timeout_names_the_missing_nodes(tmp_path):
     assert "1 of 3 nodes arrived; missing node ranks: 1, 2" in text
 
 
+@pytest.mark.parametrize("counts", [(2, 3), (3, 2)])
+def test_static_nodes_started_with_different_node_counts_stop_naming_them(tmp_path, counts):
+    """A copied command line with another --nnodes: the nodes count apart, so none sees
+    the count complete for its own number (with the host at 3 and the other at 2, the
+    other once started a job of 2 while the host waited for 3); the host's progress
+    finds the nodes with another --nnodes and ends the job naming them, within seconds
+    (torchrun and torch_npu_run wait forever; tierrun said "2/2 nodes; none missing")."""
+    port, logs = free_port(), [tmp_path / f"node{k}.log" for k in range(2)]
+    started = time.monotonic()
+    procs = [tierrun("--nnodes", counts[k], "--nproc_per_node", 1, "--rdzv_backend", "parallel",
+                     "--master_addr", "127.0.1.1", "--master_port", port, "--node_rank", k,
+                     "--local_addr", f"127.0.1.{k + 1}", SCRIPTS / "collectives.py", log=logs[k]) for k in range(2)]
+    codes = finish(procs, timeout=90)
+    texts = [log.read_text() for log in logs]
+    assert codes == [1, 1] and time.monotonic() - started < 60, (codes, texts[0][-2000:], texts[1][-2000:])
+    assert ("tierrun: error: rendezvous 'none': the nodes were started with different --nnodes: node rank 0 "
+            f"(127.0.1.1) with {counts[0]}, node rank 1 (127.0.1.2) with {counts[1]}. Give every node the same "
+            "--nnodes (or PET_NNODES) and restart the job.") in texts[0], texts[0][-2000:]
+    assert "lost the job's store host" in texts[1] and "RESULT" not in texts[1], texts[1][-2000:]
+
+
 def _static_node(port: int, logs: list, nodes: int = 3, timeline=None):
     def node(k: int, rank: int):
         extra = ("--timeline", timeline) if timeline is not None and rank == 0 else ()

@@ -28,7 +28,7 @@ def test_the_last_node_to_arrive_sets_the_one_key_all_wait_for():
         assert not store.check(["r/all_arrived"])
     handler(1, 3)._arrive(store, "r")
     assert store.check(["r/all_arrived"])
-    assert store.add("r/arrived", 0) == 3
+    assert store.add("r/arrived/3", 0) == 3
 
 
 def node(addr: str, workers: int | None = 8) -> NodeRecord:

@@ -24,6 +24,7 @@ from typing import TypeVar
 from torch.distributed import PrefixStore
 from torch.distributed.elastic.rendezvous import (
     RendezvousConnectionError,
+    RendezvousError,
     RendezvousHandler,
     RendezvousInfo,
     RendezvousParameters,
@@ -66,6 +67,7 @@ class ParallelRendezvousHandler(StoreRendezvousHandler):
         self._timeout = timeout
         self._round = -1
         self._failure: str | None = None  # why the job cannot go on
+        self._mismatch: str | None = None  # nodes started with another --nnodes (the host's progress finds them)
 
     def get_backend(self) -> str:
         return "parallel"
@@ -88,7 +90,7 @@ class ParallelRendezvousHandler(StoreRendezvousHandler):
         # (listed before it is counted: the store host's progress, which reads the list
         # once the count is complete, then names every node; a restarted agent's second
         # line is the same entry, a node that took a rank over names itself)
-        store.append(f"{base}/arrivals", f"{self._rank} {self.node_addr}\n")
+        store.append(f"{base}/arrivals", f"{self._rank} {self.node_addr} {self._world_size}\n")
         if how is Claim.NEW:  # (counted once per rank: see node_claim)
             self._arrive(store, base)
         endpoint = self.job.worker_endpoint(f"{self.run_id}/workers/{self._round}")
@@ -127,8 +129,10 @@ class ParallelRendezvousHandler(StoreRendezvousHandler):
         """Count this node, which created its rank's record; the node that completes the
         count sets ``all_arrived``, the one key every node waits for. Counting, not
         waiting for all N record keys: N WAITs of N keys each cost the store host O(N²)
-        (at 512 nodes, more than all the rest of the start-up)."""
-        if int(store.add(f"{base}/arrived", 1)) == self._world_size:
+        (at 512 nodes, more than all the rest of the start-up). Nodes started with
+        different ``--nnodes`` count apart, so that none of them sees the count
+        complete for the wrong number (the host's progress then names them)."""
+        if int(store.add(f"{base}/arrived/{self._world_size}", 1)) == self._world_size:
             store.set(f"{base}/all_arrived", "1")
 
     def _wait_for_all(self, store, keys: list[str], base: str) -> None:
@@ -139,7 +143,7 @@ class ParallelRendezvousHandler(StoreRendezvousHandler):
         missing node ranks, ``JobStoppedError`` or ``RendezvousConnectionError``."""
         try:
             self._wait_quietly(keys, self._timeout.total_seconds(),
-                               lambda: (self.check_store_host(), self._raise_if_failed()))
+                               lambda: (self.check_store_host(), self._raise_if_failed(), self._raise_if_mismatched()))
         except TimeoutError as e:
             raise RendezvousTimeoutError(self._missing_message(store, base)) from e
         except (OSError, StoreClientError) as e:
@@ -205,14 +209,40 @@ class ParallelRendezvousHandler(StoreRendezvousHandler):
         the missing ones, the very nodes to name."""
         key = f"/{base}/arrivals".encode()
         lines = client.get(key).decode().splitlines() if client.check([key]) else []
-        arrived = dict(line.split(" ", 1) for line in lines)
+        arrived = {rank: (addr, nodes) for rank, addr, nodes in (line.split(" ", 2) for line in lines)}
+        self._note_mismatch(arrived)
         missing = [f"node rank {r}" for r in range(self._world_size) if str(r) not in arrived]
-        return Arrivals(list(arrived.values()), self._world_size, self._world_size, missing)
+        return Arrivals([addr for addr, _ in arrived.values()], self._world_size, self._world_size, missing)
+
+    def _note_mismatch(self, arrived: dict[str, tuple[str, str]]) -> None:
+        """Note the nodes of ``arrived`` (rank -> address, its ``--nnodes``) started with
+        another node count than this one: their count never completes, so the nodes
+        would wait out the timeout (torch_npu_run's and torchrun's wait forever)."""
+        others = [f"node rank {rank} ({addr}) with {nodes}" for rank, (addr, nodes) in sorted(arrived.items())
+                  if nodes != str(self._world_size)]
+        if others:
+            with self._lock:
+                self._mismatch = (
+                    f"rendezvous '{self.run_id}': the nodes were started with different --nnodes: node rank "
+                    f"{self._rank} ({self.node_addr}) with {self._world_size}, {', '.join(others)}. Give every "
+                    "node the same --nnodes (or PET_NNODES) and restart the job.")
+
+    def _raise_if_mismatched(self) -> None:
+        with self._lock:
+            mismatch = self._mismatch
+        if mismatch is not None:
+            raise RendezvousError(mismatch)
 
     def _missing_message(self, store, base: str) -> str:
         missing = [r for r in range(self._world_size) if not store.check([f"{base}/node/{r}"])]
         arrived = self._world_size - len(missing)
-        if not missing:  # (a rank's first node died between its claim and its count: see node_claim)
+        if not missing:  # (nodes counting apart, or a rank's first node died between its claim and its count)
+            key = f"{base}/arrivals"
+            if store.check([key]):
+                self._note_mismatch({rank: (addr, nodes) for rank, addr, nodes in
+                                     (line.split(" ", 2) for line in store.get(key).decode().splitlines())})
+            if self._mismatch is not None:
+                return self._mismatch
             return (
                 f"rendezvous '{self.run_id}' timed out after {self._timeout.total_seconds():.0f} s on node rank "
                 f"{self._rank} ({self.node_addr}): every node rank has a node, but the count of arrivals is short: "
