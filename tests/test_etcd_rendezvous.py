@@ -186,6 +186,9 @@ def test_scale_up_with_no_restart_to_spare(tmp_path, etcd):
               "--rdzv_endpoint", etcd.endpoint, "--rdzv_id", "up", "--rdzv_conf", "last_call_timeout=1")
     rows = scale_up_out_of_phase(tmp_path, *common)
     assert sorted(int(r["rank"]) for r in rows) == [0, 1, 2] and {r["sum"] for r in rows} == {"6"}
+    # a node that finished (it closes the job, then revokes its lease) is not taken for a dead one
+    texts = [(tmp_path / f"node{k}.log").read_text() for k in range(3)]
+    assert not any("is gone (its etcd lease ended)" in text for text in texts), texts
 
 
 def _store_host(log) -> str:

@@ -33,6 +33,7 @@ If etcd is unreachable for a while (restarted, a partition), running workers go 
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import math
@@ -382,8 +383,11 @@ class EtcdRendezvousHandler(StoreRendezvousHandler):
         when_set(self._etcd, self._k(r, "sig/changed"), stop, _WATCH_SLICE, changed)
 
     def _watch_member(self, r: int, member: str, addr: str, stop: threading.Event) -> None:
-        """Mark round r changed once ``member``'s key is gone (its lease ended)."""
+        """Mark round r changed once ``member``'s key is gone (its lease ended), unless it
+        ended the job (it finished: the job is closed before its lease is revoked)."""
         def gone(etcd: Etcd) -> None:
+            if etcd.get(f"{self._base}/closed".encode())[0] is not None:
+                return
             log.warning("rendezvous '%s' round %d: node %s is gone (its etcd lease "
                         "ended); re-forming the job without it", self.run_id, r, addr)
             etcd.create(self._k(r, "sig/changed"), f"dead {addr}".encode())
@@ -425,11 +429,9 @@ class EtcdRendezvousHandler(StoreRendezvousHandler):
             return True
         self._lost_reported.add(r)
         log.warning("node %s lost round %d's store on %s (%s); re-forming", self.node_addr, r, self.job.host, lost)
-        try:
+        with contextlib.suppress(EtcdUnavailable):
             self._etcd.create(self._k(r, f"lost/{self._host_id}"), lost.encode())
             self._etcd.create(self._k(r, "sig/changed"), f"store host {self.job.host} lost".encode())
-        except EtcdUnavailable:
-            pass
         return True
 
     def _announce_leaving(self, reason: str) -> None:
@@ -475,10 +477,8 @@ class EtcdRendezvousHandler(StoreRendezvousHandler):
             self.job.stop()
         self._keepalive_stop.set()
         if self._lease:
-            try:
+            with contextlib.suppress(EtcdUnavailable):  # (else the lease expires on its own)
                 self._etcd.revoke(self._lease)
-            except EtcdUnavailable:
-                pass  # the lease expires on its own
             self._lease = 0
         self._etcd.close()
         return True

@@ -33,6 +33,7 @@ from ..link.session import NO_LINKS
 from ..server import LINK_LOST, HostedFrontEnd, StoreProcess, StoreStartError
 from ..settings import store_process_env
 from ..tier.lookup import read_over_link
+from .messages import SILENT_HINT, other_layout, token_refused
 from .proxy_notices import ProxyNotices
 from .refusals import Refusals
 from .sockets import (
@@ -40,10 +41,6 @@ from .sockets import (
     watch_connection,
 )
 from .tree import TreePlace
-
-#: What to check when something takes connections on the store's port and never answers.
-SILENT_HINT = ("the store host may be frozen (stopped, swapping) or another program holds that port. Check node rank "
-               "0 / the --rdzv_endpoint host, and that nothing else listens on the store port.")
 
 log = logging.getLogger("tierrun.rendezvous")
 
@@ -193,21 +190,11 @@ class JobStore:
 
     def _token_refused(self, upstream: str) -> str:
         """What to say when ``upstream`` refused this node's job token."""
-        what = "the store host" if upstream == f"{self.host}:{self.port}" else "its parent node in the store tree"
-        return (f"{self.node}: {what} {upstream} refused this node's job token. Every node of the "
-                "job needs the same secret: check that TIERRUN_TOKEN_FILE names a file with the same "
-                "contents on every node (or that TIERRUN_TOKEN is the same); with no secret, the "
-                "token is derived from --rdzv_id and the store port, which must then be the same.")
+        return token_refused(self.node, upstream, upstream == f"{self.host}:{self.port}")
 
     def other_layout(self, host_tiered: bool) -> str:
-        """What a node says whose store layout (flat or tiered) is not the store host's:
-        every node decides it alone, from its own flags and its tierrun's rule."""
-        host = ("tiered wire-up (its port takes node links only), but this node's store is flat" if host_tiered
-                else "a flat store (it takes no node links), but this node is tiered")
-        return (f"{self.node}: the job's store host {self.host}:{self.port} runs {host}: the nodes chose different "
-                "store layouts. Give every node the same --nnodes, --tiered or --no-tiered, --store-fanout and "
-                "--store-workers (with none of them, a job of 32 nodes or more is tiered), and the same tierrun "
-                "version.")
+        """What a node says whose store layout (flat or tiered) is not the store host's."""
+        return other_layout(self.node, f"{self.host}:{self.port}", host_tiered)
 
     def _silent_listener(self) -> None:
         self.silent = True

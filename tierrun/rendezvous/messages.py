@@ -48,3 +48,29 @@ def unreachable_hint(host: str, is_host: bool | None) -> str:
     return (f"this node does not host it (the endpoint names another machine). Start tierrun on {host}, or "
             "raise --rdzv_conf join_timeout if it is late; if the endpoint's name is not that node's own (a "
             "Kubernetes Service, a DNS alias), set --rdzv_conf is_host=true on the node that should host it.")
+
+
+#: What to check when something takes connections on the store's port and never answers.
+SILENT_HINT = ("the store host may be frozen (stopped, swapping) or another program holds that port. Check node rank "
+               "0 / the --rdzv_endpoint host, and that nothing else listens on the store port.")
+
+
+def token_refused(node: str, upstream: str, is_store_host: bool) -> str:
+    """What a node says when ``upstream`` (the store host, or its parent in the store
+    tree) refused its job token."""
+    what = "the store host" if is_store_host else "its parent node in the store tree"
+    return (f"{node}: {what} {upstream} refused this node's job token. Every node of the "
+            "job needs the same secret: check that TIERRUN_TOKEN_FILE names a file with the same "
+            "contents on every node (or that TIERRUN_TOKEN is the same); with no secret, the "
+            "token is derived from --rdzv_id and the store port, which must then be the same.")
+
+
+def other_layout(node: str, store_host: str, host_tiered: bool) -> str:
+    """What a node says whose store layout (flat or tiered) is not the store host's:
+    every node decides it alone, from its own flags and its tierrun's rule."""
+    host = ("tiered wire-up (its port takes node links only), but this node's store is flat" if host_tiered
+            else "a flat store (it takes no node links), but this node is tiered")
+    return (f"{node}: the job's store host {store_host} runs {host}: the nodes chose different "
+            "store layouts. Give every node the same --nnodes, --tiered or --no-tiered, --store-fanout and "
+            "--store-workers (with none of them, a job of 32 nodes or more is tiered), and the same tierrun "
+            "version.")
