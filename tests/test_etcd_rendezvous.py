@@ -191,6 +191,28 @@ def test_scale_up_with_no_restart_to_spare(tmp_path, etcd):
     assert not any("is gone (its etcd lease ended)" in text for text in texts), texts
 
 
+def test_a_member_whose_workers_fail_ends_the_job_for_the_others(tmp_path, etcd):
+    """Node A's worker fails with no restart left: its agent closes the job, then revokes
+    its lease. Node B, whose workers run on, stops within seconds saying the job ended
+    (not after its workers' collective timeout), and does not take A for dead."""
+    flag, logs = tmp_path / "fail", [tmp_path / f"node{k}.log" for k in range(2)]
+    node = lambda k, *script: tierrun(
+        "--rdzv_backend", "tierrun-etcd", "--nproc_per_node", 1, "--max_restarts", 0, "--nnodes", "1:2",
+        "--rdzv_endpoint", etcd.endpoint, "--rdzv_id", "fails", "--rdzv_conf", "last_call_timeout=2",
+        "--local_addr", f"127.0.1.{k + 1}", *script, log=logs[k])
+    procs = [node(0, SCRIPTS / "fail_when_told.py", "--fail-file", flag), node(1, SCRIPTS / "sleep_worker.py")]
+    deadline = time.time() + 60
+    while sum("UP rank" in log.read_text() for log in logs if log.exists()) < 2 and time.time() < deadline:
+        time.sleep(0.2)
+    flag.touch()
+    told = time.monotonic()
+    assert finish(procs, timeout=60) == [1, 1], logs[1].read_text()[-3000:]
+    assert time.monotonic() - told < 30
+    text = logs[1].read_text()
+    assert "tierrun: error: rendezvous 'fails' is closed: the job has ended" in text, text[-3000:]
+    assert "is gone (its etcd lease ended)" not in text, text[-3000:]
+
+
 def _store_host(log) -> str:
     return re.findall(r"store on ([\d.]+):\d+\)", log.read_text())[-1]
 

@@ -21,6 +21,7 @@ from tierrun.settings import (
     ({"TIERRUN_TOKEN_FILE": "/run/token"}, Settings(token_file="/run/token")),
     ({"TIERRUN_LOG_LEVEL": "debug"}, Settings(log_level="DEBUG")),
     ({"TIERRUN_LOG_LEVEL": ""}, Settings()),  # (a template that left it blank: the default)
+    ({"TIERRUN_LOG_LEVEL": "warn"}, Settings(log_level="WARN")),  # (logging's other names)
     ({"TIERRUN_ETCD_PASSWORD": "s3cret"}, Settings(etcd_password="s3cret")),
     ({"TIERRUN_ETCD_PASSWORD": ""}, Settings(etcd_password="")),
     ({"TIERRUN_LINK_HEARTBEAT": "0.2", "TIERRUN_LINK_TIMEOUT": "1", "TIERRUN_LINK_GRACE": "4"},
@@ -41,7 +42,7 @@ def test_from_env(environ, expected):
     ({"TIERRUN_LINK_TIMEOUT": "soon"}, r"\$TIERRUN_LINK_TIMEOUT='soon': write a number of seconds"),
     ({"TIERRUN_LINK_HEARTBEAT": ""}, r"\$TIERRUN_LINK_HEARTBEAT='': write a number of seconds"),
     ({"TIERRUN_LINK_BATCHES_IN_FLIGHT": "1.5"}, r"\$TIERRUN_LINK_BATCHES_IN_FLIGHT='1.5': write a whole number"),
-    ({"TIERRUN_LOG_LEVEL": "verbose"}, r"\$TIERRUN_LOG_LEVEL='verbose': write one of DEBUG, INFO, WARNING"),
+    ({"TIERRUN_LOG_LEVEL": "verbose"}, r"\$TIERRUN_LOG_LEVEL=.verbose.: write one of DEBUG, INFO, WARNING"),
 ])
 def test_unusable_settings_are_named(environ, message):
     with pytest.raises(SettingsError, match=message):

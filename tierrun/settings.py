@@ -177,8 +177,8 @@ def _link_config(environ: Mapping[str, str]) -> LinkConfig:
     return LinkConfig(**overrides)  # type: ignore[arg-type]
 
 
-#: The levels ``$TIERRUN_LOG_LEVEL`` may name (any case).
-LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL")
+#: The levels ``$TIERRUN_LOG_LEVEL`` may name (any case): Python logging's names.
+LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "WARN", "ERROR", "CRITICAL", "FATAL", "NOTSET")
 
 
 def _log_level(environ: Mapping[str, str]) -> str:

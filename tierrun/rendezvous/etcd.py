@@ -383,13 +383,13 @@ class EtcdRendezvousHandler(StoreRendezvousHandler):
         when_set(self._etcd, self._k(r, "sig/changed"), stop, _WATCH_SLICE, changed)
 
     def _watch_member(self, r: int, member: str, addr: str, stop: threading.Event) -> None:
-        """Mark round r changed once ``member``'s key is gone (its lease ended), unless it
-        ended the job (it finished: the job is closed before its lease is revoked)."""
+        """Mark round r changed once ``member``'s key is gone (its lease ended), so the
+        others stop their workers. Quietly if it closed the job first (a node ends it
+        so, having finished or failed: the others then find it closed)."""
         def gone(etcd: Etcd) -> None:
-            if etcd.get(f"{self._base}/closed".encode())[0] is not None:
-                return
-            log.warning("rendezvous '%s' round %d: node %s is gone (its etcd lease "
-                        "ended); re-forming the job without it", self.run_id, r, addr)
+            if etcd.get(f"{self._base}/closed".encode())[0] is None:
+                log.warning("rendezvous '%s' round %d: node %s is gone (its etcd lease ended); re-forming the job "
+                            "without it", self.run_id, r, addr)
             etcd.create(self._k(r, "sig/changed"), f"dead {addr}".encode())
 
         when_gone(self._etcd, self._k(r, f"joined/{member}"), stop, _WATCH_SLICE, gone)

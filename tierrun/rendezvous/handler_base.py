@@ -279,9 +279,9 @@ class StoreRendezvousHandler(RendezvousHandler):
         if self._progress_mode == "off" or self.job.ready():
             self.job.start()
             return self.job.client()
-        # (also on a node meant to host it: one whose port was taken waits as another's client)
+        # (quiet while this node hosts it; not once its port was taken: it waits as another's client)
         notice = StillWaiting(self.node_addr, lambda: self.job.upstream_name, self.job.connect_timeout,
-                              self._progress_interval, self.job.waiting_hint).start()
+                              self._progress_interval, self.job.waiting_hint, lambda: self.job.hosting).start()
         reached = False
         try:
             self.job.start()

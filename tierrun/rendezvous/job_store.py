@@ -412,6 +412,7 @@ class JobStore:
             host, port = self.client_address
             if self.proxy is None and self.root is None:  # flat, on a node without the store
                 # (torch's client would wait in silence, then print C++ stack traces)
+                self.silent = False
                 found = await_listener(host, port, self.connect_timeout, self._silent_listener)
                 if found is None:
                     raise RendezvousConnectionError(self.unreachable())

@@ -121,15 +121,16 @@ class RendezvousProgress:
 class StillWaiting:
     """Says every ``interval`` seconds that this node is still waiting for ``what()``
     (a description read at each line, as it may change), with ``hint()`` (what to check;
-    by default whether that node is up and reachable), until ``stop()``; once it has
+    by default whether that node is up and reachable), while not ``quiet()``, until ``stop()``; once it has
     said so, ``stop()`` says how long it took. Its own thread; no store traffic.
     ``start()`` returns at once."""
 
     def __init__(self, node: str, what: Callable[[], str], timeout: float, interval: float = 5.0,
-                 hint: Callable[[], str | None] = lambda: None) -> None:
+                 hint: Callable[[], str | None] = lambda: None, quiet: Callable[[], bool] = lambda: False) -> None:
         self._node = node
         self._what = what
         self._hint = hint  # (what to check, if known better than whether the node is up: read at each line)
+        self._quiet = quiet  # (nothing to say for now: read at each line)
         self._timeout = timeout
         self._interval = interval
         self._done = threading.Event()
@@ -150,6 +151,8 @@ class StillWaiting:
 
     def _run(self) -> None:
         while not self._done.wait(self._interval):
+            if self._quiet():
+                continue
             _say(f"node {self._node}: still waiting for {self._what()} after "
                  f"{time.monotonic() - self._start:.0f} s (giving up after {self._timeout:.0f} s). "
                  + (self._hint() or "Is that node up, and its port reachable from this one?"))
