@@ -263,7 +263,7 @@ class Cluster:
         await agent.call(Op.COMPARE_SET, key, b"", record)  # (node_claim: claim, then count)
         await agent.call(Op.ADD, same, 1)
         await agent.call(Op.APPEND, f"{base}/arrivals".encode(), f"{n} 10.0.{n // 250}.{n % 250} {self.k}\n".encode())
-        if await agent.call(Op.ADD, f"{base}/arrived/{self.k}".encode(), 1) == self.k:
+        if await agent.call(Op.ADD, f"{base}/arrived".encode(), 1 + (self.k << 21)) == self.k * (1 + (self.k << 21)):
             await agent.call(Op.SET, f"{base}/all_arrived".encode(), b"1")
         await agent.call(Op.WAIT, (f"{base}/all_arrived".encode(),))
         await agent.call(Op.COMPARE_SET, key, record, json.dumps({**fields, "formed": True}).encode())  # (confirm)

@@ -194,11 +194,11 @@ def test_static_timeout_names_the_missing_nodes(tmp_path):
 
 @pytest.mark.parametrize("counts", [(2, 3), (3, 2)])
 def test_static_nodes_started_with_different_node_counts_stop_naming_them(tmp_path, counts):
-    """A copied command line with another --nnodes: the nodes count apart, so none sees
-    the count complete for its own number (with the host at 3 and the other at 2, the
-    other once started a job of 2 while the host waited for 3); the host's progress
-    finds the nodes with another --nnodes and ends the job naming them, within seconds
-    (torchrun and torch_npu_run wait forever; tierrun said "2/2 nodes; none missing")."""
+    """A copied command line with another --nnodes: the second node to arrive finds the
+    counts disagree in its arrival's ADD and stops naming both (with the host at 3 and
+    the other at 2, the other once started a job of 2 while the host waited for 3); the
+    host's progress finds them too. Within seconds (torchrun and torch_npu_run wait
+    forever; tierrun said "2/2 nodes; none missing")."""
     port, logs = free_port(), [tmp_path / f"node{k}.log" for k in range(2)]
     started = time.monotonic()
     procs = [tierrun("--nnodes", counts[k], "--nproc_per_node", 1, "--rdzv_backend", "parallel",
@@ -207,10 +207,30 @@ def test_static_nodes_started_with_different_node_counts_stop_naming_them(tmp_pa
     codes = finish(procs, timeout=90)
     texts = [log.read_text() for log in logs]
     assert codes == [1, 1] and time.monotonic() - started < 60, (codes, texts[0][-2000:], texts[1][-2000:])
-    assert ("tierrun: error: rendezvous 'none': the nodes were started with different --nnodes: node rank 0 "
-            f"(127.0.1.1) with {counts[0]}, node rank 1 (127.0.1.2) with {counts[1]}. Give every node the same "
-            "--nnodes (or PET_NNODES) and restart the job.") in texts[0], texts[0][-2000:]
-    assert "lost the job's store host" in texts[1] and "RESULT" not in texts[1], texts[1][-2000:]
+    for text in texts:  # (whoever arrives second finds it in its arrival; the host's progress, or that)
+        [error] = [line for line in text.splitlines() if line.startswith("tierrun: error:")]
+        assert ("tierrun: error: rendezvous 'none': the nodes were started with different --nnodes: " in error
+                and f"node rank 0 (127.0.1.1) with {counts[0]}" in error
+                and f"node rank 1 (127.0.1.2) with {counts[1]}" in error
+                and error.endswith("Give every node the same --nnodes (or PET_NNODES) and restart the job.")), error
+        assert "RESULT" not in text
+
+
+def test_a_node_started_with_a_larger_node_count_does_not_join_the_job_and_says_why(tmp_path):
+    """Node ranks 0 and 1 with --nnodes 2, node rank 2 with --nnodes 3, started together:
+    node rank 2 never starts a worker (it once joined the job of 2, started one, and
+    died with it saying the store host was lost) and names the nodes that counted
+    another number (found in its arrival's ADD, or by whoever arrives after it)."""
+    port, logs = free_port(), [tmp_path / f"node{k}.log" for k in range(3)]
+    procs = [tierrun("--nnodes", 3 if k == 2 else 2, "--nproc_per_node", 1, "--rdzv_backend", "parallel",
+                     "--master_addr", "127.0.1.1", "--master_port", port, "--node_rank", k,
+                     "--rdzv_conf", "timeout=20" if k == 2 else "timeout=60",
+                     "--local_addr", f"127.0.1.{k + 1}", SCRIPTS / "collectives.py", log=logs[k]) for k in range(3)]
+    codes = finish(procs, timeout=120)
+    texts = [log.read_text() for log in logs]
+    assert codes[2] == 1 and "RESULT" not in texts[2], texts[2][-2000:]
+    assert "the nodes were started with different --nnodes: node rank 2 (127.0.1.3) with 3" in texts[2], texts[2][-2000:]
+    assert "node rank 0 (127.0.1.1) with 2" in texts[2] and "node rank 1 (127.0.1.2) with 2" in texts[2]
 
 
 def _static_node(port: int, logs: list, nodes: int = 3, timeline=None):

@@ -7,10 +7,11 @@ from datetime import timedelta
 
 import pytest
 from torch.distributed import HashStore
+from torch.distributed.elastic.rendezvous import RendezvousError
 
 from tierrun.rendezvous.job_store import JobStore
 from tierrun.rendezvous.node_claim import Claim, DuplicateNodeRankError, NodeRecord, Rank, claim, confirm
-from tierrun.rendezvous.parallel import ParallelRendezvousHandler
+from tierrun.rendezvous.parallel import ARRIVAL_UNIT, ParallelRendezvousHandler
 
 KEY = "r/node/1"
 RANK = Rank(1, 3, "job")
@@ -28,7 +29,26 @@ def test_the_last_node_to_arrive_sets_the_one_key_all_wait_for():
         assert not store.check(["r/all_arrived"])
     handler(1, 3)._arrive(store, "r")
     assert store.check(["r/all_arrived"])
-    assert store.add("r/arrived/3", 0) == 3
+    assert store.add("r/arrived", 0) == 3 + 9 * ARRIVAL_UNIT  # (3 nodes, each of --nnodes 3)
+
+
+@pytest.mark.parametrize("counts, formed", [((2, 3, 2), False), ((3, 2, 2), False), ((2, 2, 3), True)])
+def test_a_node_that_counts_another_number_of_nodes_is_found_in_the_same_add(counts, formed):
+    """Whoever arrives after a node with another --nnodes finds out in its ADD and names
+    the nodes (from the arrivals list); the count completes only for nodes that agree
+    (two of --nnodes 2 before one of 3: their job of 2 forms, the third stops): nobody
+    starts a job whose nodes disagree on its size."""
+    store = HashStore()
+    stopped = []
+    for rank, nodes in enumerate(counts):
+        store.append("r/arrivals", f"{rank} 10.0.0.{rank + 1} {nodes}\n")
+        try:
+            handler(rank, nodes)._arrive(store, "r")
+        except RendezvousError as e:
+            stopped.append(rank)
+            assert "the nodes were started with different --nnodes" in str(e)
+            assert f"node rank {rank} (10.0.0.{rank + 1}) with {nodes}" in str(e), str(e)
+    assert stopped and store.check(["r/all_arrived"]) == formed
 
 
 def node(addr: str, workers: int | None = 8) -> NodeRecord:

@@ -49,6 +49,10 @@ log = logging.getLogger("tierrun.rendezvous")
 T = TypeVar("T")
 
 DEFAULT_TIMEOUT = 600
+#: A node's arrival adds 1 + its --nnodes times this to the count (see ``_arrive``): the
+#: count stays below it, and the sum of the nodes' --nnodes times it below 2**63, for
+#: jobs of up to 2**21 nodes.
+ARRIVAL_UNIT = 1 << 21
 
 
 class ParallelRendezvousHandler(StoreRendezvousHandler):
@@ -129,10 +133,17 @@ class ParallelRendezvousHandler(StoreRendezvousHandler):
         """Count this node, which created its rank's record; the node that completes the
         count sets ``all_arrived``, the one key every node waits for. Counting, not
         waiting for all N record keys: N WAITs of N keys each cost the store host O(N²)
-        (at 512 nodes, more than all the rest of the start-up). Nodes started with
-        different ``--nnodes`` count apart, so that none of them sees the count
-        complete for the wrong number (the host's progress then names them)."""
-        if int(store.add(f"{base}/arrived/{self._world_size}", 1)) == self._world_size:
+        (at 512 nodes, more than all the rest of the start-up). Each node adds its
+        ``--nnodes`` too, in the count's high bits, so the nodes' counts agree or a node
+        finds they do not (one node started with another ``--nnodes``) in the same ADD:
+        it then stops, naming them, and the count never completes."""
+        total = int(store.add(f"{base}/arrived", 1 + self._world_size * ARRIVAL_UNIT))
+        count, nodes = total % ARRIVAL_UNIT, total // ARRIVAL_UNIT
+        if nodes != count * self._world_size:
+            self._note_mismatch(store.get(f"{base}/arrivals").decode().splitlines())
+            raise RendezvousError(self._mismatch or f"rendezvous '{self.run_id}': the nodes were started with "
+                                  "different --nnodes. Give every node the same --nnodes and restart the job.")
+        if count == self._world_size:
             store.set(f"{base}/all_arrived", "1")
 
     def _wait_for_all(self, store, keys: list[str], base: str) -> None:
@@ -209,17 +220,18 @@ class ParallelRendezvousHandler(StoreRendezvousHandler):
         the missing ones, the very nodes to name."""
         key = f"/{base}/arrivals".encode()
         lines = client.get(key).decode().splitlines() if client.check([key]) else []
-        arrived = {rank: (addr, nodes) for rank, addr, nodes in (line.split(" ", 2) for line in lines)}
-        self._note_mismatch(arrived)
+        self._note_mismatch(lines)
+        arrived = dict(line.split(" ", 2)[:2] for line in lines)
         missing = [f"node rank {r}" for r in range(self._world_size) if str(r) not in arrived]
-        return Arrivals([addr for addr, _ in arrived.values()], self._world_size, self._world_size, missing)
+        return Arrivals(list(arrived.values()), self._world_size, self._world_size, missing)
 
-    def _note_mismatch(self, arrived: dict[str, tuple[str, str]]) -> None:
-        """Note the nodes of ``arrived`` (rank -> address, its ``--nnodes``) started with
-        another node count than this one: their count never completes, so the nodes
-        would wait out the timeout (torch_npu_run's and torchrun's wait forever)."""
-        others = [f"node rank {rank} ({addr}) with {nodes}" for rank, (addr, nodes) in sorted(arrived.items())
-                  if nodes != str(self._world_size)]
+    def _note_mismatch(self, lines: list[str]) -> None:
+        """Note the nodes of the arrival ``lines`` ("rank address nnodes", every line: a
+        node restarted with the right count leaves its first line) started with another
+        node count than this one: their counts never complete, so the nodes would wait
+        out the timeout (torch_npu_run's and torchrun's wait forever)."""
+        others = sorted({f"node rank {fields[0]} ({fields[1]}) with {fields[2]}" for fields in
+                         (line.split(" ", 2) for line in lines) if len(fields) == 3 and fields[2] != str(self._world_size)})
         if others:
             with self._lock:
                 self._mismatch = (
@@ -236,13 +248,11 @@ class ParallelRendezvousHandler(StoreRendezvousHandler):
     def _missing_message(self, store, base: str) -> str:
         missing = [r for r in range(self._world_size) if not store.check([f"{base}/node/{r}"])]
         arrived = self._world_size - len(missing)
-        if not missing:  # (nodes counting apart, or a rank's first node died between its claim and its count)
-            key = f"{base}/arrivals"
-            if store.check([key]):
-                self._note_mismatch({rank: (addr, nodes) for rank, addr, nodes in
-                                     (line.split(" ", 2) for line in store.get(key).decode().splitlines())})
-            if self._mismatch is not None:
-                return self._mismatch
+        if store.check([f"{base}/arrivals"]):  # (nodes counting apart: whoever is missing, say that)
+            self._note_mismatch(store.get(f"{base}/arrivals").decode().splitlines())
+        if self._mismatch is not None:
+            return self._mismatch
+        if not missing:  # (a rank's first node died between its claim and its count: see node_claim)
             return (
                 f"rendezvous '{self.run_id}' timed out after {self._timeout.total_seconds():.0f} s on node rank "
                 f"{self._rank} ({self.node_addr}): every node rank has a node, but the count of arrivals is short: "
