@@ -254,6 +254,16 @@ def test_a_tiering_chosen_by_size_without_a_tree_says_one_link_per_node(caplog):
             "serves one link per node" in caplog.text), caplog.text
 
 
+def test_progress_keys_of_rdzv_conf_are_not_overridden_by_the_flags_defaults():
+    from tierrun.launcher.cli import prepare
+    from tierrun.settings import Settings
+
+    config, *_ = prepare(["--standalone", "--rdzv_conf", "progress=off,progress_interval=2", "train.py"], Settings())
+    assert config.rdzv_configs["progress"] == "off" and config.rdzv_configs["progress_interval"] == "2"
+    config, *_ = prepare(["--standalone", "--progress", "log", "train.py"], Settings())
+    assert config.rdzv_configs["progress"] == "log"
+
+
 @pytest.mark.parametrize("argv", [("--nnodes", "3:2"), ("--tiered=maybe",),
                                   ("--max_restarts", "abc"), ("--no-such-flag",),
                                   ("--standalone", "--nproc_per_node", "xpu")])

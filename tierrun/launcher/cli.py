@@ -138,10 +138,10 @@ def prepare(argv: list[str], settings: Settings):
         # a store_fanout of --rdzv_conf that is 0, here read as such, stands)
         conf = "tiered=1" + (f",store_fanout={args.store_fanout}" if args.store_fanout else "")
         args.rdzv_conf = f"{args.rdzv_conf},{conf}" if args.rdzv_conf else conf
-    if args.rdzv_backend in TIERRUN_BACKENDS:
+    if args.rdzv_backend in TIERRUN_BACKENDS:  # (first: a key of --rdzv_conf, as torchrun passes them, wins)
         conf = (f"progress={args.progress},progress_interval={args.progress_interval},"
                 f"store_workers={args.store_workers}")
-        args.rdzv_conf = f"{args.rdzv_conf},{conf}" if args.rdzv_conf else conf
+        args.rdzv_conf = f"{conf},{args.rdzv_conf}" if args.rdzv_conf else conf
     elif args.timeline:
         log.warning("--timeline needs a tierrun rendezvous backend (tierrun or parallel); "
                     "with --rdzv_backend %s no timeline is written", args.rdzv_backend)
