@@ -230,8 +230,9 @@ class ParallelRendezvousHandler(StoreRendezvousHandler):
         node restarted with the right count leaves its first line) started with another
         node count than this one: their counts never complete, so the nodes would wait
         out the timeout (torch_npu_run's and torchrun's wait forever)."""
-        others = sorted({f"node rank {fields[0]} ({fields[1]}) with {fields[2]}" for fields in
-                         (line.split(" ", 2) for line in lines) if len(fields) == 3 and fields[2] != str(self._world_size)})
+        mine = str(self._world_size)
+        others = sorted({f"node rank {fields[0]} ({fields[1]}) with {fields[2]}"
+                         for fields in (line.split(" ", 2) for line in lines) if len(fields) == 3 and fields[2] != mine})
         if others:
             with self._lock:
                 self._mismatch = (
