@@ -207,20 +207,22 @@ def test_static_nodes_started_with_different_node_counts_stop_naming_them(tmp_pa
     codes = finish(procs, timeout=90)
     texts = [log.read_text() for log in logs]
     assert codes == [1, 1] and time.monotonic() - started < 60, (codes, texts[0][-2000:], texts[1][-2000:])
-    for text in texts:  # (whoever arrives second finds it in its arrival; the host's progress, or that)
-        [error] = [line for line in text.splitlines() if line.startswith("tierrun: error:")]
-        assert ("tierrun: error: rendezvous 'none': the nodes were started with different --nnodes: " in error
-                and f"node rank 0 (127.0.1.1) with {counts[0]}" in error
-                and f"node rank 1 (127.0.1.2) with {counts[1]}" in error
-                and error.endswith("Give every node the same --nnodes (or PET_NNODES) and restart the job.")), error
-        assert "RESULT" not in text
+    errors = [[line for line in text.splitlines() if line.startswith("tierrun: error:")] for text in texts]
+    assert all(len(e) == 1 for e in errors) and not any("RESULT" in text for text in texts), errors
+    named = [e[0] for e in errors if "the nodes were started with different --nnodes" in e[0]]
+    # whoever arrives second finds it in its arrival's ADD, and the host's progress too; a
+    # first arrival that is not the host may only learn that the store host left
+    assert named and all(f"node rank 0 (127.0.1.1) with {counts[0]}" in e and f"node rank 1 (127.0.1.2) with {counts[1]}"
+                         in e and e.endswith("Give every node the same --nnodes (or PET_NNODES) and restart the job.")
+                         for e in named), errors
+    assert all(e[0] in named or "lost the job's store host" in e[0] for e in errors), errors
 
 
 def test_a_node_started_with_a_larger_node_count_does_not_join_the_job_and_says_why(tmp_path):
     """Node ranks 0 and 1 with --nnodes 2, node rank 2 with --nnodes 3, started together:
     node rank 2 never starts a worker (it once joined the job of 2, started one, and
-    died with it saying the store host was lost) and names the nodes that counted
-    another number (found in its arrival's ADD, or by whoever arrives after it)."""
+    died with it saying the store host was lost), and the node that finds the counts
+    disagree in its arrival's ADD names the nodes."""
     port, logs = free_port(), [tmp_path / f"node{k}.log" for k in range(3)]
     procs = [tierrun("--nnodes", 3 if k == 2 else 2, "--nproc_per_node", 1, "--rdzv_backend", "parallel",
                      "--master_addr", "127.0.1.1", "--master_port", port, "--node_rank", k,
@@ -229,8 +231,11 @@ def test_a_node_started_with_a_larger_node_count_does_not_join_the_job_and_says_
     codes = finish(procs, timeout=120)
     texts = [log.read_text() for log in logs]
     assert codes[2] == 1 and "RESULT" not in texts[2], texts[2][-2000:]
-    assert "the nodes were started with different --nnodes: node rank 2 (127.0.1.3) with 3" in texts[2], texts[2][-2000:]
-    assert "node rank 0 (127.0.1.1) with 2" in texts[2] and "node rank 1 (127.0.1.2) with 2" in texts[2]
+    # whoever arrived after a node of the other count names them (in some arrival orders
+    # node rank 2 arrives first, and then learns only that the store host left)
+    named = [text for text in texts if "the nodes were started with different --nnodes" in text]
+    assert named and all("node rank 2 (127.0.1.3) with 3" in text for text in named), texts
+    assert any("node rank 0 (127.0.1.1) with 2" in text or "node rank 1 (127.0.1.2) with 2" in text for text in named)
 
 
 def _static_node(port: int, logs: list, nodes: int = 3, timeline=None):
