@@ -71,7 +71,7 @@ class ParallelRendezvousHandler(StoreRendezvousHandler):
         self._timeout = timeout
         self._round = -1
         self._failure: str | None = None  # why the job cannot go on
-        self._mismatch: str | None = None  # nodes started with another --nnodes (the host's progress finds them)
+        self._mismatch: str | None = None  # nodes started with another --nnodes, once found (see _arrive)
 
     def get_backend(self) -> str:
         return "parallel"
@@ -249,7 +249,7 @@ class ParallelRendezvousHandler(StoreRendezvousHandler):
     def _missing_message(self, store, base: str) -> str:
         missing = [r for r in range(self._world_size) if not store.check([f"{base}/node/{r}"])]
         arrived = self._world_size - len(missing)
-        if store.check([f"{base}/arrivals"]):  # (nodes counting apart: whoever is missing, say that)
+        if store.check([f"{base}/arrivals"]):  # (a node with another --nnodes: whoever is missing, say that)
             self._note_mismatch(store.get(f"{base}/arrivals").decode().splitlines())
         if self._mismatch is not None:
             return self._mismatch
