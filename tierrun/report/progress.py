@@ -121,9 +121,9 @@ class RendezvousProgress:
 class StillWaiting:
     """Says every ``interval`` seconds that this node is still waiting for ``what()``
     (a description read at each line, as it may change), with ``hint()`` (what to check;
-    by default whether that node is up and reachable), while not ``quiet()``, until ``stop()``; once it has
-    said so, ``stop()`` says how long it took. Its own thread; no store traffic.
-    ``start()`` returns at once."""
+    by default whether that node is up and reachable), except while ``quiet()``, until
+    ``stop()``; once it has said so, ``stop()`` says how long it took. Its own thread;
+    no store traffic. ``start()`` returns at once."""
 
     def __init__(self, node: str, what: Callable[[], str], timeout: float, interval: float = 5.0,
                  hint: Callable[[], str | None] = lambda: None, quiet: Callable[[], bool] = lambda: False) -> None:
