@@ -126,6 +126,34 @@ def test_a_store_port_that_accepts_but_never_answers_ends_the_node_in_its_timeou
     assert not CPP_NOISE.search(text) and "Traceback" not in text, text[-3000:]
 
 
+def test_a_tiered_node_at_a_store_port_that_never_answers_says_so_while_it_waits(tmp_path):
+    """As above, tiered: the node's proxy links to the port, which takes the connection
+    and never answers the link handshake. The proxy says so after 2 s and the agent's
+    waiting notices and final line name a silent listener (they asked "is that node
+    up?", which sent a person to check a node that was up)."""
+    log = tmp_path / "node.log"
+    with socket.socket() as silent:
+        silent.bind(("127.0.1.1", 0))
+        silent.listen(64)
+        port = silent.getsockname()[1]
+        p = tierrun("--nnodes", 2, "--nproc_per_node", 1, "--rdzv_backend", "parallel", "--node_rank", 1,
+                    "--master_addr", "127.0.1.1", "--master_port", port, "--tiered", "--rdzv_conf",
+                    "timeout=8,progress_interval=2", "--local_addr", "127.0.1.2", SCRIPTS / "sleep_worker.py",
+                    log=log, env={"TIERRUN_TOKEN": "silent"})
+        codes = finish([p], timeout=60)
+    text = log.read_text()
+    assert codes == [1], text[-3000:]
+    waiting = [line for line in text.splitlines() if f"still waiting for the job's store host 127.0.1.1:{port}" in line]
+    assert waiting and "Something there accepts connections but does not answer as a store" in waiting[-1], \
+        text[-3000:]
+    assert _errors(text) == [
+        f"tierrun: error: node 127.0.1.2: no store at 127.0.1.1:{port} after 8 s; something there accepts "
+        "connections but does not answer as a store: the store host may be frozen (stopped, swapping) or another "
+        "program holds that port. Check node rank 0 / the --rdzv_endpoint host, and that nothing else listens on "
+        "the store port."], text[-3000:]
+    assert not CPP_NOISE.search(text) and "Traceback" not in text, text[-3000:]
+
+
 def test_node_0_whose_store_port_is_taken_says_so_at_once(tmp_path):
     """Node rank 0 of a static job cannot start the store: another program holds the
     port. It says so in one line, without first trying to publish its record to that

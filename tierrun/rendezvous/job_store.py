@@ -34,7 +34,7 @@ from ..server import LINK_LOST, HostedFrontEnd, StoreProcess, StoreStartError
 from ..settings import store_process_env
 from ..tier.lookup import read_over_link
 from .messages import SILENT_HINT, other_layout, token_refused
-from .proxy_notices import ProxyNotices
+from .proxy_notices import store_host_lines
 from .refusals import Refusals
 from .sockets import (
     LINKS_ONLY, SILENT, await_listener, bracket, closed_by_peer, last_line, loopback_source, port_in_use, unresolved,
@@ -170,7 +170,8 @@ class JobStore:
             controlled=True, command="proxy", env=store_process_env(), token=self.token,
             extra_args=["--upstream", upstream, "--connect-timeout", str(connect_timeout), *extra],
             start_timeout=connect_timeout + 10,  # (a parent's loss is said by the tree's own lines)
-            on_line=ProxyNotices(self.node) if upstream == f"{self.host}:{self.port}" else None,
+            on_line=store_host_lines(self.node, self._silent_listener) if upstream == f"{self.host}:{self.port}"
+            else None,
         )
         try:
             proxy.start()
@@ -215,9 +216,9 @@ class JobStore:
                                          "host) is running and that its port is open, or give it more time "
                                          "if it starts later (--rdzv_conf timeout=SECONDS).")
         after = self.connect_timeout if after is None else after
-        name = unresolved(self.host)
-        if name is not None:  # (then nothing else matters)
-            hint = name[0].lower() + name[1:]
+        found = self.waiting_hint()
+        if found is not None:  # (a name that does not resolve, a silent listener: then nothing else matters)
+            hint = found[0].lower() + found[1:]
         return f"{self.node}: no store at {self.host}:{self.port} after {after:.0f} s; {hint}"
 
     def ready(self) -> bool:

@@ -14,7 +14,10 @@ from __future__ import annotations
 import logging
 import threading
 import time
+from collections.abc import Callable
 from time import monotonic
+
+from ..tier.connect import SILENT_LISTENER
 
 log = logging.getLogger("tierrun.rendezvous")
 
@@ -87,3 +90,18 @@ class ProxyNotices:
     def _say(self, lost: bool, text: str) -> None:
         self._shown_lost = lost
         log.warning("%s: its store proxy: %s", self.node, text)
+
+
+def store_host_lines(node: str, on_silent: Callable[[], None]) -> Callable[[str], None]:
+    """What reads the output of a node's proxy linked to the store host: its link's
+    losses and returns repeated (:class:`ProxyNotices`), and ``on_silent()`` called when
+    the store host's port took the link and never answered (the agent's waiting notices
+    then say so, not "is that node up?")."""
+    notices = ProxyNotices(node)
+
+    def on_line(line: str) -> None:
+        if SILENT_LISTENER in line:
+            on_silent()
+        notices(line)
+
+    return on_line

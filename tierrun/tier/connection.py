@@ -33,6 +33,10 @@ from ..protocol.limits import Limits
 
 log = logging.getLogger("tierrun.frontend")
 
+#: Seconds a connection the store host took may leave the handshake unanswered before
+#: the first attempt says so (``open_connection``'s ``on_silent``).
+SILENT_AFTER = 2.0
+
 
 class SessionEnd:
     """The front-end's end of one link session. It survives its connections: when one
@@ -389,9 +393,12 @@ def _retrieve(f: asyncio.Future[None]) -> None:
         f.exception()
 
 
-async def open_connection(link: SessionEnd, timeout: float) -> None:
+async def open_connection(link: SessionEnd, timeout: float, on_silent: Callable[[], None] | None = None) -> None:
     """One attempt: connect, authenticate, open or resume the session. Raises OSError,
-    TimeoutError, or LinkError when the store host refuses."""
+    TimeoutError, or LinkError when the store host refuses. ``on_silent()`` is called if
+    the connection is taken but the handshake has no answer within ``SILENT_AFTER``
+    seconds (another program holding the port, a frozen store host), while the attempt
+    waits on to its timeout."""
     assert link.address is not None
     loop = asyncio.get_running_loop()
     local = None if link.source is None else (link.source, 0)
@@ -401,7 +408,14 @@ async def open_connection(link: SessionEnd, timeout: float) -> None:
         transport.abort()  # (a TCP simultaneous open with itself: see rendezvous.sockets.connect)
         raise ConnectionRefusedError(f"nothing listens on {link.address[0]}:{link.address[1]} yet")
     try:
-        await asyncio.wait_for(asyncio.shield(conn.established), timeout)
+        if on_silent is not None and timeout > SILENT_AFTER:
+            try:
+                await asyncio.wait_for(asyncio.shield(conn.established), SILENT_AFTER)
+            except asyncio.TimeoutError:
+                on_silent()
+                await asyncio.wait_for(asyncio.shield(conn.established), timeout - SILENT_AFTER)
+        else:
+            await asyncio.wait_for(asyncio.shield(conn.established), timeout)
     except asyncio.TimeoutError:
         established = conn.established
         if established.done() and not established.cancelled() and established.exception() is None:
