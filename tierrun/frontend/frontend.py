@@ -24,6 +24,8 @@ class FrontEndConfig:
     #: Connections beyond this are closed as soon as they are accepted (clients and
     #: links alike).
     max_connections: int = 65536
+    #: What sets ``max_connections``, for the line that refuses a connection past it.
+    max_connections_why: str = "--max-connections"
     #: Who may connect on a Unix socket (SO_PEERCRED's uid): by default this process's
     #: user (the agent's, for the stores it starts) and root. Others are refused.
     unix_uids: frozenset[int] = field(default_factory=lambda: frozenset({os.getuid(), 0}))
@@ -70,8 +72,8 @@ class FrontEnd:
         open_now = len(self.connections) + self.links_open
         if open_now >= self.config.max_connections:
             self.refused += 1
-            self._refused_log.warning("refusing connection from %s: %d connections open (the limit)", conn.peer,
-                                      open_now)
+            self._refused_log.warning("refusing connection from %s: %d connections open (the limit: %s)", conn.peer,
+                                      open_now, self.config.max_connections_why)
             return False
         self.accepted += 1
         self.connections.add(conn)

@@ -8,6 +8,7 @@ import argparse
 
 from ..frontend import FrontEndConfig
 from ..protocol import Limits
+from . import open_files
 
 
 def port(text: str) -> int:
@@ -80,14 +81,17 @@ def frontend_config(args: argparse.Namespace) -> FrontEndConfig:
         max_unfinished_bytes=args.max_unfinished_bytes,
         max_unread_total_bytes=args.max_unread_total_bytes,
     )
-    return FrontEndConfig(limits=limits, max_connections=args.max_connections)
+    return FrontEndConfig(limits=limits, max_connections=args.max_connections,
+                          max_connections_why=getattr(args, "max_connections_why", "--max-connections"))
 
 
 def parse_store_args(p: argparse.ArgumentParser, argv: list[str], max_store_bytes: int | None = None,
                      max_store_keys: int | None = None) -> argparse.Namespace:
     """``p.parse_args(argv)``, the store's budgets not given as flags taken from the
     arguments here (``$TIERRUN_MAX_STORE_*``), else the defaults; exits with a usage
-    error (status 2) naming the flag to change if the limits are inconsistent."""
+    error (status 2) naming the flag to change if the limits are inconsistent. Called
+    once, at a store process's start: raises the process's open-files limit and keeps
+    ``--max-connections`` below it (``open_files``)."""
     args = p.parse_args(argv)
     d = Limits()
     if getattr(args, "max_store_bytes", 0) is None:
@@ -97,6 +101,12 @@ def parse_store_args(p: argparse.ArgumentParser, argv: list[str], max_store_byte
     problem = frontend_config(args).limits.problem()
     if problem:
         p.error(problem)
+    soft = open_files.raise_limit()
+    cap = open_files.connection_cap(args.max_connections, soft)
+    if cap < args.max_connections:
+        args.max_connections = cap
+        args.max_connections_why = (f"this process may open {soft:,} files and keeps {open_files.RESERVE} for "
+                                    "itself; raise its open-files limit, ulimit -n, to take more")
     return args
 
 

@@ -1,0 +1,99 @@
+"""A store process short of file descriptors says so and keeps serving: it raises its
+own limit, and past it refuses connections (closed at once, the limit named), where
+``accept`` failed with EMFILE and libuv closed the waiting connections without a word
+(a client saw its connection closed, nobody saw why)."""
+
+import resource
+import socket
+import subprocess
+import sys
+import time
+
+import pytest
+
+from tierrun.client import StoreClient
+from tierrun.server import open_files
+
+from launch import free_port
+
+
+@pytest.mark.parametrize("asked, soft, cap", [
+    (65536, 1024, 1024 - open_files.RESERVE),
+    (100, 1024, 100),
+    (65536, 100, 50),  # (a tiny limit: half of it)
+    (65536, 1, 1),
+])
+def test_connections_stay_below_the_open_files_limit(asked, soft, cap):
+    assert open_files.connection_cap(asked, soft) == cap
+
+
+def _run(code: str, limits: tuple[int, int]) -> str:
+    def preexec() -> None:
+        resource.setrlimit(resource.RLIMIT_NOFILE, limits)
+
+    return subprocess.run([sys.executable, "-c", code], preexec_fn=preexec, capture_output=True, text=True,
+                          check=True, timeout=60).stdout
+
+
+def test_a_store_process_raises_its_soft_limit_to_its_hard_one():
+    code = "from tierrun.server import open_files; import resource; " \
+           "print(open_files.raise_limit(), resource.getrlimit(resource.RLIMIT_NOFILE)[0])"
+    assert _run(code, (256, 512)).split() == ["512", "512"]
+    assert _run(code, (300, 300)).split() == ["300", "300"]
+
+
+def _closed_by_peer(s: socket.socket) -> bool:
+    s.settimeout(0.05)
+    try:
+        return s.recv(1) == b""
+    except socket.timeout:
+        return False
+    except OSError:  # (reset)
+        return True
+
+
+def test_a_store_out_of_descriptors_refuses_the_excess_and_keeps_serving():
+    """``tierrun store`` with 128 open files at most (hard limit too): 200 connections
+    arrive. The excess is closed at once with a line naming the limit; a client
+    connected before is served throughout; once the crowd leaves, a new client is
+    served (the listener is still open)."""
+    port = free_port()
+
+    def preexec() -> None:
+        resource.setrlimit(resource.RLIMIT_NOFILE, (128, 128))
+
+    proc = subprocess.Popen([sys.executable, "-m", "tierrun", "store", "--host", "127.0.1.1", "--port", str(port)],
+                            preexec_fn=preexec, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
+                            stderr=subprocess.PIPE, text=True)
+    crowd: list[socket.socket] = []
+    try:
+        deadline = time.monotonic() + 30
+        while True:
+            try:
+                first = StoreClient(("127.0.1.1", port), timeout=10)
+                break
+            except OSError:
+                assert proc.poll() is None and time.monotonic() < deadline, "the store did not start"
+                time.sleep(0.1)
+        assert first.add(b"count", 1) == 1
+        for _ in range(200):
+            crowd.append(socket.create_connection(("127.0.1.1", port), timeout=10))
+        time.sleep(1.0)
+        closed = sum(_closed_by_peer(s) for s in crowd)  # (the refused ones)
+        assert 200 - (128 - open_files.RESERVE) <= closed < 200, closed
+        assert first.add(b"count", 1) == 2  # (served while the store is full)
+        for s in crowd:
+            s.close()
+        crowd.clear()
+        time.sleep(1.0)
+        with StoreClient(("127.0.1.1", port), timeout=10) as later:  # (still listening)
+            assert later.add(b"count", 1) == 3
+        first.close()
+    finally:
+        for s in crowd:
+            s.close()
+        proc.terminate()
+        err = proc.communicate(timeout=30)[1]
+    assert proc.returncode in (0, -15), err
+    assert "the limit: this process may open 128 files and keeps 64 for itself; raise its open-files limit, " \
+           "ulimit -n, to take more" in err, err

@@ -1,0 +1,59 @@
+"""A store process's open files: as many as the system lets it have, and never all of
+them taken by connections.
+
+Every connection a store or proxy process accepts is a file descriptor. When none is
+left, ``accept`` fails with EMFILE: libuv (under uvloop) then accepts and closes the
+waiting connections at once, saying nothing (and, if even that fails, uvloop closes the
+listening socket for good), so agents and workers fail to connect with no line
+anywhere saying why. So each store process (``tierrun store``, ``tierrun proxy``, a
+store's front-end process):
+
+- raises its soft limit of open files to its hard limit (``ulimit -n`` is often 1,024
+  by default, and a flat job's node 0 holds a connection per agent and per worker);
+- takes at most ``soft limit - RESERVE`` connections (clients and links together):
+  past that it accepts and closes at once with a line naming the limit (as past
+  ``--max-connections``), so a descriptor is always left for the next ``accept``.
+
+The system's limits for large jobs are in the guide (System limits).
+"""
+
+from __future__ import annotations
+
+import resource
+
+#: Descriptors kept for what is not a connection: listening sockets, the event loop's,
+#: pipes to the launcher, the link upstream, log files.
+RESERVE = 64
+_NR_OPEN = "/proc/sys/fs/nr_open"  # (the most a process may raise its limit to, Linux)
+
+
+def raise_limit() -> int:
+    """Raise this process's soft limit of open files to its hard limit (or to the
+    system's most, when the hard limit is unlimited); the soft limit now. Never fails:
+    a limit that cannot be raised stays as it was."""
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    target = hard if hard != resource.RLIM_INFINITY else _system_most()
+    if soft == resource.RLIM_INFINITY:
+        return target
+    if soft < target:
+        try:
+            resource.setrlimit(resource.RLIMIT_NOFILE, (target, hard))
+            soft = target
+        except (ValueError, OSError):
+            pass
+    return soft
+
+
+def connection_cap(max_connections: int, soft_limit: int) -> int:
+    """The connections a process whose soft limit of open files is ``soft_limit`` may
+    take when asked for at most ``max_connections``."""
+    room = soft_limit - RESERVE if soft_limit > 2 * RESERVE else soft_limit // 2
+    return max(1, min(max_connections, room))
+
+
+def _system_most() -> int:
+    try:
+        with open(_NR_OPEN) as f:
+            return int(f.read())
+    except (OSError, ValueError):
+        return 1 << 20
