@@ -3,6 +3,7 @@ own limit, and past it refuses connections (closed at once, the limit named), wh
 ``accept`` failed with EMFILE and libuv closed the waiting connections without a word
 (a client saw its connection closed, nobody saw why)."""
 
+import os
 import resource
 import socket
 import subprocess
@@ -97,3 +98,29 @@ def test_a_store_out_of_descriptors_refuses_the_excess_and_keeps_serving():
     assert proc.returncode in (0, -15), err
     assert "the limit: this process may open 128 files and keeps 64 for itself; raise its open-files limit, " \
            "ulimit -n, to take more" in err, err
+
+
+def test_the_launcher_says_early_when_the_store_host_could_not_take_a_flat_job():
+    """A flat job of up to 40 nodes x 8 workers (360 connections at its store host) on
+    nodes that may open 256 files: every node says so before the job forms, with what
+    to do, instead of the job failing later on refused connections. Tiered, the same
+    job needs 49 connections: nothing is said."""
+    def preexec() -> None:
+        resource.setrlimit(resource.RLIMIT_NOFILE, (256, 256))
+
+    def launch(*layout: str) -> str:
+        return subprocess.run(
+            [sys.executable, "-m", "tierrun", "--nnodes", "40", "--nproc_per_node", "8", *layout,
+             "--rdzv_backend", "parallel", "--node_rank", "1", "--master_addr", "127.0.1.1", "--master_port",
+             str(free_port()), "--local_addr", "127.0.1.2", "--rdzv_conf", "timeout=2", "-m", "this"],
+            preexec_fn=preexec, capture_output=True, text=True, timeout=120, env={**os.environ, "TIERRUN_TOKEN": "t"},
+        ).stderr
+
+    flat = launch("--no-tiered")
+    assert ("node 127.0.1.2: a flat job of up to 40 nodes x 8 workers brings about 360 connections to its store "
+            "host, but a store process here may open at most 256 files (the hard limit, ulimit -Hn) and takes at "
+            "most 192 connections: past that, connections are refused and the job cannot form. Raise the hard "
+            "limit of open files (guide: System limits). Or run tiered (--tiered, or --store-fanout 8), which "
+            "needs one connection per node.") in flat, flat
+    tiered = launch("--tiered")
+    assert "brings about" not in tiered, tiered

@@ -24,6 +24,8 @@ from ..extras import MissingExtraError, require
 from ..link.auth import new_token
 from ..rendezvous.handler_base import JobStoppedError
 from ..rendezvous.spare import SpareNotNeededError
+from ..frontend import FrontEndConfig
+from ..server.open_files import store_host_shortfall
 from ..settings import Settings, SettingsError
 from .args import TIERRUN_BACKENDS, UsageError, build_parser, normalise
 from .devices import resolve_nproc_per_node
@@ -150,6 +152,10 @@ def prepare(argv: list[str], settings: Settings):
     if args.rdzv_backend in TIERRUN_BACKENDS:  # (as torch resolved --nproc_per_node)
         config.rdzv_configs["local_world_size"] = config.nproc_per_node
         config.rdzv_configs["monitor_interval"] = config.monitor_interval
+        short = store_host_shortfall(config.max_nodes, config.nproc_per_node, args.tiered, args.store_fanout,
+                                     args.store_workers, FrontEndConfig().max_connections)
+        if short:  # (said by every node: any of an elastic job's may host the store)
+            log.warning("node %s: %s", args.local_addr or socket.gethostname(), short)
     reporting = JobReporting(config.run_id, config.local_addr, Path(args.timeline) if args.timeline else None,
                              local_workers=config.nproc_per_node)
     config.event_log_handler = reporting.install(config.event_log_handler)

@@ -57,3 +57,29 @@ def _system_most() -> int:
             return int(f.read())
     except (OSError, ValueError):
         return 1 << 20
+
+
+def store_host_shortfall(nodes: int, workers: int, tiered: bool, fanout: int, store_processes: int,
+                         max_connections: int) -> str | None:
+    """What a node says, before a job of up to ``nodes`` nodes of ``workers`` workers
+    starts, if a store process here could not take the connections such a job brings
+    to its store host (a flat job: every agent and worker, spread over
+    ``store_processes``; tiered: a link per node and the node's own clients; a tree:
+    ``fanout`` links, never a problem); None if it could. Reads this process's hard
+    limit, which the store processes it starts inherit. O(1)."""
+    if tiered and fanout:
+        return None
+    need = nodes + workers + 1 if tiered else -(-nodes * (workers + 1) // max(store_processes, 1))
+    hard = resource.getrlimit(resource.RLIMIT_NOFILE)[1]
+    most = hard if hard != resource.RLIM_INFINITY else _system_most()
+    cap = connection_cap(max_connections, most)
+    if need <= cap:
+        return None
+    layout = "tiered" if tiered else "flat"
+    why = (f"a store process here may open at most {most:,} files (the hard limit, ulimit -Hn) and takes at most "
+           f"{cap:,} connections" if cap < max_connections else f"a store process takes at most {cap:,} connections")
+    return (f"a {layout} job of up to {nodes:,} nodes x {workers} workers brings about {need:,} connections to "
+            f"{'its store host' if store_processes <= 1 else 'each front-end process of its store host'}, but {why}: "
+            "past that, connections are refused and the job cannot form. "
+            + ("Raise the hard limit of open files (guide: System limits)." if cap < max_connections else "")
+            + ("" if tiered else " Or run tiered (--tiered, or --store-fanout 8), which needs one connection per node."))
