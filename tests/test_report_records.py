@@ -4,6 +4,7 @@ the failure report and the timeline; the worker wrapper's error file."""
 import json
 import py_compile
 import os
+import resource
 import signal
 import subprocess
 import sys
@@ -185,6 +186,23 @@ def test_worker_wrapper_records_the_error_and_keeps_python_behaviour(tmp_path):
     out = subprocess.run([sys.executable, "-m", "tierrun.launcher.worker_main", str(script)],
                          env=dict(os.environ, TORCHELASTIC_ERROR_FILE=str(err)))
     assert out.returncode == 0 and not err.exists()
+
+
+def test_worker_wrapper_leaves_no_partial_record_on_a_full_disk(tmp_path):
+    """The record cannot be written whole (a full disk; here a 16-byte file size limit,
+    which Python meets as EFBIG): no file is left, where an empty one made torch's agent
+    crash parsing it (no report, no restart; torchrun, with no file, restarts)."""
+    script = tmp_path / "job.py"
+    script.write_text("raise KeyError('lost')\n")
+    err = tmp_path / "error.json"
+
+    def small_files() -> None:
+        resource.setrlimit(resource.RLIMIT_FSIZE, (16, 16))
+
+    out = subprocess.run([sys.executable, "-m", "tierrun.launcher.worker_main", str(script)], capture_output=True,
+                         text=True, env=dict(os.environ, TORCHELASTIC_ERROR_FILE=str(err)), preexec_fn=small_files)
+    assert out.returncode == 1 and "KeyError: 'lost'" in out.stderr
+    assert list(tmp_path.iterdir()) == [script]
 
 
 def test_the_worker_script_runs_as_python_runs_it(tmp_path):

@@ -42,11 +42,18 @@ def _record(exc: BaseException, message: str | None = None, callstack: str | Non
         if callstack is None else callstack,
         "timestamp": str(int(now)), "tierrun_time": now,
     }}}
+    # (whole or not at all: torch's agent parses the file, and an empty one left by a
+    # full disk crashed it, where without this wrapper there would be no file)
+    partial = f"{path}.{os.getpid()}.partial"
     try:
-        with open(path, "w") as f:
-            json.dump(data, f)
+        with open(partial, "w") as f:
+            f.write(json.dumps(data))
+        os.replace(partial, path)
     except OSError:
-        pass
+        try:
+            os.unlink(partial)
+        except OSError:
+            pass
 
 
 _interrupted: list[BaseException] = []
