@@ -35,7 +35,7 @@ from ..settings import store_process_env
 from ..tier.lookup import read_over_link
 from .messages import SILENT_HINT, other_layout, token_refused
 from .proxy_notices import store_host_lines
-from .refusals import Refusals
+from .refusals import LimitRefusals, Refusals
 from .sockets import (
     LINKS_ONLY, SILENT, await_listener, bracket, closed_by_peer, last_line, loopback_source, port_in_use, unresolved,
     watch_connection,
@@ -171,7 +171,7 @@ class JobStore:
             extra_args=["--upstream", upstream, "--connect-timeout", str(connect_timeout), *extra],
             start_timeout=connect_timeout + 10,  # (a parent's loss is said by the tree's own lines)
             on_line=store_host_lines(self.node, self._silent_listener) if upstream == f"{self.host}:{self.port}"
-            else None,
+            else LimitRefusals(self.node, "its store proxy"),
         )
         try:
             proxy.start()

@@ -18,6 +18,7 @@ from collections.abc import Callable
 from time import monotonic
 
 from ..tier.connect import SILENT_LISTENER
+from .refusals import LimitRefusals
 
 log = logging.getLogger("tierrun.rendezvous")
 
@@ -94,14 +95,17 @@ class ProxyNotices:
 
 def store_host_lines(node: str, on_silent: Callable[[], None]) -> Callable[[str], None]:
     """What reads the output of a node's proxy linked to the store host: its link's
-    losses and returns repeated (:class:`ProxyNotices`), and ``on_silent()`` called when
+    losses and returns repeated (:class:`ProxyNotices`), so are its refusals past its
+    limit of connections (``refusals.LimitRefusals``), and ``on_silent()`` called when
     the store host's port took the link and never answered (the agent's waiting notices
     then say so, not "is that node up?")."""
     notices = ProxyNotices(node)
+    refusals = LimitRefusals(node, "its store proxy")
 
     def on_line(line: str) -> None:
         if SILENT_LISTENER in line:
             on_silent()
         notices(line)
+        refusals(line)
 
     return on_line

@@ -5,12 +5,14 @@ node's link on a flat job's store (a node that is tiered), or a link with anothe
 token (a node given another secret, or another job's node). The store process logs
 every refusal to its own output, which nobody reads while it runs; the agent says it,
 once per source address and kind (torch's client retries twice a second until its
-timeout; a front-end, its link)."""
+timeout; a front-end, its link), and, every 30 s at most, that it refuses connections
+past its limit (its open files)."""
 
 from __future__ import annotations
 
 import logging
 import threading
+from time import monotonic
 
 from ..frontend.contracts import TORCH_CLIENT_REFUSED
 from ..link.auth import WRONG_TOKEN
@@ -22,6 +24,41 @@ log = logging.getLogger("tierrun.rendezvous")
 CLOSING = "] WARNING closing link from "
 #: Addresses said at most (a scan of the store port from many must not flood the log).
 MAX_ADDRESSES = 64
+#: How a store process's log line of a connection refused past its limit begins
+#: (``FrontEnd.admit``), and what it says after the peer.
+REFUSING = "] WARNING refusing connection from "
+#: Seconds between two repeats of a store's refusals past its limit.
+LIMIT_REPEAT = 30.0
+
+
+class LimitRefusals:
+    """Called with each line of a store process's output: says, at most every
+    ``LIMIT_REPEAT`` seconds, that it refuses connections past its limit of
+    connections (its open files, or --max-connections), which would otherwise be said
+    only in its own output, which nobody reads while it runs: the agents and workers
+    refused fail to connect, and the job waits. ``what``: the store, as the line names
+    it. O(1) a line."""
+
+    def __init__(self, node: str, what: str) -> None:
+        self.node = node
+        self.what = what
+        self._lock = threading.Lock()
+        self._said_at: float | None = None
+        self._since = 0  # refusals seen since the last line said
+
+    def __call__(self, line: str) -> None:
+        if REFUSING not in line:
+            return
+        now = monotonic()
+        with self._lock:
+            self._since += 1
+            if self._said_at is not None and now - self._said_at < LIMIT_REPEAT:
+                return
+            self._said_at, since, self._since = now, self._since, 0
+        rest = line.split(REFUSING, 1)[1].partition(": ")[2]
+        more = f" ({since} refused since it was last said)" if since > 1 else ""
+        log.warning("%s: %s refuses connections: %s%s. The agents and workers refused cannot reach the store.",
+                    self.node, self.what, rest.rstrip(), more)
 
 
 class Refusals:
@@ -35,9 +72,11 @@ class Refusals:
         self.port = port
         self._said: set[tuple[str, str]] = set()
         self._lock = threading.Lock()
+        self._limit = LimitRefusals(node, "the job's store")
 
     def __call__(self, line: str) -> None:
         if CLOSING not in line:
+            self._limit(line)
             return
         peer, _, reason = line.split(CLOSING, 1)[1].partition(": ")
         if reason.startswith(TORCH_CLIENT_REFUSED[:40]):

@@ -10,7 +10,8 @@ store's front-end process):
 
 - raises its soft limit of open files to its hard limit (``ulimit -n`` is often 1,024
   by default, and a flat job's node 0 holds a connection per agent and per worker);
-- takes at most ``soft limit - RESERVE`` connections (clients and links together):
+- takes at most the soft limit less what it holds at its start and ``RESERVE``
+  connections (clients and links together):
   past that it accepts and closes at once with a line naming the limit (as past
   ``--max-connections``), so a descriptor is always left for the next ``accept``.
 
@@ -19,11 +20,12 @@ The system's limits for large jobs are in the guide (System limits).
 
 from __future__ import annotations
 
+import os
 import resource
 
-#: Descriptors kept for what is not a connection: listening sockets, the event loop's,
-#: pipes to the launcher, the link upstream, log files.
-RESERVE = 64
+#: Descriptors kept, beyond those open when the process starts, for what is not a
+#: connection: listening sockets, the event loop's, the link upstream, a spare.
+RESERVE = 24
 _NR_OPEN = "/proc/sys/fs/nr_open"  # (the most a process may raise its limit to, Linux)
 
 
@@ -44,11 +46,22 @@ def raise_limit() -> int:
     return soft
 
 
-def connection_cap(max_connections: int, soft_limit: int) -> int:
-    """The connections a process whose soft limit of open files is ``soft_limit`` may
-    take when asked for at most ``max_connections``."""
-    room = soft_limit - RESERVE if soft_limit > 2 * RESERVE else soft_limit // 2
-    return max(1, min(max_connections, room))
+def kept(in_use: int | None = None) -> int:
+    """Descriptors a store process keeps for itself: ``in_use`` (default: those open
+    now, at its start) and ``RESERVE``."""
+    if in_use is None:
+        try:
+            in_use = len(os.listdir("/proc/self/fd")) - 1  # (less the listing's own)
+        except OSError:
+            in_use = 16
+    return in_use + RESERVE
+
+
+def connection_cap(max_connections: int, soft_limit: int, keep: int) -> int:
+    """The connections a process whose soft limit of open files is ``soft_limit``, and
+    which keeps ``keep`` of them for itself, may take when asked for at most
+    ``max_connections`` (1 at least)."""
+    return max(1, min(max_connections, soft_limit - keep))
 
 
 def _system_most() -> int:
@@ -72,7 +85,7 @@ def store_host_shortfall(nodes: int, workers: int, tiered: bool, fanout: int, st
     need = nodes + workers + 1 if tiered else -(-nodes * (workers + 1) // max(store_processes, 1))
     hard = resource.getrlimit(resource.RLIMIT_NOFILE)[1]
     most = hard if hard != resource.RLIM_INFINITY else _system_most()
-    cap = connection_cap(max_connections, most)
+    cap = connection_cap(max_connections, most, kept(4))  # (4: a store process's own at its start, about)
     if need <= cap:
         return None
     layout = "tiered" if tiered else "flat"

@@ -101,12 +101,12 @@ def parse_store_args(p: argparse.ArgumentParser, argv: list[str], max_store_byte
     problem = frontend_config(args).limits.problem()
     if problem:
         p.error(problem)
-    soft = open_files.raise_limit()
-    cap = open_files.connection_cap(args.max_connections, soft)
+    soft, keep = open_files.raise_limit(), open_files.kept()
+    cap = open_files.connection_cap(args.max_connections, soft, keep)
     if cap < args.max_connections:
         args.max_connections = cap
-        args.max_connections_why = (f"this process may open {soft:,} files and keeps {open_files.RESERVE} for "
-                                    "itself; raise its open-files limit, ulimit -n, to take more")
+        args.max_connections_why = (f"this process may open {soft:,} files and keeps {keep} for itself; raise its "
+                                    "open-files limit, ulimit -n, to take more")
     return args
 
 
