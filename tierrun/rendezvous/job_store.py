@@ -385,10 +385,10 @@ class JobStore:
             hint = self.host_hint
             if hint is None:
                 hint = ", or let another node host it (--rdzv_conf is_host=false here)." if self.host_fallback == "never" else "."
-            raise RendezvousConnectionError(
-                f"{self.node}: could not start the job's store on port {self.port} ({why}). "
-                f"Pick a free port with {self.port_setting}" + hint
-            ) from e
+            fix = "Raise this node's open-files limit (ulimit -n)." if "open files" in why else \
+                f"Pick a free port with {self.port_setting}{hint}"
+            raise RendezvousConnectionError(f"{self.node}: could not start the job's store on port {self.port} "
+                                            f"({why}). {fix}") from e
         self.root = proc
         log.info("this node hosts the job's store (pid %d): the other nodes reach it at %s:%d",
                  proc.pid, self.host, self.port)
