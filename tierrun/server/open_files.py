@@ -88,15 +88,15 @@ def store_host_shortfall(nodes: int, workers: int, tiered: bool, fanout: int, st
     cap = connection_cap(max_connections, most, kept(4))  # (4: a store process's own at its start, about)
     if need <= cap:
         return None
-    layout = "tiered" if tiered else "flat"
-    why = (f"a store process here may open at most {most:,} files (the hard limit, ulimit -Hn) and takes at most "
-           f"{_n(cap, 'connection')}" if cap < max_connections else f"a store process takes at most {_n(cap, 'connection')}")
-    return (f"a {layout} job of up to {_n(nodes, 'node')} x {_n(workers, 'worker')} brings about {need:,} connections to "
-            f"{'its store host' if store_processes <= 1 else 'each front-end process of its store host'}, but {why}: "
-            "past that, connections are refused and the job cannot form. "
-            + ("Raise the hard limit of open files (guide: System limits)." if cap < max_connections else "")
+    takes = f"takes at most {_n(cap, 'connection')}"
+    by_files = cap < max_connections
+    why = (f"a store process here may open at most {most:,} files (the hard limit, ulimit -Hn) and {takes}"
+           if by_files else f"a store process {takes}")
+    host = "its store host" if store_processes <= 1 else "each front-end process of its store host"
+    return (f"a {'tiered' if tiered else 'flat'} job of up to {_n(nodes, 'node')} x {_n(workers, 'worker')} brings "
+            f"about {need:,} connections to {host}, but {why}: past that, connections are refused and the job "
+            "cannot form. " + ("Raise the hard limit of open files (guide: System limits)." if by_files else "")
             + ("" if tiered else " Or run tiered (--tiered, or --store-fanout 8), which needs one connection per node."))
-
 
 def _n(count: int, what: str) -> str:
     return f"{count:,} {what}{'' if count == 1 else 's'}"
