@@ -147,11 +147,14 @@ def test_a_node_whose_tree_parent_never_comes_says_so_in_one_line(tmp_path):
     log = tmp_path / "node2.log"
     p = tierrun("--nnodes", 3, "--rdzv_backend", "parallel", "--master_addr", "127.0.1.1",
                 "--master_port", free_port(), "--node_rank", 2, "--tiered", "--store-fanout", 2,
-                "--local_addr", "127.0.1.3", "--rdzv_conf", "timeout=3", SCRIPTS / "collectives.py",
-                log=log, env={"TIERRUN_TOKEN": "tree-job-token"})
+                "--local_addr", "127.0.1.3", "--rdzv_conf", "timeout=3,progress_interval=1",
+                SCRIPTS / "collectives.py", log=log, env={"TIERRUN_TOKEN": "tree-job-token"})
     assert finish([p], 60) == [1]
+    text = log.read_text()
     assert ("tierrun: error: node rank 2 did not learn where its parent in the store tree, node rank 1, "
-            "takes links within 3 s") in log.read_text()
+            "takes links within 3 s") in text
+    # (while it waits, it names what it waits for: its parent, not the store host)
+    assert "still waiting for its parent in the store tree, node rank 1, to say where it takes links" in text, text
 
 
 def test_a_dead_proxy_in_the_tree_stops_the_static_job_with_a_message(tmp_path):

@@ -130,7 +130,8 @@ class JobStore:
         if self.tiered and self.proxy is None:
             tree = self.tree
             upstream = f"{self.host}:{self.port}", f"the job's store host {self.host}:{self.port}"
-            if tree is not None and tree.parent is not None:
+            if tree is not None and tree.parent is not None:  # (what this node waits for, meanwhile)
+                self.upstream_name = f"its parent in the store tree, node rank {tree.parent}, to say where it takes links"
                 address = self._parent_address(tree)
                 upstream = address, f"its parent in the store tree (node rank {tree.parent}'s proxy, {address})"
             elif self.parent is not None:
@@ -226,10 +227,9 @@ class JobStore:
         return self._client is not None and (not self.tiered or self.proxy is not None)
 
     def _parent_address(self, tree: TreePlace) -> str:
-        """Where the parent node's proxy takes links, as it published it: a LOOKUP of
-        its key at the store host (``tier.lookup``: the store host's public port takes
-        links only). Blocks up to the store timeout; raises
-        RendezvousConnectionError naming the parent."""
+        """Where the parent node's proxy takes links, as it published it: a LOOKUP of its
+        key at the store host (``tier.lookup``: its public port takes links only). Blocks
+        up to the store timeout; raises RendezvousConnectionError naming the parent."""
         assert self.token is not None
         key = ("/" + tree.key(tree.parent)).encode()  # (torch's client adds the "/")
         deadline = time.monotonic() + self.timeout.total_seconds()
