@@ -264,8 +264,9 @@ class ParallelRendezvousHandler(StoreRendezvousHandler):
             f"rendezvous '{self.run_id}' timed out after {self._timeout.total_seconds():.0f} s "
             f"on node rank {self._rank} ({self.node_addr}): {arrived} of {self._world_size} "
             f"nodes arrived; missing node ranks: {', '.join(map(str, missing)) or 'none'}. "
-            "Start tierrun on the missing nodes with the same --master_addr/--master_port, "
-            "or raise the timeout with --rdzv_conf timeout=SECONDS."
+            "Start tierrun on the missing nodes with the same --master_addr/--master_port (if they were "
+            "started, their own logs say why they stopped before arriving), or raise the timeout with "
+            "--rdzv_conf timeout=SECONDS."
         )
 
     def _agents_store(self) -> tuple[str, int] | None:
