@@ -97,8 +97,8 @@ def test_a_store_out_of_descriptors_refuses_the_excess_and_keeps_serving():
         proc.terminate()
         err = proc.communicate(timeout=30)[1]
     assert proc.returncode in (0, -15), err
-    assert re.search(r"the limit: this process may open 128 files and keeps \d\d for itself; raise its open-files "
-                     r"limit, ulimit -n, to take more", err), err
+    assert re.search(r"the limit: this process may open 128 files and keeps \d\d for itself; raise the hard "
+                     r"open-files limit, ulimit -Hn, to take more\); \d+ refused so far", err), err
 
 
 def test_the_launcher_says_early_when_the_store_host_could_not_take_a_flat_job():
@@ -120,7 +120,7 @@ def test_the_launcher_says_early_when_the_store_host_could_not_take_a_flat_job()
     flat = launch("--no-tiered")
     assert ("node 127.0.1.2: a flat job of up to 40 nodes x 8 workers brings about 360 connections to its store "
             "host, but a store process here may open at most 256 files (the hard limit, ulimit -Hn) and takes at "
-            "most 228 connections: past that, connections are refused and the job cannot form. Raise the hard "
+            "most 236 connections: past that, connections are refused and the job cannot form. Raise the hard "
             "limit of open files (guide: System limits). Or run tiered (--tiered, or --store-fanout 8), which "
             "needs one connection per node.") in flat, flat
     tiered = launch("--tiered")
@@ -146,4 +146,45 @@ def test_a_job_whose_store_refuses_connections_past_its_limit_says_so(tmp_path):
     said = [line for line in out.stderr.splitlines() if "the job's store refuses connections" in line]
     assert len(said) == 1, out.stderr[-3000:]
     assert re.search(r"\d+ connections open \(the limit: this process may open 40 files and keeps \d+ for itself; "
-                     r"raise its open-files limit, ulimit -n, to take more\)", said[0]), said
+                     r"raise the hard open-files limit, ulimit -Hn, to take more\); \d+ refused so far", said[0]), said
+
+
+def test_front_ends_of_one_process_share_its_limit():
+    """A store host's public port and its node front-end (where node 0's agent and
+    workers connect) live in one process: they share its open files, so one budget,
+    not one each (80 + 80 connections at 128 files ran it out of descriptors, and the
+    excess was dropped without a line)."""
+    port, unix = free_port(), f"@tierrun-test-{os.getpid()}-fds"
+
+    def preexec() -> None:
+        resource.setrlimit(resource.RLIMIT_NOFILE, (128, 128))
+
+    proc = subprocess.Popen([sys.executable, "-m", "tierrun", "store", "--host", "127.0.1.1", "--port", str(port),
+                             "--node-frontend", "--node-frontend-unix", unix], preexec_fn=preexec,
+                            stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
+                            env={**os.environ, "TIERRUN_TOKEN": "fds"})
+    held: list[socket.socket] = []
+    try:
+        deadline = time.monotonic() + 30
+        while True:
+            try:
+                StoreClient(unix, timeout=10).close()
+                break
+            except OSError:
+                assert proc.poll() is None and time.monotonic() < deadline, "the store did not start"
+                time.sleep(0.1)
+        for _ in range(80):
+            held.append(socket.create_connection(("127.0.1.1", port), timeout=10))
+        for _ in range(80):
+            s = socket.socket(socket.AF_UNIX)
+            s.connect("\0" + unix[1:])
+            held.append(s)
+        time.sleep(1.0)
+        still_open = sum(not _closed_by_peer(s) for s in held)
+        assert still_open <= 128 - open_files.RESERVE, still_open
+    finally:
+        for s in held:
+            s.close()
+        proc.terminate()
+        err = proc.communicate(timeout=30)[1]
+    assert "refusing connection from" in err and "refused so far" in err, err

@@ -18,6 +18,17 @@ from .listen import DEFAULT_BACKLOG
 log = logging.getLogger("tierrun.store")
 
 
+class OpenConnections:
+    """The connections all of a process's front-ends hold, together (they share its
+    open files, ``server.open_files``): one object shared through their config."""
+
+    __slots__ = ("count", "refused")
+
+    def __init__(self) -> None:
+        self.count = 0
+        self.refused = 0
+
+
 @dataclass
 class FrontEndConfig:
     limits: Limits = field(default_factory=Limits)
@@ -26,6 +37,9 @@ class FrontEndConfig:
     max_connections: int = 65536
     #: What sets ``max_connections``, for the line that refuses a connection past it.
     max_connections_why: str = "--max-connections"
+    #: What counts against ``max_connections``: every front-end made with this config
+    #: (or a copy of it), together.
+    open_connections: OpenConnections = field(default_factory=OpenConnections, compare=False, repr=False)
     #: Who may connect on a Unix socket (SO_PEERCRED's uid): by default this process's
     #: user (the agent's, for the stores it starts) and root. Others are refused.
     unix_uids: frozenset[int] = field(default_factory=lambda: frozenset({os.getuid(), 0}))
@@ -68,19 +82,25 @@ class FrontEnd:
         self._servers: list[asyncio.AbstractServer] = []
 
     def admit(self, conn: ClientConnection) -> bool:
-        """Count ``conn``; False past ``max_connections`` (clients and links alike). O(1)."""
-        open_now = len(self.connections) + self.links_open
-        if open_now >= self.config.max_connections:
+        """Count ``conn``; False past ``max_connections`` (clients and links of every
+        front-end sharing this one's config, together). O(1)."""
+        shared = self.config.open_connections
+        if shared.count >= self.config.max_connections:
             self.refused += 1
-            self._refused_log.warning("refusing connection from %s: %d connections open (the limit: %s)", conn.peer,
-                                      open_now, self.config.max_connections_why)
+            shared.refused += 1
+            self._refused_log.warning("refusing connection from %s: %d connections open (the limit: %s); %d refused "
+                                      "so far", conn.peer, shared.count, self.config.max_connections_why,
+                                      shared.refused)
             return False
+        shared.count += 1
         self.accepted += 1
         self.connections.add(conn)
         return True
 
     def release(self, conn: ClientConnection) -> None:
-        self.connections.discard(conn)
+        if conn in self.connections:
+            self.connections.discard(conn)
+            self.config.open_connections.count -= 1
 
     def became_link(self, conn: ClientConnection) -> Callable[[], None]:
         """``conn`` turned out to be a front-end's link: it is not a client after all,
@@ -95,6 +115,7 @@ class FrontEnd:
             if not released:
                 released.append(True)
                 self.links_open -= 1
+                self.config.open_connections.count -= 1
 
         return release
 

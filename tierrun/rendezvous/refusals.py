@@ -44,21 +44,18 @@ class LimitRefusals:
         self.what = what
         self._lock = threading.Lock()
         self._said_at: float | None = None
-        self._since = 0  # refusals seen since the last line said
 
     def __call__(self, line: str) -> None:
         if REFUSING not in line:
             return
         now = monotonic()
         with self._lock:
-            self._since += 1
             if self._said_at is not None and now - self._said_at < LIMIT_REPEAT:
                 return
-            self._said_at, since, self._since = now, self._since, 0
-        rest = line.split(REFUSING, 1)[1].partition(": ")[2]
-        more = f" ({since} refused since it was last said)" if since > 1 else ""
-        log.warning("%s: %s refuses connections: %s%s. The agents and workers refused cannot reach the store.",
-                    self.node, self.what, rest.rstrip(), more)
+            self._said_at = now
+        rest = line.split(REFUSING, 1)[1].partition(": ")[2].rstrip()  # (N open (the limit: ...); M refused so far)
+        log.warning("%s: %s refuses connections: %s. The agents and workers refused cannot reach the store.",
+                    self.node, self.what, rest)
 
 
 class Refusals:

@@ -25,7 +25,7 @@ import resource
 
 #: Descriptors kept, beyond those open when the process starts, for what is not a
 #: connection: listening sockets, the event loop's, the link upstream, a spare.
-RESERVE = 24
+RESERVE = 16
 _NR_OPEN = "/proc/sys/fs/nr_open"  # (the most a process may raise its limit to, Linux)
 
 

@@ -105,8 +105,8 @@ def parse_store_args(p: argparse.ArgumentParser, argv: list[str], max_store_byte
     cap = open_files.connection_cap(args.max_connections, soft, keep)
     if cap < args.max_connections:
         args.max_connections = cap
-        args.max_connections_why = (f"this process may open {soft:,} files and keeps {keep} for itself; raise its "
-                                    "open-files limit, ulimit -n, to take more")
+        args.max_connections_why = (f"this process may open {soft:,} files and keeps {keep} for itself; raise the "
+                                    "hard open-files limit, ulimit -Hn, to take more")
     return args
 
 

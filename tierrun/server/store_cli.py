@@ -13,6 +13,7 @@ import socket
 import sys
 from collections.abc import Callable
 
+from ..frontend import FrontEndConfig
 from ..frontend.listen import ListenError
 from ..settings import FRONTEND_TOKEN, TOKEN_FILE, Settings, SettingsError, take_frontend_token
 from .control import Event, format_event
@@ -24,9 +25,9 @@ from .root import serve_root
 from .service import ServiceConfig
 
 
-def _config(args: argparse.Namespace) -> ServiceConfig:
+def _config(args: argparse.Namespace, frontend: FrontEndConfig | None = None) -> ServiceConfig:
     return ServiceConfig(
-        host=args.host, port=args.port, unix=args.unix, frontend=frontend_config(args),
+        host=args.host, port=args.port, unix=args.unix, frontend=frontend or frontend_config(args),
         control_stdin=args.control_stdin, workers=getattr(args, "workers", 1),
         workers_for_namespaces_only=getattr(args, "workers_for", "all") == "namespaces",
         links_only=getattr(args, "links_only", False),
@@ -115,12 +116,12 @@ def store_main(argv: list[str]) -> int:
               "TIERRUN_TOKEN or TIERRUN_TOKEN_FILE", file=sys.stderr)
         return 2
     node = None
+    frontend = frontend_config(args)  # (one for both: they share this process's open files)
     if args.node_frontend:
-        node = ServiceConfig(host=NODE_FRONTEND_HOST, port=0, unix=args.node_frontend_unix,
-                             frontend=frontend_config(args))
+        node = ServiceConfig(host=NODE_FRONTEND_HOST, port=0, unix=args.node_frontend_unix, frontend=frontend)
     logging.basicConfig(level=args.log_level.upper(), format="[tierrun store] %(levelname)s %(message)s")
     try:
-        run(serve_root(_config(args), on_listening=_announcer("store"), token=token or None,
+        run(serve_root(_config(args, frontend), on_listening=_announcer("store"), token=token or None,
                        link_config=settings.link, node_frontend=node))
     except ListenError as e:  # (names the socket: its address or path, and the flag)
         print(f"tierrun store: {e}", file=sys.stderr)
