@@ -71,7 +71,7 @@ def test_connection_cap():
         keep = [StoreClient(("127.0.0.1", sp.port)) for _ in range(3)]
         extra = socket.create_connection(("127.0.0.1", sp.port))
         assert closed_by_server(extra)
-        assert wait_for_log(sp, "connections open (the limit)")
+        assert wait_for_log(sp, "connections open (the limit: --max-connections)")
         keep[0].close()
         time.sleep(0.2)
         with StoreClient(("127.0.0.1", sp.port)) as c:

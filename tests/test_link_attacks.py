@@ -268,7 +268,7 @@ def test_link_looking_connections_count_against_max_connections():
         holders = [_linkish("127.0.0.1", root.port) for _ in range(2)]
         refused = socket.create_connection(("127.0.0.1", root.port))
         assert _closed(refused, 1.0)
-        wait_for(lambda: "3 connections open (the limit)" in root.output, 5)
+        wait_for(lambda: "3 connections open (the limit: --max-connections)" in root.output, 5)
         assert all(_closed(s, 3.0) for s in holders)
         other = StoreClient(("127.0.0.1", root.port))  # room again
         assert other.add(b"m", 1) == 1 and c.add("n", 1) == 1
