@@ -145,7 +145,7 @@ def test_the_tiered_flag_falls_back_on_pet_tiered_and_a_flag_wins(monkeypatch):
         (["--monitor_interval", "-1"], "--monitor_interval -1: write a number of seconds above 0"),
         (["--rdzv_backend", "parallel", "--nnodes", "2", "--node_rank", "2"], "outside 0..1"),
         (["--store-workers", "0"], "--store-workers 0: write 1 to"),
-        (["--store-workers", "100000"], "4 per core of this machine"),
+        (["--store-workers", "100000"], "4 per core this node may use"),
         (["--rdzv_backend", "torch-c10d", "--nnodes", "2", "--tiered"],
          "--tiered needs a tierrun rendezvous backend, which starts the node proxies, not --rdzv_backend torch-c10d"),
         (["--rdzv_backend", "torch-static", "--nnodes", "2", "--enable_tiered_parallel_tcpstore", "true"],

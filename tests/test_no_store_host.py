@@ -120,8 +120,9 @@ def test_a_store_port_that_accepts_but_never_answers_ends_the_node_in_its_timeou
     assert codes == [1] and elapsed < 3 + 25, (codes, elapsed, text[-3000:])
     assert _errors(text) == [
         f"tierrun: error: node 127.0.1.2: something at 127.0.1.1:{port} accepts connections but did not answer "
-        "as a store within 3 s: the store host may be frozen (stopped, swapping) or another program holds that "
-        "port. Check node rank 0 / the --rdzv_endpoint host, and that nothing else listens on the store port."
+        "as a store within 3 s: the store host may be overloaded or frozen (stopped, swapping), or another program "
+        "holds that port. Check node rank 0 / the --rdzv_endpoint host, and that nothing else listens on the store "
+        "port."
     ], text[-3000:]
     assert not CPP_NOISE.search(text) and "Traceback" not in text, text[-3000:]
 
@@ -148,9 +149,9 @@ def test_a_tiered_node_at_a_store_port_that_never_answers_says_so_while_it_waits
         text[-3000:]
     assert _errors(text) == [
         f"tierrun: error: node 127.0.1.2: no store at 127.0.1.1:{port} after 8 s; something there accepts "
-        "connections but does not answer as a store: the store host may be frozen (stopped, swapping) or another "
-        "program holds that port. Check node rank 0 / the --rdzv_endpoint host, and that nothing else listens on "
-        "the store port."], text[-3000:]
+        "connections but does not answer as a store: the store host may be overloaded or frozen (stopped, swapping), "
+        "or another program holds that port. Check node rank 0 / the --rdzv_endpoint host, and that nothing else "
+        "listens on the store port."], text[-3000:]
     assert not CPP_NOISE.search(text) and "Traceback" not in text, text[-3000:]
 
 

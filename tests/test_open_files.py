@@ -103,28 +103,31 @@ def test_a_store_out_of_descriptors_refuses_the_excess_and_keeps_serving():
 
 def test_the_launcher_says_early_when_the_store_host_could_not_take_a_flat_job():
     """A flat job of up to 40 nodes x 8 workers (360 connections at its store host) on
-    nodes that may open 256 files: every node says so before the job forms, with what
-    to do, instead of the job failing later on refused connections. Tiered, the same
-    job needs 49 connections: nothing is said."""
+    nodes that may open 256 files: the node that hosts the store says so before the job
+    forms, with what to do, instead of the job failing later on refused connections
+    (the others, which never host it, say nothing). Tiered, the same job needs 49
+    connections: nothing is said."""
     def preexec() -> None:
         resource.setrlimit(resource.RLIMIT_NOFILE, (256, 256))
 
-    def launch(*layout: str) -> str:
+    def launch(*layout: str, rank: int = 0) -> str:
         return subprocess.run(
             [sys.executable, "-m", "tierrun", "--nnodes", "40", "--nproc_per_node", "8", *layout,
-             "--rdzv_backend", "parallel", "--node_rank", "1", "--master_addr", "127.0.1.1", "--master_port",
-             str(free_port()), "--local_addr", "127.0.1.2", "--rdzv_conf", "timeout=2", "-m", "this"],
+             "--rdzv_backend", "parallel", "--node_rank", str(rank), "--master_addr", "127.0.1.1", "--master_port",
+             str(free_port()), "--local_addr", f"127.0.1.{rank + 1}", "--rdzv_conf", "timeout=2", "-m", "this"],
             preexec_fn=preexec, capture_output=True, text=True, timeout=120, env={**os.environ, "TIERRUN_TOKEN": "t"},
         ).stderr
 
     flat = launch("--no-tiered")
-    assert ("node 127.0.1.2: a flat job of up to 40 nodes x 8 workers brings about 360 connections to its store "
+    assert ("node 127.0.1.1: a flat job of up to 40 nodes x 8 workers brings about 360 connections to its store "
             "host, but a store process here may open at most 256 files (the hard limit, ulimit -Hn) and takes at "
             "most 236 connections: past that, connections are refused and the job cannot form. Raise the hard "
             "limit of open files (guide: System limits). Or run tiered (--tiered, or --store-fanout 8), which "
             "needs one connection per node.") in flat, flat
     tiered = launch("--tiered")
     assert "brings about" not in tiered, tiered
+    other = launch("--no-tiered", rank=1)  # (a node that never hosts the store says nothing)
+    assert "brings about" not in other, other
 
 
 def test_a_job_whose_store_refuses_connections_past_its_limit_says_so(tmp_path):

@@ -153,8 +153,8 @@ def test_a_node_whose_tree_parent_never_comes_says_so_in_one_line(tmp_path):
     text = log.read_text()
     assert ("tierrun: error: node rank 2 did not learn where its parent in the store tree, node rank 1, "
             "takes links within 3 s") in text
-    # (while it waits, it names what it waits for: its parent, not the store host)
-    assert "still waiting for its parent in the store tree, node rank 1, to say where it takes links" in text, text
+    # (while it waits, it names what it waits for: the store host, and its parent)
+    assert "to say where its parent in the store tree, node rank 1, takes links after" in text, text
 
 
 def test_a_dead_proxy_in_the_tree_stops_the_static_job_with_a_message(tmp_path):

@@ -275,14 +275,14 @@ def normalise(args: argparse.Namespace) -> argparse.Namespace:
             "comma-separated (HOST:PORT or http(s)://HOST:PORT)"
         )
     _choose_tiering(args, nmax, backend)
-    cores = os.cpu_count() or 1
-    if not 1 <= args.store_workers <= 4 * cores:  # (a process each, to use the store host's cores)
-        raise UsageError(f"--store-workers {args.store_workers}: write 1 to {4 * cores} (4 per core of this "
-                         f"machine's {cores})")
     if args.store_workers > 1 and args.rdzv_backend not in TIERRUN_BACKENDS:
         raise UsageError(
             f"--store-workers needs a tierrun rendezvous backend, not {named}"
         )
+    cores = len(os.sched_getaffinity(0))  # (the cores this process may run on)
+    if not 1 <= args.store_workers <= 4 * cores:  # (a process each, to use the store host's cores)
+        raise UsageError(f"--store-workers {args.store_workers}: write 1 to {4 * cores} (4 per core this node "
+                         f"may use: {cores})")
     if args.max_restarts < 0:
         raise UsageError(f"--max_restarts {args.max_restarts} is negative: write 0 or more")
     return args

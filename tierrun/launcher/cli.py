@@ -22,7 +22,9 @@ from torch.distributed.run import config_from_args
 from .. import rendezvous, torchrun_plugin
 from ..extras import MissingExtraError, require
 from ..link.auth import new_token
+from ..rendezvous.conf import conf_flag
 from ..rendezvous.handler_base import JobStoppedError
+from ..rendezvous.sockets import hosts_store
 from ..rendezvous.spare import SpareNotNeededError
 from ..frontend import FrontEndConfig
 from ..server.open_files import store_host_shortfall
@@ -154,7 +156,7 @@ def prepare(argv: list[str], settings: Settings):
         config.rdzv_configs["monitor_interval"] = config.monitor_interval
         short = store_host_shortfall(config.max_nodes, config.nproc_per_node, args.tiered, args.store_fanout,
                                      args.store_workers, FrontEndConfig().max_connections)
-        if short:  # (said by every node: any of an elastic job's may host the store)
+        if short and _may_host(args.rdzv_backend, config.rdzv_configs, args.rdzv_endpoint, args.local_addr):
             log.warning("node %s: %s", args.local_addr or socket.gethostname(), short)
     reporting = JobReporting(config.run_id, config.local_addr, Path(args.timeline) if args.timeline else None,
                              local_workers=config.nproc_per_node)
@@ -164,6 +166,18 @@ def prepare(argv: list[str], settings: Settings):
         # record uncaught exceptions of scripts without @record, for the failure report
         cmd_args = ["-u", "-m", "tierrun.launcher.worker_main", *cmd_args[1:]]
     return config, entrypoint, cmd_args, reporting
+
+
+def _may_host(backend: str, conf: dict, endpoint: str, local_addr: str | None) -> bool:
+    """Whether this node may host the job's store: node rank 0 of a static job; under
+    the elastic backends, a node not told ``is_host=false`` (tierrun's: the endpoint's
+    node, as torch's c10d infers it). Where the early open-files line is said."""
+    if backend == "parallel":
+        return str(conf.get("rank", "0")) == "0"
+    is_host = conf_flag(conf, "is_host")
+    if is_host is not None or backend == "tierrun-etcd":
+        return is_host is not False
+    return hosts_store(endpoint.rpartition(":")[0].strip("[]"), local_addr)
 
 
 def _job_token(settings: Settings, local_addr: str | None) -> bytes | None:

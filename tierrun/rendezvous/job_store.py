@@ -128,16 +128,16 @@ class JobStore:
             if self.root is not None and self.root.node_frontend_unix is not None:
                 self.proxy = HostedFrontEnd(self.root)
         if self.tiered and self.proxy is None:
-            tree = self.tree
-            upstream = f"{self.host}:{self.port}", f"the job's store host {self.host}:{self.port}"
+            tree, host = self.tree, f"the job's store host {self.host}:{self.port}"
+            upstream = f"{self.host}:{self.port}", host
             if tree is not None and tree.parent is not None:  # (what this node waits for, meanwhile)
-                self.upstream_name = f"its parent in the store tree, node rank {tree.parent}, to say where it takes links"
+                self.upstream_name = f"{host} to say where its parent in the store tree, node rank {tree.parent}, takes links"
                 address = self._parent_address(tree)
                 upstream = address, f"its parent in the store tree (node rank {tree.parent}'s proxy, {address})"
             elif self.parent is not None:
                 upstream = self.parent
             self.proxy = proxy = self._start_proxy(*upstream, self.connect_timeout)
-            self.upstream_name = upstream[1]
+            self.upstream_name, self.silent = upstream[1], False  # (linked: whatever was silent answered)
             if tree is not None and tree.has_children:  # (the children learn it: advertise_relay)
                 self._relay, self._relay_advertised = f"{bracket(tree.addr)}:{proxy.link_port}", False
 
@@ -385,7 +385,7 @@ class JobStore:
             hint = self.host_hint
             if hint is None:
                 hint = ", or let another node host it (--rdzv_conf is_host=false here)." if self.host_fallback == "never" else "."
-            fix = "Raise this node's open-files limit (ulimit -n)." if "open files" in why else \
+            fix = "Raise this node's open-files limit (ulimit -Hn)." if why.endswith("open files") else \
                 f"Pick a free port with {self.port_setting}{hint}"
             raise RendezvousConnectionError(f"{self.node}: could not start the job's store on port {self.port} "
                                             f"({why}). {fix}") from e

@@ -51,8 +51,8 @@ def unreachable_hint(host: str, is_host: bool | None) -> str:
 
 
 #: What to check when something takes connections on the store's port and never answers.
-SILENT_HINT = ("the store host may be frozen (stopped, swapping) or another program holds that port. Check node rank "
-               "0 / the --rdzv_endpoint host, and that nothing else listens on the store port.")
+SILENT_HINT = ("the store host may be overloaded or frozen (stopped, swapping), or another program holds that port. "
+               "Check node rank 0 / the --rdzv_endpoint host, and that nothing else listens on the store port.")
 
 
 def token_refused(node: str, upstream: str, is_store_host: bool) -> str:

@@ -29,14 +29,17 @@ async def connect_link(host: str, port: int, token: bytes, on_lost: Callable[[st
     link = LinkUpstream(token, on_lost, config, (host, port), limits)
     link.source = source
     delay = 0.1
-    silent: list[str] = []  # (what was said of a connection taken and never answered)
+    silent: list[str] = []  # (the last attempt's connection was taken and never answered)
+    said: list[bool] = []
 
     def on_silent() -> None:
-        if not silent:
-            silent.append(f"the store host {host}:{port} {SILENT_LISTENER} within {SILENT_AFTER:g} s")
-            log.warning("%s; still waiting (for up to %.0f s)", silent[0], max(deadline - loop.time(), 0))
+        silent.append(f"the store host {host}:{port} {SILENT_LISTENER} within {SILENT_AFTER:g} s")
+        if not said:
+            said.append(True)
+            log.warning("%s; still waiting (for up to %.0f s)", silent[-1], max(deadline - loop.time(), 0))
 
     while True:
+        silent.clear()
         try:
             await open_connection(link, max(deadline - loop.time(), 1.0), on_silent)
             return link
