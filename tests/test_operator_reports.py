@@ -110,7 +110,12 @@ def test_progress_bar_on_a_terminal(tmp_path):
     reader.start()
     others = [static_node(1, 3, port, "--nproc_per_node", "1", SCRIPTS / "collectives.py",
                           log=tmp_path / "node1.log")]
-    time.sleep(4)
+    # node 2 comes once the bar has shown node 1 for three progress intervals (a fixed
+    # delay was too short on a loaded machine, where node 1 took that long to arrive)
+    deadline = time.monotonic() + 60
+    while b"2/3 nodes" not in screen and time.monotonic() < deadline:
+        time.sleep(0.1)
+    time.sleep(3)
     others.append(static_node(2, 3, port, "--nproc_per_node", "1", SCRIPTS / "collectives.py",
                               log=tmp_path / "node2.log"))
     try:

@@ -10,9 +10,9 @@ store's front-end process):
 
 - raises its soft limit of open files to its hard limit (``ulimit -n`` is often 1,024
   by default, and a flat job's node 0 holds a connection per agent and per worker);
-- takes at most the soft limit less what it holds at its start and ``RESERVE``
-  connections (clients and links together):
-  past that it accepts and closes at once with a line naming the limit (as past
+- takes at most its soft limit less the descriptors it holds at its start and
+  ``RESERVE`` connections, all its front-ends together (clients and links): past that
+  it accepts and closes at once with a line naming the limit (as past
   ``--max-connections``), so a descriptor is always left for the next ``accept``.
 
 The system's limits for large jobs are in the guide (System limits).
