@@ -29,24 +29,27 @@ async def connect_link(host: str, port: int, token: bytes, on_lost: Callable[[st
     link = LinkUpstream(token, on_lost, config, (host, port), limits)
     link.source = source
     delay = 0.1
-    silent: list[str] = []  # (the last attempt's connection was taken and never answered)
-    said: list[bool] = []
+    silent = said = False  # (this attempt's connection was taken and never answered; said once)
 
     def on_silent() -> None:
-        silent.append(f"the store host {host}:{port} {SILENT_LISTENER} within {SILENT_AFTER:g} s")
+        nonlocal silent, said
+        silent = True
         if not said:
-            said.append(True)
-            log.warning("%s; still waiting (for up to %.0f s)", silent[-1], max(deadline - loop.time(), 0))
+            said = True
+            log.warning("the store host %s:%d %s within %g s; still waiting (for up to %.0f s)", host, port,
+                        SILENT_LISTENER, SILENT_AFTER, max(deadline - loop.time(), 0))
 
     while True:
-        silent.clear()
+        silent = False
         try:
             await open_connection(link, max(deadline - loop.time(), 1.0), on_silent)
             return link
         except (OSError, asyncio.TimeoutError) as e:
             if loop.time() + delay > deadline:
-                why = f"{silent[0]} (something holds that port, or the store host is frozen)" if silent else (
-                    f"{e}. Is it running, and its port open to this node?")
-                raise TimeoutError(f"cannot connect to the store host {host}:{port} within {timeout:g} s: {why}") from None
+                why = (f"it {SILENT_LISTENER} within {SILENT_AFTER:g} s (something holds that port, or the "
+                       "store host is overloaded or frozen)" if silent
+                       else f"{e}. Is it running, and its port open to this node?")
+                raise TimeoutError(
+                    f"cannot connect to the store host {host}:{port} within {timeout:g} s: {why}") from None
             await asyncio.sleep(delay)
             delay = min(delay * 2, 2.0)
