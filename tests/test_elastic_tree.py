@@ -150,12 +150,16 @@ def test_a_relay_killed_mid_job_the_survivors_reform_their_tree_and_finish(tmp_p
         assert (parent, kids) == (tree.parent(rank), tree.children(rank)), (k, placed)
     assert any(parent is not None for _, _, parent, _ in placed.values())  # (a tree, not flat)
     # what a person reads: the dead node named, the nodes below it saying why they re-form;
-    # nothing else (a node below it whose beats were cut off over 3 s may be named too)
+    # nothing else (a node below it whose beats were cut off over 3 s may be named too; on a
+    # loaded machine a node may join the first round late, and an agent that did not see it
+    # within 5 s says it restarts its workers for it: an elastic scale-up, not this failure)
     below = _subtree(first_tree, first[victim][1])
     names = {rank: node for node, rank, _, _ in first.values()}
     for k in survivors:
         for line in logs[k].read_text().splitlines():
             if "WARNING" in line:
+                if "not every member saw the new node" in line and "round 0," in line:
+                    continue
                 assert (any(f"node {names[r]} has not answered for 3 s" in line for r in below)
                         or re.search(r"lost its parent in the store tree \(node rank (\d+)'s proxy", line)
                         and int(re.search(r"node rank (\d+)'s proxy", line).group(1)) in below), line

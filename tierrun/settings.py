@@ -24,10 +24,11 @@ The variables:
     ``TIERRUN_TOKEN`` is unset or empty: a mounted Kubernetes Secret, a file written
     before ``srun``. Its name is no secret and stays in the environment.
 ``TIERRUN_LINK_HEARTBEAT``, ``TIERRUN_LINK_TIMEOUT``, ``TIERRUN_LINK_GRACE``,
-``TIERRUN_LINK_BATCH_WINDOW``, ``TIERRUN_LINK_WRITE_HOLD``, ``TIERRUN_LINK_HOLD_GRID``
+``TIERRUN_LINK_BATCH_WINDOW``, ``TIERRUN_LINK_WRITE_HOLD``, ``TIERRUN_LINK_HOLD_GRID``,
+``TIERRUN_LINK_RELAY_PACE``
     A link's timings in seconds (``LinkConfig``'s ``heartbeat_interval``,
-    ``heartbeat_timeout``, ``grace``, ``batch_window``, ``contended_write_hold`` and
-    ``hold_grid``), which the launcher passes to every store process it starts (they
+    ``heartbeat_timeout``, ``grace``, ``batch_window``, ``contended_write_hold``,
+    ``hold_grid`` and ``relay_pace``), which the launcher passes to every store process it starts (they
     inherit its environment).
 ``TIERRUN_LINK_BATCHES_IN_FLIGHT``
     ``LinkConfig.batches_in_flight`` (a whole number).
@@ -82,6 +83,7 @@ LINK_VARIABLES = {
     "batches_in_flight": "TIERRUN_LINK_BATCHES_IN_FLIGHT",
     "contended_write_hold": "TIERRUN_LINK_WRITE_HOLD",
     "hold_grid": "TIERRUN_LINK_HOLD_GRID",
+    "relay_pace": "TIERRUN_LINK_RELAY_PACE",
     "handshake_timeout": "TIERRUN_LINK_HANDSHAKE_TIMEOUT",
     "max_handshakes_per_address": "TIERRUN_LINK_HANDSHAKES_PER_ADDRESS",
     "lookup_udp_wait": "TIERRUN_LINK_LOOKUP_UDP_WAIT",

@@ -17,6 +17,7 @@ from collections.abc import Callable
 from ..tier import PlanLimits, connect_link
 from ..frontend.listen import ListenError, describe, tcp_listen_socket
 from ..link.config import LinkConfig
+from ..tier.pace import BatchPace
 from ..hub.link_server import LinkServer
 from ..hub.reply_gate import break_watches
 from .control import Event, TakingLinks
@@ -66,6 +67,8 @@ async def serve_proxy(
     links: LinkServer | None = None
     if link_listen is not None:
         link.on_watches_broken = break_watches
+        if link.config.relay_pace > 0:
+            link.pace = BatchPace(link.config.relay_pace)
         links = LinkServer(lambda ns: link.view(ns.decode()), token, link_config, lease=link.lease_left, limits=limits,
                            max_connections=config.frontend.max_connections)
         try:

@@ -1,7 +1,7 @@
 """A front-end's upstream over a link: the thin asyncio adapter that composes the batch
 planner (:mod:`.plan`), the answer fan-out (:mod:`.fanout`), the watch cache
-(:mod:`.watches`), the read-ahead (:mod:`.readahead`) and hold (:mod:`.hold`)
-policies with a link session (:mod:`.connection`).
+(:mod:`.watches`), the read-ahead (:mod:`.readahead`), hold (:mod:`.hold`) and a
+relay's pace (:mod:`.pace`) policies with a link session (:mod:`.connection`).
 
 A loop iteration's requests form one *batch* (held, if it opens with a contended write:
 :mod:`.hold`), sent in one frame (several past a frame's size), executed in order. Every request of a
@@ -34,6 +34,7 @@ from ..protocol.opcodes import NO_REPLY_OPS, WAIT_CANCELED, WATCHABLE_OPS
 from . import fanout
 from .entries import Ids, encode_plan
 from .hold import HELD_WRITES, HoldPolicy
+from .pace import BatchPace
 from .pending import PendingBatch
 from .waits_of import WaitsOf
 from .plan import FETCH_AFTER_WRITES_MARK, FETCH_MARK, PEEK_MARK, WATCH_MARK, Plan, PlanLimits, UpOp, plan_batch
@@ -41,6 +42,7 @@ from .connection import SessionEnd
 from .readahead import ReadAhead, plan_peeks
 from .stats import CoalescingStats
 from .watches import MISSING, WatchCache, answer_from
+from .view import LinkView
 from .writes import WritesInFlight, refused_write, write_size
 
 log = logging.getLogger("tierrun.frontend")
@@ -77,6 +79,8 @@ class LinkUpstream(SessionEnd):
         #: (watchers, on_done): the invalidation round of front-ends below watching keys
         #: that changed; set by whoever links them to this one (``hub.reply_gate``'s).
         self.on_watches_broken: Callable[[list, Callable[[], None] | None], None] = _nobody_below
+        self.pace: BatchPace | None = None  # a relay's (see .pace): set by who makes it one
+        self._paced: asyncio.TimerHandle | None = None  # the batch leaves then, as its pace allows
 
     # -- the session's events (see .connection) ----------------------------------------
 
@@ -89,10 +93,14 @@ class LinkUpstream(SessionEnd):
     def on_disconnected(self) -> None:
         self._drop_watches()
 
+    def _stop_timers(self) -> None:
+        for timer in (self._hold, self._paced):
+            if timer is not None:
+                timer.cancel()
+        self._hold = self._paced = None
+
     def on_dead(self, reason: str) -> None:
-        if self._hold is not None:
-            self._hold.cancel()
-            self._hold = None
+        self._stop_timers()
         inflight, self._inflight = self._inflight, {}
         for u in inflight.values():
             for w in u.waiters:
@@ -321,6 +329,13 @@ class LinkUpstream(SessionEnd):
         if limit and len(self._batches_awaiting) >= limit:
             return  # (_on_replies flushes)
         loop = asyncio.get_running_loop()
+        if self.pace is not None:
+            if self._paced is not None:
+                return
+            wait = self.pace.wait(monotonic())
+            if wait > 0.0005:
+                self._paced = loop.call_later(wait, self._flush)
+                return
         if self.config.batch_window:
             loop.call_later(self.config.batch_window, self._flush)
         else:
@@ -329,9 +344,9 @@ class LinkUpstream(SessionEnd):
     def _flush(self) -> None:
         """Send the batch: plan it (:func:`.plan.plan_batch`), note what the watch cache
         must know, read ahead, and encode its entries. O(keys of the batch)."""
-        if self._hold is not None:
-            self._hold.cancel()
-            self._hold = None
+        self._stop_timers()
+        if self.pace is not None:
+            self.pace.sent(monotonic())
         self._held = False
         self._hold_policy.writers.clear()
         pending = self._pending.take()
@@ -472,27 +487,3 @@ class LinkUpstream(SessionEnd):
 
 def _nobody_below(watchers: list, on_done: Callable[[], None] | None) -> None:
     raise RuntimeError("front-ends below watch keys, but nothing runs their invalidation rounds")
-
-
-class LinkView:
-    """The link as seen by one front-end listener: every client in ``namespace``."""
-
-    #: A write with no answer may be refused after ``execute`` returned: its waiter's
-    #: ``drop`` is called then (``hub.session.WriteTicket``: a relaying proxy's).
-    defers_refusals = True
-
-    def __init__(self, link: LinkUpstream, namespace: bytes) -> None:
-        self._link = link
-        self._ns = namespace
-
-    def execute(self, req: Request, waiter: Waiter) -> bytes | None:
-        return self._link.submit(req, waiter, self._ns)
-
-    def execute_watching(self, req: Request, waiter: Waiter, watcher: Any, how: int = WATCH_READ) -> bytes | None:
-        return self._link.submit_watching(req, waiter, watcher, self._ns, how)
-
-    def forget(self, waiter: Waiter) -> None:
-        self._link.forget(waiter, self._ns)
-
-    def write_room(self, client: Any) -> bool:
-        return self._link.write_room(client)
