@@ -18,8 +18,8 @@ these set-ups, in the same run, each with the traffic of agents that can run it:
   tree-proxies  the tree with every node but node 0 a real ``tierrun proxy`` process
                 (up to --max-proxies nodes)
   tree-10ms     (not run by default) tree, every front-end keeping its batch open 10 ms
-  tree-unpaced  (not run by default) tree, its relays not paced (TIERRUN_LINK_RELAY_PACE=0:
-                each sends a batch as soon as it has one; see tierrun/tier/pace.py)
+  tree-paced    (not run by default) tree, its relays paced (TIERRUN_LINK_RELAY_PACE=0.05:
+                while busy, a relay sends at most a batch per 50 ms; tierrun/tier/pace.py)
 
 Arrivals (--skew S, default 1 s): each node starts at a moment drawn uniformly over
 [0, S]; its ranks start 0.1-0.3 s (uniform) after its agent's rendezvous completes, as
@@ -80,14 +80,14 @@ from wireup_sim import RUN_ID, Plan, node_address, sim_child
 from tierrun.rendezvous.tree import TreePlace
 from tierrun.server import StoreProcess
 
-SETUPS = ("torch", "tierrun-flat", "tiered", "tree", "tree-proxies", "tree-10ms", "tree-unpaced")
+SETUPS = ("torch", "tierrun-flat", "tiered", "tree", "tree-proxies", "tree-10ms", "tree-paced")
 DEFAULT_SETUPS = ("torch", "tierrun-flat", "tiered", "tree", "tree-proxies")
 DEFAULT_SIZES = ["64x8", "128x8", "256x8", "512x8", "1024x8"]
 CROSSOVER_SETUPS = ("torch", "tierrun-flat", "tiered", "tree")
 CROSSOVER_SIZES = ("4x8", "8x8", "16x8", "32x8", "64x8", "128x8")
 #: The set-ups with node front-ends, and those stacked in a tree.
-TIERED = ("tiered", "tree", "tree-proxies", "tree-10ms", "tree-unpaced")
-TREES = ("tree", "tree-proxies", "tree-10ms", "tree-unpaced")
+TIERED = ("tiered", "tree", "tree-proxies", "tree-10ms", "tree-paced")
+TREES = ("tree", "tree-proxies", "tree-10ms", "tree-paced")
 
 
 def agents_of(setup: str, args: argparse.Namespace) -> str:
@@ -142,8 +142,8 @@ def measure(setup: str, k: int, p: int, skew: float, seed: str, args: argparse.N
     env = dict(os.environ, TIERRUN_TOKEN=token)
     if setup == "tree-10ms":  # (read by the front-ends' Settings.from_env)
         env["TIERRUN_LINK_BATCH_WINDOW"] = "0.01"
-    if setup == "tree-unpaced":
-        env["TIERRUN_LINK_RELAY_PACE"] = "0"
+    if setup == "tree-paced":
+        env["TIERRUN_LINK_RELAY_PACE"] = "0.05"
     fanout = args.fanout if setup in TREES else 0
     store = None
     proxies: dict[int, StoreProcess] = {}

@@ -169,13 +169,24 @@ class Settings:
         return None
 
 
+#: The most a relay may pace its batches (seconds): more would stall every request.
+MAX_RELAY_PACE = 1.0
+
+
 def _link_config(environ: Mapping[str, str]) -> LinkConfig:
     defaults = LinkConfig()
     overrides: dict[str, float | int] = {}
     for name, variable in LINK_VARIABLES.items():
         if variable in environ:
             whole = isinstance(getattr(defaults, name), int)
-            overrides[name] = _number(variable, environ[variable], whole)
+            value = overrides[name] = _number(variable, environ[variable], whole)
+            if not 0 <= value < float("inf"):  # (also NaN)
+                raise SettingsError(f"${variable}={environ[variable]!r}: write a number >= 0 "
+                                    f"({'a whole number' if whole else 'seconds'})")
+    pace = overrides.get("relay_pace", 0.0)
+    if pace > MAX_RELAY_PACE:
+        raise SettingsError(f"$TIERRUN_LINK_RELAY_PACE={environ['TIERRUN_LINK_RELAY_PACE']!r}: at most "
+                            f"{MAX_RELAY_PACE:g} (seconds; the default is {defaults.relay_pace:g})")
     return LinkConfig(**overrides)  # type: ignore[arg-type]
 
 

@@ -47,12 +47,15 @@ class LinkConfig:
     #: one wake-up (512x8 wire-up: ~10% fewer frames and context switches at node 0).
     hold_grid: float = 0.01
     #: A relay (a front-end that takes other front-ends' links: a store tree's inner
-    #: node) sends its upstream at most one batch per this many seconds while its batches
-    #: keep leaving; one after a quiet spell leaves at once (``tier.pace``). Its upstream
-    #: then reads at most ``1 / relay_pace`` frames a second from it, however large its
-    #: subtree, and a request waits at most this long at each relay on its way up. 0: not
-    #: paced.
-    relay_pace: float = 0.05
+    #: node) sends its upstream at most one batch per this many seconds while busy
+    #: (requests from two or more clients or front-ends below within this long): its
+    #: upstream then reads at most ``1 / relay_pace`` frames a second from it, however
+    #: large its subtree (``tier.pace``). A lone client one request at a time, and a
+    #: batch after a quiet spell, leave at once. The price: while busy, every request
+    #: whose client waited for the answer before it (a chain of dependent steps: a
+    #: process group's creation, Gloo's address exchange) waits up to this long at each
+    #: relay. 0 (the default): not paced.
+    relay_pace: float = 0.0
     #: A node of a store tree asks where its parent takes links with a LOOKUP datagram
     #: first (UDP, to the store's port: the cheapest for the store host), and over TCP
     #: if no authenticated answer came within this many seconds (UDP filtered, an older

@@ -234,6 +234,8 @@ class LinkUpstream(SessionEnd):
         a client whose write the batch holds (see :mod:`.hold`)."""
         policy = self._hold_policy
         contended = waits_on_held = False
+        if self.pace is not None:
+            self.pace.request(getattr(waiter, "client", waiter), monotonic())  # (issuer(), inlined)
         if policy.hold:
             now = monotonic()
             if req[0] in HELD_WRITES:
@@ -261,7 +263,7 @@ class LinkUpstream(SessionEnd):
                 if self._hold is not None:
                     self._hold.cancel()
                     self._hold = None
-                    asyncio.get_running_loop().call_soon(self._flush)
+                    self._schedule_flush()  # (a relay's pace holds it too)
             else:
                 policy.joined(monotonic())
         if self._held:
@@ -280,6 +282,9 @@ class LinkUpstream(SessionEnd):
             return
         grid = self.config.hold_grid
         to_tick = (-time.time()) % grid if grid else 0.0
+        wait = 0.0 if self.pace is None else self.pace.wait(monotonic())
+        if wait > to_tick:  # (a relay's held batch waits for its pace too, then the grid's tick)
+            to_tick += -(-(wait - to_tick) // grid) * grid if grid else wait - to_tick
         if to_tick > 0.001:
             self._hold = asyncio.get_running_loop().call_later(to_tick, self._flush)
         else:
@@ -326,8 +331,8 @@ class LinkUpstream(SessionEnd):
         after its first request. While ``batches_in_flight`` batches await their
         answers, it closes when one of them is answered instead."""
         limit = self.config.batches_in_flight
-        if limit and len(self._batches_awaiting) >= limit:
-            return  # (_on_replies flushes)
+        if limit and len(self._batches_awaiting) >= limit or self.dead is not None:
+            return  # (_on_replies flushes; a dead session sends nothing)
         loop = asyncio.get_running_loop()
         if self.pace is not None:
             if self._paced is not None:
