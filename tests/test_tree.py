@@ -135,7 +135,7 @@ def test_static_job_with_store_fanout_node0_sees_fanout_links_and_ends_as_flat_d
     for log in logs:
         assert "WARNING" not in log.read_text(), log.read_text()[-3000:]
     _, flat_wall = _static_job(tmp_path, "flat")
-    assert tree_wall < flat_wall + 5, (tree_wall, flat_wall)  # (cut off: 15 s more)
+    assert tree_wall < flat_wall + 10, (tree_wall, flat_wall)  # (cut off: 15 s more; a loaded machine: ~5 s)
     served = served_by_store_host(logs[0])
     # 1 link; nodes 2, 3 and 4 each looked up their parent once (a LOOKUP: no session,
     # closed once answered), and no torch client reached the public port (links only)
