@@ -81,6 +81,33 @@ def test_proxy_frozen_past_heartbeat_timeout_resumes_and_counts_once(root):
         proxy.stop()
 
 
+def test_a_frozen_store_host_reads_what_its_nodes_sent_before_it_calls_them_silent(root):
+    """SIGSTOP the store host for 2 s (its heartbeat timeout: 1 s) while a proxy, which
+    allows the store host 10 s, keeps beating. On SIGCONT the proxy's beats wait in the
+    store host's socket: the silence was the store host's own. uvloop runs due timers
+    before it reads, so its watchdog condemned the link first and the node had to
+    resume; now a check that runs late looks again once it has read."""
+    proxy = StoreProcess(command="proxy", host="127.0.0.1", port=0, controlled=True,
+                         env={**os.environ, **TIMING, "TIERRUN_LINK_TIMEOUT": "10"},
+                         extra_args=["--upstream", f"127.0.0.1:{root.port}"])
+    proxy.start()
+    try:
+        a = client(proxy.port)
+        assert a.add("n", 1) == 1
+        time.sleep(0.5)
+        os.kill(root.pid, signal.SIGSTOP)
+        time.sleep(2.0)
+        os.kill(root.pid, signal.SIGCONT)
+        assert a.add("n", 1) == 2
+        time.sleep(0.5)
+        stats = root.stats()
+        assert stats["links"] == 1 and stats["link_resumes"] == 0, stats
+        assert "nothing heard" not in root.output
+    finally:
+        os.kill(root.pid, signal.SIGCONT)
+        proxy.stop()
+
+
 def test_killed_proxy_session_expires_and_its_waits_are_dropped(root):
     proxy = start_proxy(root)
     waiter = client(proxy.port)

@@ -10,7 +10,9 @@ from tierrun.link.frames import (
     ACK, AUTH, ERROR, HELLO, RESUMED, SESSION, WELCOME, FrameDecoder, LinkError, Unauthenticated, encode_count,
     encode_resumed, frame,
 )
-from tierrun.link.session import ClientHandshake, Heartbeat, Ledger, ServerHandshake
+from tierrun.link.session import (
+    LATE_CHECK, RECHECK_AFTER, ClientHandshake, DeadlineCheck, Heartbeat, Ledger, ServerHandshake,
+)
 
 SID = b"s" * 16
 
@@ -189,3 +191,26 @@ def test_the_heartbeat_deadline():
     assert not beat.expired(104.9) and beat.expired(105.1)
     beat.heard(105.0)
     assert beat.silent(106.0) == 1.0 and not beat.expired(106.0)
+
+
+@pytest.mark.parametrize("late, deferred_before, looks_again", [
+    (0.0, False, False),          # on time: a silent peer is silent
+    (LATE_CHECK, False, False),   # within the slack
+    (LATE_CHECK + 0.01, False, True),  # late: this process was not running; read first
+    (5.0, True, False),           # late again right after looking again: condemn (no endless deferral)
+])
+def test_a_late_deadline_check_looks_again_once(late, deferred_before, looks_again):
+    check = DeadlineCheck()
+    assert check.armed(100.0, 1.0) == 1.0
+    check.deferred = deferred_before
+    assert check.look_again(101.0 + late) is looks_again
+    assert check.deferred is looks_again
+
+
+def test_a_check_that_looked_again_condemns_on_its_next_turn():
+    check = DeadlineCheck()
+    check.armed(0.0, 1.0)
+    assert check.look_again(3.0)
+    check.armed(3.0, RECHECK_AFTER)
+    assert not check.look_again(3.0 + RECHECK_AFTER)
+    assert not check.deferred

@@ -115,6 +115,23 @@ def test_a_frozen_front_end_process_is_replaced():
     assert "froze past the link heartbeat timeout" in store.output
 
 
+def test_a_front_end_process_slower_to_start_than_the_heartbeat_timeout_is_kept(tmp_path: Path):
+    """A front-end process is a new Python process: on a loaded machine its imports took
+    longer than a 1 s link heartbeat timeout, and the core closed its link before its
+    first frame and replaced it, again and again (a CI run: the store served no one).
+    Here every Python process of the store sleeps 1.5 s as it starts (a
+    ``sitecustomize``): the front-end processes link and are kept, and serve."""
+    (tmp_path / "sitecustomize.py").write_text("import time\ntime.sleep(1.5)\n")
+    env = dict(os.environ, TIERRUN_LINK_HEARTBEAT="0.2", TIERRUN_LINK_TIMEOUT="1",
+               PYTHONPATH=os.pathsep.join(filter(None, [str(tmp_path), os.environ.get("PYTHONPATH")])))
+    with StoreProcess(host="127.0.0.1", port=0, controlled=True, env=env, extra_args=["--workers", "2"]) as store:
+        clients = [client(store.port) for _ in range(10)]
+        assert sorted(c.add("n", 1) for c in clients) == list(range(1, 11))
+        stats = store.stats()
+        assert stats["store_frontend_restarts"] == 0 and sum(stats["clients_per_process"]) == 10, stats
+    assert "froze past" not in store.output
+
+
 def test_flat_job_restarts_its_workers_when_a_store_front_end_process_dies(tmp_path: Path):
     """The issue-5 fault "restart a root front-end process", in a launched flat job: the
     workers whose store connections it served fail, their agent restarts them, the job

@@ -50,6 +50,13 @@ class LinkServer(Host, Protocol):
     def detach(self, session: Session) -> None: ...
 
 
+#: How much longer than the heartbeat timeout the store's own front-end process (a
+#: connection that is not ``resumable``) may take to send its first frame: it is a new
+#: Python process, whose imports take seconds on a loaded machine (one that dies is seen
+#: at once: the store supervises it as its child). A node's link has the handshake deadline.
+PROCESS_START_ALLOWANCE = 20.0
+
+
 class LinkServerConnection(asyncio.Protocol):
     """One connection from a front-end: handshake, then its session's frames."""
 
@@ -62,12 +69,15 @@ class LinkServerConnection(asyncio.Protocol):
         self._first_byte = not sniffed
         self._not_a_link = not_a_link  # (why one whose first byte is not a link's is closed)
         self.on_lost: Callable[[], None] | None = None  # (called once the connection is gone)
+        self.on_open: Callable[[], None] | None = None  # (called once its session is open)
         self._handshake = ServerHandshake(token)
         self._decoder = FrameDecoder(self._handshake.max_frame)
         self._session: Session | None = None
         self._transport: asyncio.Transport | None = None
         self._corked: list[bytes] | None = None  # (while a read is handled, what it writes: one write at its end)
-        self.heartbeat = Heartbeat(server.config.heartbeat_timeout, monotonic())
+        # (the store's own front-end process speaks first once its Python has started)
+        self.heartbeat = Heartbeat(server.config.heartbeat_timeout,
+                                   monotonic() + (0.0 if resumable else PROCESS_START_ALLOWANCE))
         #: The source host, counted in ``LinkServer.handshaking`` until the session opens.
         self._address: str | None = None
         self._deadline: asyncio.TimerHandle | None = None
@@ -190,6 +200,8 @@ class LinkServerConnection(asyncio.Protocol):
                     if handshake.session is not None:
                         self._session = self._server.attach(self, *handshake.session)
                         self._opened()
+                        if self.on_open is not None:
+                            self.on_open()
                 else:
                     raise LinkError(f"unexpected frame type {ftype}")
             if self._lookup is not None and decoder.partial:

@@ -42,6 +42,7 @@ from ..frontend import Upstream
 from ..frontend.contracts import TORCH_CLIENT_REFUSED
 from ..link.config import LinkConfig
 from ..link.frames import DEFAULT_MAX_FRAME, WATCH_LEASE, LinkError, encode_resumed
+from ..link.session import RECHECK_AFTER, DeadlineCheck
 from ..logs import FloodLog
 from ..protocol.limits import Limits
 from .reply_gate import ReplyGate
@@ -87,6 +88,7 @@ class LinkServer:
         #: Largest frame sent (the front-ends' decoders accept no larger).
         self.max_frame = DEFAULT_MAX_FRAME
         self._watchdog: asyncio.TimerHandle | None = None
+        self._late = DeadlineCheck()
         #: Where a connection closed before it was a session's link says so (a flood: in part).
         self.closed_log = FloodLog(log, "connections to the link port closed")
 
@@ -141,22 +143,30 @@ class LinkServer:
                 del self.handshaking[address]
 
     def _schedule_watchdog(self, delay: float) -> None:
-        self._watchdog = asyncio.get_running_loop().call_later(delay, self._check_heartbeats)
+        self._watchdog = asyncio.get_running_loop().call_later(self._late.armed(monotonic(), delay),
+                                                               self._check_heartbeats)
 
     def _check_heartbeats(self) -> None:
         """Close connections silent for longer than the heartbeat timeout; come back when
         the least recently heard of the others would be (not every interval: an idle
-        store host wakes for its links' heartbeats only). O(links)."""
+        store host wakes for its links' heartbeats only). A check that ran late (this
+        process was not running) looks again once what they sent is read. O(links)."""
         now = monotonic()
         timeout = self.config.heartbeat_timeout
         deadline = now - timeout
         oldest = now
-        for conn in list(self.connections):
+        silent = []
+        for conn in self.connections:
             last_rx = now if conn.paused else conn.heartbeat.last_rx  # (paused: not read on purpose)
             if last_rx < deadline:
-                conn.abort(f"nothing heard for {timeout:g} s")
+                silent.append(conn)
             elif last_rx < oldest:
                 oldest = last_rx
+        if silent and self._late.look_again(now):
+            self._schedule_watchdog(RECHECK_AFTER)
+            return
+        for conn in silent:
+            conn.abort(f"nothing heard for {timeout:g} s")
         self._schedule_watchdog(oldest + timeout - now + 0.01)  # (>= 0.01: aborted ones are not counted)
 
     def attach(self, conn: LinkServerConnection, sid: bytes, fresh: bool, replies_received: int) -> Session:

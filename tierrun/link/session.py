@@ -225,3 +225,39 @@ class Heartbeat:
 
     def expired(self, now: float) -> bool:
         return now - self.last_rx > self.timeout
+
+
+#: A deadline check that runs more than this (seconds) after it was due ran in a process
+#: that was itself not running meanwhile: a loaded machine, or one long step of its event
+#: loop. What its peers sent may then be waiting unread in its sockets (uvloop runs due
+#: timers before it reads), so their silence is its own, not theirs.
+LATE_CHECK = 0.1
+#: When such a check looks again: after one turn of the event loop, which reads first.
+RECHECK_AFTER = 0.01
+
+
+class DeadlineCheck:
+    """Decides whether a late heartbeat check may condemn a silent peer, or must look
+    again after the event loop has read its sockets (once: a check that was itself late
+    again condemns, so a process that is always behind still notices dead peers). Takes
+    the time (monotonic seconds) from its caller. O(1)."""
+
+    __slots__ = ("due", "deferred")
+
+    def __init__(self) -> None:
+        self.due = 0.0
+        self.deferred = False
+
+    def armed(self, now: float, delay: float) -> float:
+        """The check is scheduled ``delay`` seconds from ``now``; returns ``delay``."""
+        self.due = now + delay
+        return delay
+
+    def look_again(self, now: float) -> bool:
+        """Called by a check at ``now`` that found a peer silent past its deadline: True if
+        it should not condemn it yet but run again after ``RECHECK_AFTER`` seconds."""
+        if self.deferred or now - self.due <= LATE_CHECK:
+            self.deferred = False
+            return False
+        self.deferred = True
+        return True

@@ -7,8 +7,9 @@ several cores. Each is linked to the core like a node proxy, so its clients' req
 reach the core in coalesced batches; links of nodes that land on one are handed over,
 connection and all, and end here.
 
-A process that dies (killed, crashed, frozen past the link heartbeat) is replaced at
-once; its clients lose their connections (torch's client does not reconnect), its link
+A process that dies (killed, crashed, frozen past the link heartbeat timeout, counted
+from its first frame: a Python start-up may take seconds on a loaded machine) is
+replaced at once; its clients lose their connections (torch's client does not reconnect), its link
 session ends with it, and everything else carries on: nodes' links and the other
 processes' clients are not affected.
 """
@@ -57,11 +58,14 @@ class _Process:
         self.proc: asyncio.subprocess.Process | None = None
         self.channel: socket.socket | None = None
         self.stats: asyncio.Future[dict] | None = None
+        #: Set once its link opened its session (True) or closed before (False).
+        self.linked: asyncio.Future[bool] | None = None
 
 
 class FrontEndPool:
-    """``start`` returns once every process has its sockets (connections queue in the
-    kernel until it accepts them); ``close`` stops them all."""
+    """``start`` returns once every process has its sockets and its link to the core is
+    open; it raises RuntimeError if a process closed its link first (a broken install: its
+    output says why). ``close`` stops them all."""
 
     def __init__(self, count: int, links: LinkServer, config: FrontEndConfig, links_only: bool = False) -> None:
         """``links_only``: the processes refuse torch-protocol clients on the public port."""
@@ -112,9 +116,16 @@ class FrontEndPool:
                     return
                 log.error("could not restart store front-end process %d: %s", p.index, e)
             else:
+                assert p.proc is not None and p.linked is not None
+                linked = await p.linked
                 if not started.done():
+                    if not linked:
+                        started.set_exception(RuntimeError(
+                            f"store front-end process {p.index} (pid {p.proc.pid}) closed its link to the core "
+                            "before it opened: see its output above"))
+                        p.proc.kill()
+                        return
                     started.set_result(None)
-                assert p.proc is not None
                 status = await p.proc.wait()
                 self._forget(p)
                 if self._closing:
@@ -150,7 +161,14 @@ class FrontEndPool:
         peer = f"store front-end process {p.index} (pid {p.proc.pid})"
         _, conn = await loop.connect_accepted_socket(
             lambda: self.links.accept(peer, token=token, resumable=False, sniffed=False), sock=link)
-        conn.on_lost = lambda proc=p.proc: self._link_lost(proc, peer)
+        p.linked = linked = loop.create_future()
+
+        def settle(opened: bool) -> None:
+            if not linked.done():
+                linked.set_result(opened)
+
+        conn.on_open = lambda: settle(True)
+        conn.on_lost = lambda proc=p.proc: (settle(False), self._link_lost(proc, peer))
         channel.setblocking(False)
         p.channel = channel
         loop.add_reader(channel.fileno(), self._on_channel, p)

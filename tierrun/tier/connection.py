@@ -28,7 +28,7 @@ from ..link.frames import (
     ACK, ERROR, INVALIDATE, PONG, REPLIES, SESSION_ID_BYTES, FrameDecoder, LinkError, Unauthenticated,
     decode_count, decode_pong,
 )
-from ..link.session import ClientHandshake, Heartbeat, Ledger
+from ..link.session import RECHECK_AFTER, ClientHandshake, DeadlineCheck, Heartbeat, Ledger
 from ..protocol.limits import Limits
 
 log = logging.getLogger("tierrun.frontend")
@@ -60,6 +60,7 @@ class SessionEnd:
         self.dead: str | None = None
         self.ready: asyncio.Future[None] = asyncio.get_running_loop().create_future()
         self._heartbeat: asyncio.TimerHandle | None = None
+        self._late = DeadlineCheck()
         self._sent_since_beat = False  # a batch left since the last heartbeat interval began
         self._beat_with_next_batch = False  # the heartbeat rides with the next batch
         self._reconnecting: asyncio.Task[None] | None = None
@@ -166,15 +167,20 @@ class SessionEnd:
         delay = (-time.time()) % interval
         if delay < interval / 10:
             delay += interval
-        self._heartbeat = asyncio.get_running_loop().call_later(delay, self._beat)
+        self._heartbeat = asyncio.get_running_loop().call_later(self._late.armed(monotonic(), delay), self._beat)
 
     def _beat(self) -> None:
         """Every heartbeat interval: acknowledge (the heartbeat), or drop a silent
         connection. A link that sent a batch during the last interval sends its
         heartbeat with its next batch instead (in one write), or at the next beat if none
-        comes: heartbeats at most two intervals apart, well within the watch lease."""
+        comes: heartbeats at most two intervals apart, well within the watch lease. A
+        beat that ran late (this process was not running) looks again once what the
+        store host sent is read, before it calls the store host silent."""
+        conn = self._conn
+        if conn is not None and conn.heartbeat.expired(now := monotonic()) and self._late.look_again(now):
+            self._heartbeat = asyncio.get_running_loop().call_later(self._late.armed(now, RECHECK_AFTER), self._beat)
+            return
         try:
-            conn = self._conn
             if conn is None and self._reconnecting is None and self.dead is None and self.address is not None:
                 # (no connection and nothing reconnecting: a state no path should leave,
                 # but one that would hang the node for good, neither recovering nor giving up)
