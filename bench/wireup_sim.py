@@ -146,16 +146,25 @@ class SimClient(asyncio.Protocol):
 
     async def call(self, *req):
         """Send one request; its decoded answer (None for a request with none)."""
-        SimClient.requests += 1
-        SimClient.node0_requests += self.to_node0
+        return (await self.pipeline(req))[0]
+
+    async def pipeline(self, *reqs: tuple) -> list:
+        """Send requests in one write (as tierrun's client pipelines them); their decoded
+        answers, in order (None for a request with none)."""
+        SimClient.requests += len(reqs)
+        SimClient.node0_requests += self.to_node0 * len(reqs)
         assert self.transport is not None
-        self.transport.write(encode_request(req))
-        if req[0] in NO_REPLY_OPS:
-            return None
-        fut = asyncio.get_running_loop().create_future()
-        self.pending = (req[0], len(req[1]) if req[0] == Op.MULTI_GET else 1, fut)
-        self.data_received(b"")
-        return await fut
+        self.transport.write(b"".join(encode_request(r) for r in reqs))
+        answers = []
+        for req in reqs:
+            if req[0] in NO_REPLY_OPS:
+                answers.append(None)
+                continue
+            fut = asyncio.get_running_loop().create_future()
+            self.pending = (req[0], len(req[1]) if req[0] == Op.MULTI_GET else 1, fut)
+            self.data_received(b"")
+            answers.append(await fut)
+        return answers
 
 
 async def connect(host: str, port: int) -> SimClient:
@@ -247,10 +256,11 @@ class Cluster:
 
     async def tierrun_agent(self, n: int, agent: SimClient, target: tuple[str, int]) -> None:
         """What a tierrun agent of a static job (--rdzv_backend parallel) sends instead of
-        torch's static rendezvous and rank assignment: claim its node rank's record, count
-        itself among the nodes with its number of workers, append to the arrivals, count
-        its arrival (the last SETs the key all wait for), wait, confirm its record, read
-        the count (all alike: torch's agent computes ranks locally); then, while its
+        torch's static rendezvous and rank assignment: claim its node rank's record; in one
+        write append to the arrivals, count itself among the nodes with its number of
+        workers and among the arrived (the last SETs the key all wait for); wait; in one
+        write confirm its record and read the count (all alike: torch's agent computes
+        ranks locally); then, while its
         workers run, a standing WAIT on the round's ``failed`` key and its heartbeat, as
         ``liveness.Heartbeat`` sends it: ADD its beat counter at once, then SET its next
         count (every ``CONFIRM_EVERY``-th an ADD) on each whole second of the wall clock;
@@ -261,13 +271,14 @@ class Cluster:
         fields = {"addr": f"10.0.{n // 250}.{n % 250}", "nonce": secrets.token_hex(8), "workers": self.p}
         record, key = json.dumps(fields).encode(), f"{base}/node/{n}".encode()
         await agent.call(Op.COMPARE_SET, key, b"", record)  # (node_claim: claim, then count)
-        await agent.call(Op.ADD, same, 1)
-        await agent.call(Op.APPEND, f"{base}/arrivals".encode(), f"{n} 10.0.{n // 250}.{n % 250} {self.k}\n".encode())
-        if await agent.call(Op.ADD, f"{base}/arrived".encode(), 1 + (self.k << 21)) == self.k * (1 + (self.k << 21)):
+        line = f"{n} 10.0.{n // 250}.{n % 250} {self.k}\n".encode()
+        *_, arrived = await agent.pipeline((Op.APPEND, f"{base}/arrivals".encode(), line), (Op.ADD, same, 1),
+                                           (Op.ADD, f"{base}/arrived".encode(), 1 + (self.k << 21)))
+        if arrived == self.k * (1 + (self.k << 21)):
             await agent.call(Op.SET, f"{base}/all_arrived".encode(), b"1")
         await agent.call(Op.WAIT, (f"{base}/all_arrived".encode(),))
-        await agent.call(Op.COMPARE_SET, key, record, json.dumps({**fields, "formed": True}).encode())  # (confirm)
-        await agent.call(Op.GET, same)
+        await agent.pipeline((Op.COMPARE_SET, key, record, json.dumps({**fields, "formed": True}).encode()),
+                             (Op.GET, same))  # (confirm, read the count)
         watcher, beater = await connect(*target), await connect(*target)
         watching = asyncio.ensure_future(watcher.call(Op.WAIT, (f"{base}/failed".encode(),)))
         mine = f"{base}/beat/{n}".encode()

@@ -175,3 +175,28 @@ def test_a_wait_sent_before_the_previous_ones_answer(servers, name):
         other.close()
     assert answers["torch"], "torch's server answered nothing"
     assert answers["flat"] == answers["torch"], f"flat: {answers['flat'].hex(' ')}; torch: {answers['torch'].hex(' ')}"
+
+
+def test_the_clients_pipeline_gets_torchs_answers_in_one_round_trip(servers):
+    """``StoreClient.pipeline`` (what a tierrun agent's rendezvous sends: an APPEND and two
+    ADDs, then a COMPARE_SET and a GET, each group in one write) reads the same answers
+    from every set-up as from torch's server; an op it cannot read is refused before
+    anything is sent."""
+    from tierrun.client import StoreClient
+
+    answers = {}
+    for name, port in servers.items():
+        with StoreClient(("127.0.0.1", port), timeout=10) as c:
+            k = f"/pipe/{name}/".encode()  # (one namespace per server: the proxies share the flat store)
+            first = c.pipeline((Op.APPEND, k + b"arrivals", b"0 a 2\n"), (Op.ADD, k + b"lws", 1),
+                               (Op.ADD, k + b"arrived", 1 + (2 << 21)), (Op.SET, k + b"all", b"1"),
+                               (Op.WAIT, (k + b"all",)))
+            second = c.pipeline((Op.COMPARE_SET, k + b"node", b"", b"mine"), (Op.COMPARE_SET, k + b"node", b"x", b"y"),
+                                (Op.GET, k + b"lws"), (Op.CHECK, (k + b"all", k + b"none")),
+                                (Op.ADD, k + b"lws", -(1 << 63)), (Op.GET, k + b"arrivals"))
+            with pytest.raises(ValueError, match="cannot be pipelined"):
+                c.pipeline((Op.ADD, k + b"lws", 1), (Op.LIST_KEYS,))
+            assert c.add(k + b"lws", 0) == 1 - (1 << 63)  # (the refused pipeline sent nothing)
+            answers[name] = (first, second)
+    assert answers["torch"] == ([None, 1, 1 + (2 << 21), None, 0], [b"mine", b"mine", b"1", 1, 1 - (1 << 63), b"0 a 2\n"])
+    assert all(a == answers["torch"] for a in answers.values()), answers

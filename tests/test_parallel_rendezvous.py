@@ -10,11 +10,24 @@ from torch.distributed import HashStore
 from torch.distributed.elastic.rendezvous import RendezvousError
 
 from tierrun.rendezvous.job_store import JobStore
-from tierrun.rendezvous.node_claim import Claim, DuplicateNodeRankError, NodeRecord, Rank, claim, confirm
+from tierrun.rendezvous.node_claim import (
+    Claim, DuplicateNodeRankError, NodeRecord, Rank, check_confirmed, claim, confirmed_record,
+)
 from tierrun.rendezvous.parallel import ARRIVAL_UNIT, ParallelRendezvousHandler
 
 KEY = "r/node/1"
 RANK = Rank(1, 3, "job")
+
+
+def confirm(store, key: str, mine: NodeRecord, rank: Rank) -> None:
+    """The agent's confirmation, as it sends it (pipelined with a GET there)."""
+    check_confirmed(store.compare_set(key, mine.encode(), confirmed_record(mine)), mine, rank)
+
+
+def arrive(h: ParallelRendezvousHandler, store) -> None:
+    """The agent's arrival, as it counts it (pipelined there): the last one sets the key."""
+    if h._arrived(store.add("r/arrived", h.arrival), store, "r"):
+        store.set("r/all_arrived", "1")
 
 
 def handler(rank: int, nodes: int) -> ParallelRendezvousHandler:
@@ -25,9 +38,9 @@ def handler(rank: int, nodes: int) -> ParallelRendezvousHandler:
 def test_the_last_node_to_arrive_sets_the_one_key_all_wait_for():
     store = HashStore()
     for rank in (2, 0):
-        handler(rank, 3)._arrive(store, "r")
+        arrive(handler(rank, 3), store)
         assert not store.check(["r/all_arrived"])
-    handler(1, 3)._arrive(store, "r")
+    arrive(handler(1, 3), store)
     assert store.check(["r/all_arrived"])
     assert store.add("r/arrived", 0) == 3 + 9 * ARRIVAL_UNIT  # (3 nodes, each of --nnodes 3)
 
@@ -43,7 +56,7 @@ def test_a_node_that_counts_another_number_of_nodes_is_found_in_the_same_add(cou
     for rank, nodes in enumerate(counts):
         store.append("r/arrivals", f"{rank} 10.0.0.{rank + 1} {nodes}\n")
         try:
-            handler(rank, nodes)._arrive(store, "r")
+            arrive(handler(rank, nodes), store)
         except RendezvousError as e:
             stopped.append(rank)
             assert "the nodes were started with different --nnodes" in str(e)

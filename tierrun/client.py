@@ -19,6 +19,14 @@ class StoreClientError(RuntimeError):
     pass
 
 
+#: What :meth:`StoreClient.pipeline` sends, by the answer each gets.
+_NO_ANSWER = frozenset({Op.SET, Op.APPEND, Op.MULTI_SET, Op.QUEUE_PUSH})
+_INT_ANSWER = frozenset({Op.ADD, Op.GETNUMKEYS, Op.QUEUE_LEN})
+_BYTES_ANSWER = frozenset({Op.GET, Op.COMPARE_SET})
+_STATUS_ANSWER = frozenset({Op.CHECK, Op.WAIT})
+_PIPELINED = _NO_ANSWER | _INT_ANSWER | _BYTES_ANSWER | _STATUS_ANSWER
+
+
 class StoreClient:
     """``StoreClient(("127.0.0.1", 29500))`` or ``StoreClient("@abstract-name")`` or a path.
 
@@ -67,7 +75,31 @@ class StoreClient:
         (n,) = struct.unpack("<Q", self._exact(8))
         return self._exact(n)
 
+    def _answer(self, op: Op) -> object:
+        """Read the answer to one request of ``op``, one of ``_PIPELINED``."""
+        if op in _NO_ANSWER:
+            return None
+        if op in _INT_ANSWER:
+            return self._i64()
+        if op in _BYTES_ANSWER:
+            return self._vec()
+        return self._u8()
+
     # -- operations -------------------------------------------------------------------
+
+    def pipeline(self, *reqs: tuple) -> list:
+        """Send ``reqs`` (tuples as ``encode_request`` takes them) in one write, then read
+        their answers, in order: one round trip for all (a store answers a connection's
+        requests in the order they came). Each answer is the raw value: None (SET, APPEND,
+        MULTI_SET, QUEUE_PUSH), an int (ADD, GETNUMKEYS, QUEUE_LEN; CHECK and WAIT: their
+        status byte, 0 = ready / done), bytes (GET, which does not WAIT first: a missing
+        key is an error; COMPARE_SET). Raises ValueError for other ops, before sending."""
+        for r in reqs:
+            if r[0] not in _PIPELINED:
+                raise ValueError(f"{r[0]!r} cannot be pipelined by this client")
+        self._send(*reqs)
+        return [self._answer(r[0]) for r in reqs]
+
 
     def ping(self, nonce: int = 1) -> int:
         self._send((Op.PING, nonce))

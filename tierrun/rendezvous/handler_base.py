@@ -79,24 +79,21 @@ class StoreRendezvousHandler(RendezvousHandler):
         #: How this round's global ranks are assigned, for the round's log line.
         self._rank_note = ""
 
-    def _count_local_world_size(self, store, base: str, count: bool) -> str | None:
-        """Before this node announces itself in round ``base`` of a static job: count it
-        among the nodes with its number of workers (one ADD, on a key shared by all such
-        nodes: merged), unless not ``count`` (its node rank was counted already). Returns
-        the key for :meth:`_choose_rank_assignment`."""
+    def _workers_key(self, base: str) -> str | None:
+        """The key of round ``base`` of a static job that counts the nodes with this
+        node's number of workers (one ADD each as they arrive, on a key shared by all such
+        nodes: merged), or None when there is nothing to count (see
+        :meth:`_choose_rank_assignment`)."""
         if self._local_world_size is None or self._user_identical is not None:
             return None
-        key = f"{base}/local_world_size/{self._local_world_size}"
-        if count:
-            store.add(key, 1)
-        return key
+        return f"{base}/local_world_size/{self._local_world_size}"
 
-    def _choose_rank_assignment(self, store, key: str | None, nodes: int) -> None:
+    def _choose_rank_assignment(self, counted: int | None, nodes: int) -> None:
         """After every node of a static round has announced itself: all ``nodes`` run as
-        many workers as this one iff the count is ``nodes`` (one GET, identical on every
-        node: merged)."""
-        if key is not None:
-            self._use_local_rank_assignment(int(store.get(key)) == nodes)
+        many workers as this one iff ``counted`` (the count of :meth:`_workers_key`, read
+        once all arrived) is ``nodes``. Nothing when there was no key."""
+        if counted is not None:
+            self._use_local_rank_assignment(counted == nodes)
 
     def _use_local_rank_assignment(self, identical: bool) -> None:
         """Tell torch's agent how to assign this round's ranks: itself when every member
@@ -180,15 +177,19 @@ class StoreRendezvousHandler(RendezvousHandler):
         with self._lock:
             return dict(self._dead_addrs)
 
-    def _wait_quietly(self, keys: list[str], timeout: float, check: Callable[[], None]) -> None:
+    def _wait_quietly(self, keys: list[str], timeout: float, check: Callable[[], None],
+                      client: StoreClient | None = None) -> None:
         """WAIT for ``keys`` (as torch's client names them, without the leading ``/``) on
-        a connection of its own, up to ``timeout`` seconds, calling ``check()`` every
-        second meanwhile (it must not use the store; raising ends the wait with its
-        exception). One WAIT in all, not one per second: torch's C++ client prints two
-        warnings for every wait that times out, which is what a poll in slices made of
-        a late node. Blocks; raises ``TimeoutError`` after ``timeout``, ``OSError`` or
-        ``StoreClientError`` if the store connection is lost."""
-        client = StoreClient(self.job.agent_address, timeout=max(timeout, 1.0) + 30)
+        a connection of its own, or on ``client`` (kept open if the wait completes; closed
+        otherwise), up to ``timeout`` seconds, calling ``check()`` every second meanwhile
+        (it must not use the store; raising ends the wait with its exception). One WAIT
+        in all, not one per second: torch's C++ client prints two warnings for every wait
+        that times out, which is what a poll in slices made of a late node. Blocks; raises
+        ``TimeoutError`` after ``timeout``, ``OSError`` or ``StoreClientError`` if the
+        store connection is lost."""
+        own = client is None
+        if client is None:
+            client = StoreClient(self.job.agent_address, timeout=max(timeout, 1.0) + 30)
         outcome: list[BaseException | None] = []
         done = threading.Event()
 
@@ -199,7 +200,8 @@ class StoreRendezvousHandler(RendezvousHandler):
             except BaseException as e:  # handed to the caller
                 outcome.append(e)
             finally:
-                client.close()
+                if own or outcome[0] is not None:
+                    client.close()
                 done.set()
 
         threading.Thread(target=wait, name="tierrun-rendezvous-wait", daemon=True).start()

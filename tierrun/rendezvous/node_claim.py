@@ -115,13 +115,17 @@ def claim(store, key: str, mine: NodeRecord, rank: Rank) -> Claim:
         expected = current  # (the same node restarted, or one gone, or a twin: take its place)
 
 
-def confirm(store, key: str, mine: NodeRecord, rank: Rank) -> None:
-    """The round formed: mark this node's record so, or raise ``DuplicateNodeRankError``
-    if another node (or agent) took it over meanwhile: this one must not start workers.
-    One request."""
-    formed = replace(mine, formed=True).encode()
-    current = store.compare_set(key, mine.encode(), formed)
-    if current != formed:
+def confirmed_record(mine: NodeRecord) -> bytes:
+    """What a node's record becomes once its round formed: the COMPARE_SET from
+    ``mine.encode()`` to this confirms it (see :func:`check_confirmed`)."""
+    return replace(mine, formed=True).encode()
+
+
+def check_confirmed(current: bytes, mine: NodeRecord, rank: Rank) -> None:
+    """``current``: the answer to the COMPARE_SET that marks this node's record formed
+    (see :func:`confirmed_record`). Raises ``DuplicateNodeRankError`` if another node
+    (or agent) took the record over meanwhile: this one must not start workers."""
+    if current != confirmed_record(mine):
         newcomer = NodeRecord.decode(current).addr
         who = "another agent of this node" if newcomer == mine.addr else f"node {newcomer}"
         raise DuplicateNodeRankError(

@@ -34,13 +34,14 @@ from torch.distributed.elastic.rendezvous import (
 from torch.distributed.elastic.rendezvous.utils import parse_rendezvous_endpoint
 
 from ..client import StoreClient, StoreClientError
+from ..protocol import Op
 from ..report.progress import Arrivals
 from ..settings import Settings
 from . import liveness
 from .conf import public_clients_from, store_workers_from, token_from
 from .handler_base import JobStoppedError, StoreRendezvousHandler
 from .job_store import JobStore
-from .node_claim import Claim, DuplicateNodeRankError, NodeRecord, Rank, claim, confirm
+from .node_claim import Claim, DuplicateNodeRankError, NodeRecord, Rank, check_confirmed, claim, confirmed_record
 from .sockets import link_address
 from .tree import TreePlace, store_fanout_from
 
@@ -90,25 +91,31 @@ class ParallelRendezvousHandler(StoreRendezvousHandler):
                         "node is gone, or was started with the same node rank: then it stops)",
                         self.run_id, self._rank, self.node_addr)
         self.job.advertise_relay()  # (only the rank's holder tells its children where to link)
-        workers_key = self._count_local_world_size(store, base, count=how is Claim.NEW)
-        # (listed before it is counted: the store host's progress, which reads the list
-        # once the count is complete, then names every node; a restarted agent's second
-        # line is the same entry, a node that took a rank over names itself)
-        store.append(f"{base}/arrivals", f"{self._rank} {self.node_addr} {self._world_size}\n")
-        if how is Claim.NEW:  # (counted once per rank: see node_claim)
-            self._arrive(store, base)
         endpoint = self.job.worker_endpoint(f"{self.run_id}/workers/{self._round}")
         keys = [f"{base}/all_arrived"]
         if not self.job.tiered:  # the host publishes the one worker port of the round
             if endpoint is not None:
                 store.set(f"{base}/worker_port", str(endpoint[1]))
             keys.append(f"{base}/worker_port")
-        with self._progress(f"rendezvous '{self.run_id}'", lambda c: self._arrivals(c, base)):
-            self._wait_for_all(store, keys, base)
-        self._refused_if(lambda: confirm(store, key, mine, rank))
+        workers_key = self._workers_key(base)
+        # (the rest of the round on one connection of tierrun's client, which pipelines:
+        # a round trip to announce, one to wait, one to confirm: each a frame at node 0 in
+        # a tree, where nodes arrive one by one and their round trips do not merge)
+        try:
+            with StoreClient(self.job.agent_address, timeout=self.job.timeout.total_seconds()) as client:
+                self._announce(client, store, base, workers_key, counted=how is Claim.NEW)
+                with self._progress(f"rendezvous '{self.run_id}'", lambda c: self._arrivals(c, base)):
+                    self._wait_for_all(client, store, keys, base)
+                # (the count is complete once all arrived: no WAIT before its GET)
+                answers = client.pipeline(
+                    (Op.COMPARE_SET, f"/{key}".encode(), mine.encode(), confirmed_record(mine)),
+                    *([(Op.GET, f"/{workers_key}".encode())] if workers_key is not None else []))
+        except (OSError, StoreClientError) as e:
+            raise self._lost_store(e, "in its rendezvous") from e
+        self._refused_if(lambda: check_confirmed(answers[0], mine, rank))
         if how is Claim.TAKEN_OVER:
             self.job.advertise_relay(again=True)
-        self._choose_rank_assignment(store, workers_key, self._world_size)
+        self._choose_rank_assignment(int(answers[1]) if workers_key is not None else None, self._world_size)
         if endpoint is None:
             endpoint = (self.job.host, int(store.get(f"{base}/worker_port")))
         self._watch_nodes(base)
@@ -129,43 +136,74 @@ class ParallelRendezvousHandler(StoreRendezvousHandler):
             self.refused = True
             raise
 
-    def _arrive(self, store, base: str) -> None:
-        """Count this node, which created its rank's record; the node that completes the
-        count sets ``all_arrived``, the one key every node waits for. Counting, not
-        waiting for all N record keys: N WAITs of N keys each cost the store host O(N²)
-        (at 512 nodes, more than all the rest of the start-up). Each node adds its
-        ``--nnodes`` too, in the count's high bits, so the nodes' counts agree or a node
-        finds they do not (one node started with another ``--nnodes``) in the same ADD:
-        it then stops, naming them, and the count never completes."""
-        total = int(store.add(f"{base}/arrived", 1 + self._world_size * ARRIVAL_UNIT))
+    def _announce(self, client: StoreClient, store, base: str, workers_key: str | None, counted: bool) -> None:
+        """List this node among round ``base``'s arrivals and, if ``counted`` (it created
+        its rank's record: see ``node_claim``), count it among the nodes with its number
+        of workers and among the arrived, in one round trip; the node that completes the
+        count sets ``all_arrived``, the one key every node waits for. Listed before it is
+        counted: the store host's progress, which reads the list once the count is
+        complete, then names every node (a restarted agent's second line is the same
+        entry, a node that took a rank over names itself). Raises ``RendezvousError`` if
+        the nodes disagree on --nnodes (:meth:`_arrived`; ``store``, torch's client,
+        reads their list)."""
+        line = f"{self._rank} {self.node_addr} {self._world_size}\n".encode()
+        reqs: list[tuple] = [(Op.APPEND, f"/{base}/arrivals".encode(), line)]
+        if counted:
+            if workers_key is not None:
+                reqs.append((Op.ADD, f"/{workers_key}".encode(), 1))
+            reqs.append((Op.ADD, f"/{base}/arrived".encode(), self.arrival))
+        answers = client.pipeline(*reqs)
+        if counted and self._arrived(answers[-1], store, base):
+            client.set(f"/{base}/all_arrived".encode(), b"1")
+
+    @property
+    def arrival(self) -> int:
+        """What this node's arrival adds to the count: 1, and its --nnodes in the high bits."""
+        return 1 + self._world_size * ARRIVAL_UNIT
+
+    def _arrived(self, total: int, store, base: str) -> bool:
+        """Whether this node, whose arrival brought the count to ``total``, is the last.
+        Counting, not waiting for all N record keys: N WAITs of N keys each cost the store
+        host O(N²) (at 512 nodes, more than all the rest of the start-up). Each node adds
+        its ``--nnodes`` too, in the count's high bits, so the nodes' counts agree or a
+        node finds they do not (one node started with another ``--nnodes``) in the same
+        ADD: it then stops, naming them (read from the arrivals with ``store``), and the
+        count never completes."""
         count, nodes = total % ARRIVAL_UNIT, total // ARRIVAL_UNIT
         if nodes != count * self._world_size:
             self._note_mismatch(store.get(f"{base}/arrivals").decode().splitlines())
             raise RendezvousError(self._mismatch or f"rendezvous '{self.run_id}': the nodes were started with "
                                   "different --nnodes. Give every node the same --nnodes and restart the job.")
-        if count == self._world_size:
-            store.set(f"{base}/all_arrived", "1")
+        return count == self._world_size
 
-    def _wait_for_all(self, store, keys: list[str], base: str) -> None:
-        """WAIT for ``keys`` (every node arrived), checking every second, without a store
-        request, whether a node was lost in the previous round (its watchers set
-        ``failed``) or this node lost the store: either ends the wait at once. One WAIT
-        per node (see ``_wait_quietly``). Raises ``RendezvousTimeoutError`` naming the
-        missing node ranks, ``JobStoppedError`` or ``RendezvousConnectionError``."""
+    def _wait_for_all(self, client: StoreClient, store, keys: list[str], base: str) -> None:
+        """WAIT on ``client`` for ``keys`` (every node arrived), checking every second,
+        without a store request, whether a node was lost in the previous round (its
+        watchers set ``failed``) or this node lost the store: either ends the wait at
+        once. One WAIT per node (see ``_wait_quietly``). Raises ``RendezvousTimeoutError``
+        naming the missing node ranks (read with ``store``), ``JobStoppedError`` or
+        ``RendezvousConnectionError``."""
         try:
             self._wait_quietly(keys, self._timeout.total_seconds(),
-                               lambda: (self.check_store_host(), self._raise_if_failed(), self._raise_if_mismatched()))
+                               lambda: (self.check_store_host(), self._raise_if_failed(), self._raise_if_mismatched()),
+                               client)
         except TimeoutError as e:
             raise RendezvousTimeoutError(self._missing_message(store, base)) from e
         except (OSError, StoreClientError) as e:
-            self.check_store_host()
-            self._raise_if_failed()
-            raise RendezvousConnectionError(
-                f"node rank {self._rank} ({self.node_addr}) lost its connection to "
-                f"{self.job.upstream_name} while waiting for the other nodes ({e}). The store host "
-                "stops when its own wait for the nodes times out (its log names the missing node ranks) "
-                "or it fails: check its log, then restart the job."
-            ) from e
+            raise self._lost_store(e, "while waiting for the other nodes") from e
+
+    def _lost_store(self, e: Exception, doing: str) -> Exception:
+        """What to raise when this node's connection to the store broke ``doing``
+        something: why the job stopped, if it did (raised here), else
+        ``RendezvousConnectionError``."""
+        self.check_store_host()
+        self._raise_if_failed()
+        return RendezvousConnectionError(
+            f"node rank {self._rank} ({self.node_addr}) lost its connection to "
+            f"{self.job.upstream_name} {doing} ({e}). The store host "
+            "stops when its own wait for the nodes times out (its log names the missing node ranks) "
+            "or it fails: check its log, then restart the job."
+        )
 
     def _watch_nodes(self, base: str) -> None:
         """While the round runs: wait for ``failed``, and beat (the first ranks also watch
