@@ -32,9 +32,10 @@ Per agent (one per node), torch's agents: connect, VALIDATE+PING, ADD init/, SET
 role_info/<node>; node 0's agent WAITs for and MULTI_GETs every role_info, MULTI_SETs
 every node's assigned ranks; every agent WAITs and GETs its assignment, starts its P
 ranks, and at the end joins the exit barrier (ADD, the last one SETs last_member, WAIT).
-tierrun's agents (the parallel backend): ADD to the count of nodes with P workers,
-COMPARE_SET its node record, ADD to the arrival count (the last SETs all_arrived),
-APPEND to the arrivals, WAIT for all_arrived, GET the count; while the ranks run, a
+tierrun's agents (the parallel backend): COMPARE_SET its node record, then in one write
+APPEND to the arrivals, ADD to the count of nodes with P workers and to the arrival
+count (the last SETs all_arrived), WAIT for all_arrived, then in one write confirm its
+record (COMPARE_SET) and GET the count; while the ranks run, a
 standing WAIT on the round's failed key and the heartbeat (ADD its beat counter at
 once, then SET its next count on every whole second of the wall clock; nodes 0-2 also
 MULTI_GET every other node's half a second later); then the same exit barrier. In a tree, a node with a
