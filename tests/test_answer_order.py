@@ -196,6 +196,8 @@ def test_the_clients_pipeline_gets_torchs_answers_in_one_round_trip(servers):
                                 (Op.ADD, k + b"lws", -(1 << 63)), (Op.GET, k + b"arrivals"))
             with pytest.raises(ValueError, match="cannot be pipelined"):
                 c.pipeline((Op.ADD, k + b"lws", 1), (Op.LIST_KEYS,))
+            with pytest.raises(ValueError, match="cannot be pipelined by this client but last"):
+                c.pipeline((Op.WAIT, (k + b"late",)), (Op.ADD, k + b"lws", 1))  # (its answer may come after the ADD's)
             assert c.add(k + b"lws", 0) == 1 - (1 << 63)  # (the refused pipeline sent nothing)
             answers[name] = (first, second)
     assert answers["torch"] == ([None, 1, 1 + (2 << 21), None, 0], [b"mine", b"mine", b"1", 1, 1 - (1 << 63), b"0 a 2\n"])

@@ -82,7 +82,7 @@ def test_proxy_frozen_past_heartbeat_timeout_resumes_and_counts_once(root):
 
 
 def test_a_frozen_store_host_reads_what_its_nodes_sent_before_it_calls_them_silent(root):
-    """SIGSTOP the store host for 2 s (its heartbeat timeout: 1 s) while a proxy, which
+    """SIGSTOP the store host for 2 s, twice (its heartbeat timeout: 1 s) while a proxy, which
     allows the store host 10 s, keeps beating. On SIGCONT the proxy's beats wait in the
     store host's socket: the silence was the store host's own. uvloop runs due timers
     before it reads, so its watchdog condemned the link first and the node had to
@@ -94,11 +94,12 @@ def test_a_frozen_store_host_reads_what_its_nodes_sent_before_it_calls_them_sile
     try:
         a = client(proxy.port)
         assert a.add("n", 1) == 1
-        time.sleep(0.5)
-        os.kill(root.pid, signal.SIGSTOP)
-        time.sleep(2.0)
-        os.kill(root.pid, signal.SIGCONT)
-        assert a.add("n", 1) == 2
+        for n in (2, 3):  # (twice: every late check looks again, not every other one)
+            time.sleep(0.5)
+            os.kill(root.pid, signal.SIGSTOP)
+            time.sleep(2.0)
+            os.kill(root.pid, signal.SIGCONT)
+            assert a.add("n", 1) == n
         time.sleep(0.5)
         stats = root.stats()
         assert stats["links"] == 1 and stats["link_resumes"] == 0, stats

@@ -193,24 +193,29 @@ def test_the_heartbeat_deadline():
     assert beat.silent(106.0) == 1.0 and not beat.expired(106.0)
 
 
-@pytest.mark.parametrize("late, deferred_before, looks_again", [
-    (0.0, False, False),          # on time: a silent peer is silent
-    (LATE_CHECK, False, False),   # within the slack
+@pytest.mark.parametrize("late, again, looks_again", [
+    (0.0, False, False),               # on time: a silent peer is silent
+    (LATE_CHECK, False, False),        # within the slack
     (LATE_CHECK + 0.01, False, True),  # late: this process was not running; read first
-    (5.0, True, False),           # late again right after looking again: condemn (no endless deferral)
+    (5.0, True, False),                # a look again, late itself: condemn (no endless deferral)
 ])
-def test_a_late_deadline_check_looks_again_once(late, deferred_before, looks_again):
+def test_a_late_deadline_check_looks_again_once(late, again, looks_again):
     check = DeadlineCheck()
-    assert check.armed(100.0, 1.0) == 1.0
-    check.deferred = deferred_before
+    assert check.armed(100.0, 1.0, again) == 1.0
     assert check.look_again(101.0 + late) is looks_again
-    assert check.deferred is looks_again
 
 
-def test_a_check_that_looked_again_condemns_on_its_next_turn():
+def test_every_late_check_looks_again_once_not_every_other_one():
+    """A look again that found the peer alive leaves nothing behind: the next late
+    check (the process frozen once more) looks again too (it condemned at once)."""
     check = DeadlineCheck()
-    check.armed(0.0, 1.0)
-    assert check.look_again(3.0)
-    check.armed(3.0, RECHECK_AFTER)
-    assert not check.look_again(3.0 + RECHECK_AFTER)
-    assert not check.deferred
+    for start in (0.0, 10.0, 20.0):
+        check.armed(start, 1.0)
+        assert check.look_again(start + 3.0)  # late: look again
+        check.armed(start + 3.0, RECHECK_AFTER, again=True)
+        # (the look again finds the peer alive: look_again is not asked; the next beat is armed)
+        check.armed(start + 3.0 + RECHECK_AFTER, 1.0)
+    check.armed(30.0, 1.0)
+    assert check.look_again(33.0)
+    check.armed(33.0, RECHECK_AFTER, again=True)
+    assert not check.look_again(33.0 + RECHECK_AFTER)  # silent still: condemned

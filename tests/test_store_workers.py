@@ -17,6 +17,7 @@ import torch.distributed as dist
 from launch import SCRIPTS, children, finish, free_port, results, tierrun
 from tierrun.client import StoreClient
 from tierrun.server import StoreProcess
+from tierrun.server.process import StoreStartError
 
 TOKEN_ENV = dict(os.environ, TIERRUN_TOKEN="store-workers-test")
 
@@ -130,6 +131,19 @@ def test_a_front_end_process_slower_to_start_than_the_heartbeat_timeout_is_kept(
         stats = store.stats()
         assert stats["store_frontend_restarts"] == 0 and sum(stats["clients_per_process"]) == 10, stats
     assert "froze past" not in store.output
+
+
+def test_a_store_whose_front_end_processes_cannot_start_says_so_and_exits(tmp_path: Path):
+    """Front-end processes that exit as they start (here: a ``sitecustomize`` that exits
+    in them only): the store does not announce a port it cannot serve; it exits, naming
+    the process and its status."""
+    (tmp_path / "sitecustomize.py").write_text(
+        "import os\nif b'store-frontend' in open('/proc/self/cmdline', 'rb').read():\n    os._exit(7)\n")
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [str(tmp_path), os.environ.get("PYTHONPATH")])))
+    store = StoreProcess(host="127.0.0.1", port=0, controlled=True, env=env, extra_args=["--workers", "2"])
+    with pytest.raises(StoreStartError) as e:
+        store.start()
+    assert "exited with status 7 before it linked to the store's core" in str(e.value), str(e.value)
 
 
 def test_flat_job_restarts_its_workers_when_a_store_front_end_process_dies(tmp_path: Path):

@@ -89,17 +89,20 @@ class StoreClient:
 
     def pipeline(self, *reqs: tuple) -> list:
         """Send ``reqs`` (tuples as ``encode_request`` takes them) in one write, then read
-        their answers, in order: one round trip for all (a store answers a connection's
-        requests in the order they came). Each answer is the raw value: None (SET, APPEND,
-        MULTI_SET, QUEUE_PUSH), an int (ADD, GETNUMKEYS, QUEUE_LEN; CHECK and WAIT: their
-        status byte, 0 = ready / done), bytes (GET, which does not WAIT first: a missing
-        key is an error; COMPARE_SET). Raises ValueError for other ops, before sending."""
-        for r in reqs:
-            if r[0] not in _PIPELINED:
-                raise ValueError(f"{r[0]!r} cannot be pipelined by this client")
+        their answers: one round trip for all. A store answers a connection's requests in
+        the order they came, except a WAIT that blocks, whose answer comes when its keys
+        are set, after those of what follows it: so a WAIT may only come last. Each answer
+        is the raw value: None (SET, APPEND, MULTI_SET, QUEUE_PUSH), an int (ADD,
+        GETNUMKEYS, QUEUE_LEN; CHECK and WAIT: their status byte, 0 = ready / done),
+        bytes (COMPARE_SET; GET, which does not WAIT first: a missing key reads as
+        empty). Raises ValueError for other ops, or a WAIT before the last, before
+        sending anything."""
+        for i, r in enumerate(reqs):
+            if r[0] not in _PIPELINED or (r[0] == Op.WAIT and i != len(reqs) - 1):
+                raise ValueError(f"{r[0]!r} cannot be pipelined by this client"
+                                 + (" but last" if r[0] == Op.WAIT else ""))
         self._send(*reqs)
         return [self._answer(r[0]) for r in reqs]
-
 
     def ping(self, nonce: int = 1) -> int:
         self._send((Op.PING, nonce))

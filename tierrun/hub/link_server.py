@@ -142,8 +142,8 @@ class LinkServer:
             if not waiting:
                 del self.handshaking[address]
 
-    def _schedule_watchdog(self, delay: float) -> None:
-        self._watchdog = asyncio.get_running_loop().call_later(self._late.armed(monotonic(), delay),
+    def _schedule_watchdog(self, delay: float, again: bool = False) -> None:
+        self._watchdog = asyncio.get_running_loop().call_later(self._late.armed(monotonic(), delay, again),
                                                                self._check_heartbeats)
 
     def _check_heartbeats(self) -> None:
@@ -163,7 +163,7 @@ class LinkServer:
             elif last_rx < oldest:
                 oldest = last_rx
         if silent and self._late.look_again(now):
-            self._schedule_watchdog(RECHECK_AFTER)
+            self._schedule_watchdog(RECHECK_AFTER, again=True)
             return
         for conn in silent:
             conn.abort(f"nothing heard for {timeout:g} s")

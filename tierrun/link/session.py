@@ -238,8 +238,8 @@ RECHECK_AFTER = 0.01
 
 class DeadlineCheck:
     """Decides whether a late heartbeat check may condemn a silent peer, or must look
-    again after the event loop has read its sockets (once: a check that was itself late
-    again condemns, so a process that is always behind still notices dead peers). Takes
+    again after the event loop has read its sockets (once: a look again that was itself
+    late condemns, so a process that is always behind still notices dead peers). Takes
     the time (monotonic seconds) from its caller. O(1)."""
 
     __slots__ = ("due", "deferred")
@@ -248,16 +248,14 @@ class DeadlineCheck:
         self.due = 0.0
         self.deferred = False
 
-    def armed(self, now: float, delay: float) -> float:
-        """The check is scheduled ``delay`` seconds from ``now``; returns ``delay``."""
+    def armed(self, now: float, delay: float, again: bool = False) -> float:
+        """The check is scheduled ``delay`` seconds from ``now``, as a look again if
+        ``again``; returns ``delay``."""
         self.due = now + delay
+        self.deferred = again
         return delay
 
     def look_again(self, now: float) -> bool:
         """Called by a check at ``now`` that found a peer silent past its deadline: True if
-        it should not condemn it yet but run again after ``RECHECK_AFTER`` seconds."""
-        if self.deferred or now - self.due <= LATE_CHECK:
-            self.deferred = False
-            return False
-        self.deferred = True
-        return True
+        it should not condemn it yet but look again (arm ``RECHECK_AFTER``, ``again``)."""
+        return not self.deferred and now - self.due > LATE_CHECK

@@ -382,11 +382,11 @@ class JobStore:
                         "%s:%d", why, self.host, self.port)
                 self.hosting = False
                 return
-            hint = self.host_hint
-            if hint is None:
-                hint = ", or let another node host it (--rdzv_conf is_host=false here)." if self.host_fallback == "never" else "."
+            hint = self.host_hint if self.host_hint is not None else \
+                ", or let another node host it (--rdzv_conf is_host=false here)." if self.host_fallback == "never" else "."
             fix = "Raise this node's open-files limit (ulimit -Hn)." if why.endswith("open files") else \
-                f"Pick a free port with {self.port_setting}{hint}"
+                "Check this node's load and Python environment, or run without --store-workers." \
+                if "front-end process" in why else f"Pick a free port with {self.port_setting}{hint}"
             raise RendezvousConnectionError(f"{self.node}: could not start the job's store on port {self.port} "
                                             f"({why}). {fix}") from e
         self.root = proc

@@ -115,7 +115,9 @@ class ParallelRendezvousHandler(StoreRendezvousHandler):
         self._refused_if(lambda: check_confirmed(answers[0], mine, rank))
         if how is Claim.TAKEN_OVER:
             self.job.advertise_relay(again=True)
-        self._choose_rank_assignment(int(answers[1]) if workers_key is not None else None, self._world_size)
+        # (an empty count: the rank's earlier holder did not count itself there, as when it ran
+        # under TORCH_ELASTIC_WORKER_IDENTICAL and this agent does not; then not identical)
+        self._choose_rank_assignment(int(answers[1] or 0) if workers_key is not None else None, self._world_size)
         if endpoint is None:
             endpoint = (self.job.host, int(store.get(f"{base}/worker_port")))
         self._watch_nodes(base)

@@ -28,6 +28,7 @@ from dataclasses import dataclass
 
 from ..frontend import FrontEndConfig
 from ..frontend.contracts import TORCH_CLIENT_REFUSED
+from ..hub.link_connection import PROCESS_START_ALLOWANCE
 from ..hub.link_server import LinkServer
 from ..settings import frontend_process_env
 from .frontend_process import HAND_OFF, HAND_OFF_UNREAD, LISTEN, MAX_MESSAGE, STATS, UNLISTEN
@@ -39,6 +40,10 @@ log = logging.getLogger("tierrun.store")
 RESTART_BACKOFF = 1.0
 #: How long to wait for a process's counters.
 STATS_TIMEOUT = 2.0
+
+
+class FrontEndStartError(RuntimeError):
+    """A front-end process never linked to the core as the store started."""
 
 
 @dataclass
@@ -64,7 +69,7 @@ class _Process:
 
 class FrontEndPool:
     """``start`` returns once every process has its sockets and its link to the core is
-    open; it raises RuntimeError if a process closed its link first (a broken install: its
+    open; it raises FrontEndStartError if a process closed its link first (a broken install: its
     output says why). ``close`` stops them all."""
 
     def __init__(self, count: int, links: LinkServer, config: FrontEndConfig, links_only: bool = False) -> None:
@@ -120,10 +125,7 @@ class FrontEndPool:
                 linked = await p.linked
                 if not started.done():
                     if not linked:
-                        started.set_exception(RuntimeError(
-                            f"store front-end process {p.index} (pid {p.proc.pid}) closed its link to the core "
-                            "before it opened: see its output above"))
-                        p.proc.kill()
+                        started.set_exception(FrontEndStartError(await self._never_linked(p)))
                         return
                     started.set_result(None)
                 status = await p.proc.wait()
@@ -174,6 +176,23 @@ class FrontEndPool:
         loop.add_reader(channel.fileno(), self._on_channel, p)
         for listener in self.listeners:
             self._send_listener(p, listener)
+
+    async def _never_linked(self, p: _Process) -> str:
+        """Why process ``p``, whose link closed before it opened, never served: it exited
+        (its own output says why), or it sent nothing in time (killed here)."""
+        assert p.proc is not None
+        if p.proc.returncode is None:
+            try:
+                await asyncio.wait_for(p.proc.wait(), 1.0)  # (its link closed as it exited?)
+            except asyncio.TimeoutError:
+                p.proc.kill()
+                await p.proc.wait()
+                allowance = PROCESS_START_ALLOWANCE + self.links.config.heartbeat_timeout
+                return (f"store front-end process {p.index} (pid {p.proc.pid}) did not link to the store's core "
+                        f"within {allowance:g} s of starting (a Python process that hangs as it starts: "
+                        "check the machine's load and the Python environment); it was stopped")
+        return (f"store front-end process {p.index} (pid {p.proc.pid}) exited with status {p.proc.returncode} "
+                "before it linked to the store's core: its output above says why")
 
     def _link_lost(self, proc: asyncio.subprocess.Process, peer: str) -> None:
         """Its link closed (it exited, or was silent past the link heartbeat timeout):

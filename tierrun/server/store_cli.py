@@ -18,6 +18,7 @@ from ..frontend.listen import ListenError
 from ..settings import FRONTEND_TOKEN, TOKEN_FILE, Settings, SettingsError, take_frontend_token
 from .control import Event, format_event
 from .eventloop import run
+from .frontend_pool import FrontEndStartError
 from .frontend_process import serve_frontend_process
 from .options import frontend_config, parse_store_args, store_parser
 from .proxy import serve_proxy
@@ -123,10 +124,7 @@ def store_main(argv: list[str]) -> int:
     try:
         run(serve_root(_config(args, frontend), on_listening=_announcer("store"), token=token or None,
                        link_config=settings.link, node_frontend=node))
-    except ListenError as e:  # (names the socket: its address or path, and the flag)
-        print(f"tierrun store: {e}", file=sys.stderr)
-        return 1
-    except OSError as e:
+    except (ListenError, FrontEndStartError, OSError) as e:  # (each names what failed)
         print(f"tierrun store: {e}", file=sys.stderr)
         return 1
     return 0

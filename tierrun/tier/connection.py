@@ -178,7 +178,8 @@ class SessionEnd:
         store host sent is read, before it calls the store host silent."""
         conn = self._conn
         if conn is not None and conn.heartbeat.expired(now := monotonic()) and self._late.look_again(now):
-            self._heartbeat = asyncio.get_running_loop().call_later(self._late.armed(now, RECHECK_AFTER), self._beat)
+            self._heartbeat = asyncio.get_running_loop().call_later(self._late.armed(now, RECHECK_AFTER, again=True),
+                                                                  self._beat)
             return
         try:
             if conn is None and self._reconnecting is None and self.dead is None and self.address is not None:
