@@ -99,8 +99,8 @@ class ParallelRendezvousHandler(StoreRendezvousHandler):
             keys.append(f"{base}/worker_port")
         workers_key = self._workers_key(base)
         # (the rest of the round on one connection of tierrun's client, which pipelines:
-        # a round trip to announce, one to wait, one to confirm: each a frame at node 0 in
-        # a tree, where nodes arrive one by one and their round trips do not merge)
+        # a round trip to announce, one to wait, one to confirm, where torch's client took
+        # six; in a tree each waits for every level's hold on its way to node 0)
         try:
             with StoreClient(self.job.agent_address, timeout=self.job.timeout.total_seconds()) as client:
                 self._announce(client, store, base, workers_key, counted=how is Claim.NEW)
