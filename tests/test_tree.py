@@ -193,7 +193,8 @@ def test_a_dead_proxy_in_the_tree_stops_the_static_job_with_a_message(tmp_path):
     assert re.search(r"node rank [1234] \(127\.0\.1\.[2345]\) has not answered", logs[0].read_text())
 
 
-@pytest.mark.parametrize("nodes,fanout", [(1, 2), (2, 2), (3, 2), (5, 2), (8, 8), (9, 8), (100, 3), (512, 8)])
+@pytest.mark.parametrize("nodes,fanout", [(1, 2), (2, 2), (3, 2), (5, 2), (8, 8), (9, 8), (100, 3), (256, 8),
+                                          (512, 8), (1024, 8), (777, 5)])
 def test_the_tree_reaches_every_node_with_at_most_fanout_links_each_and_node0_relays_none(nodes, fanout):
     places = [TreePlace(r, nodes, fanout, "", "") for r in range(nodes)]
     children: dict[int | None, list[int]] = {}
@@ -203,14 +204,18 @@ def test_the_tree_reaches_every_node_with_at_most_fanout_links_each_and_node0_re
     assert all(p.has_children == (p.rank in children) for p in places)
     # the store host's proxy links straight to its store and carries only its own node
     assert places[0].parent is None and not places[0].has_children
+    depth = [0] * nodes
     for p in places:  # every node reaches the store host, without a cycle
         seen, up = set(), p.rank
         while up is not None:
             assert up not in seen
             seen.add(up)
             up = places[up].parent
+        depth[p.rank] = len(seen) if p.rank else 0  # (its own proxy and those it links through)
     if nodes <= fanout:
         assert children == {None: list(range(nodes))}
+    # as shallow as fanout F allows: ceil(log_F K) proxies from any node to the store host
+    assert max(depth) == next(d for d in range(nodes + 1) if fanout ** d >= nodes)
 
 
 def test_a_relay_without_local_addr_takes_links_where_it_reaches_the_store_host():
