@@ -18,18 +18,9 @@ SCRIPTS = Path(__file__).parent / "scripts"
 def free_port() -> int:
     """A port free for TCP and UDP on every address, below the kernel's ephemeral range
     (32768 up): one picked there can be taken by some outgoing connection (a Slurm
-    daemon's, another test's client) before the job binds it. Each pytest-xdist worker
-    draws from a share of its own: a test in the other worker, whose job binds its port
-    only later, never draws the same one (the likeliest cause of a run where two tests'
-    nodes each found a store of their own on one port)."""
-    low, high = 20000, 32000
-    worker, workers = os.environ.get("PYTEST_XDIST_WORKER", ""), int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
-    if workers > 1 and worker.startswith("gw") and worker[2:].isdigit():
-        share = (high - low) // workers
-        low += int(worker[2:]) % workers * share
-        high = low + share - 1
+    daemon's, another test's client) before the job binds it."""
     while True:
-        port = random.randint(low, high)
+        port = random.randint(20000, 32000)
         try:
             with socket.socket() as t, socket.socket(type=socket.SOCK_DGRAM) as u:
                 t.bind(("", port))
