@@ -166,7 +166,10 @@ def test_two_nodes_told_to_host(tmp_path):
     with no C++ warnings from torch's client and no "joined" summary of a round that
     did not form (before: two "waitForInput ... timed out" warnings, then "1 nodes
     joined in 4.0 s", then the timeout)."""
-    port, join = free_port(), 4
+    # (join: the second node must reach its store's start before the first gives up,
+    # or it finds the port free again and hosts a job of its own, rightly; under a
+    # loaded test run its agent takes up to ~7 s to get there, torch's import mostly)
+    port, join = free_port(), 20
     logs = [tmp_path / f"node{k}.log" for k in range(2)]
     args = ("--nnodes", 2, "--nproc_per_node", 1, "--rdzv_endpoint", f"127.0.1.1:{port}", "--rdzv_id", "two",
             "--rdzv_conf", f"is_host=true,join_timeout={join}", "--progress", "log", "--progress_interval", 1)
@@ -176,7 +179,10 @@ def test_two_nodes_told_to_host(tmp_path):
         assert time.monotonic() < deadline and first.poll() is None, logs[0].read_text()[-3000:]
         time.sleep(0.1)
     second = tierrun(*args, "--local_addr", "127.0.1.2", SCRIPTS / "sleep_worker.py", log=logs[1])
-    assert finish([first, second], timeout=120) == [1, 1]
+    second_code = finish([second], timeout=120)
+    first_waited = first.poll() is None
+    assert (second_code, finish([first], timeout=120)) == ([1], [1])
+    assert first_waited, "the second node did not fail before the first's join_timeout: " + logs[1].read_text()[-3000:]
     host, other = (log.read_text() for log in logs)
     assert [line for line in other.splitlines() if "error" in line.lower()] == [
         f"tierrun: error: node 127.0.1.2: could not start the job's store on port {port} (port {port} is "
