@@ -18,8 +18,8 @@ these set-ups, in the same run, each with the traffic of agents that can run it:
   tree-proxies  the tree with every node but node 0 a real ``tierrun proxy`` process
                 (up to --max-proxies nodes)
   tree-10ms     (not run by default) tree, every front-end keeping its batch open 10 ms
-  tree-paced    (not run by default) tree, its relays paced (TIERRUN_LINK_RELAY_PACE=0.05:
-                while busy, a relay sends at most a batch per 50 ms; tierrun/tier/pace.py)
+  tree-paced    (not run by default) tree, its relays paced (--relay-pace P, default 0.05:
+                while busy, a relay sends at most a batch per P seconds; tierrun/tier/pace.py)
 
 Arrivals (--skew S, default 1 s): each node starts at a moment drawn uniformly over
 [0, S]; its ranks start 0.1-0.3 s (uniform) after its agent's rendezvous completes, as
@@ -144,7 +144,7 @@ def measure(setup: str, k: int, p: int, skew: float, seed: str, args: argparse.N
     if setup == "tree-10ms":  # (read by the front-ends' Settings.from_env)
         env["TIERRUN_LINK_BATCH_WINDOW"] = "0.01"
     if setup == "tree-paced":
-        env["TIERRUN_LINK_RELAY_PACE"] = "0.05"
+        env["TIERRUN_LINK_RELAY_PACE"] = str(args.relay_pace)
     fanout = args.fanout if setup in TREES else 0
     store = None
     proxies: dict[int, StoreProcess] = {}
@@ -261,6 +261,8 @@ def main() -> None:
     p.add_argument("--traffic", choices=("nccl", "gloo"), default="nccl")
     p.add_argument("--heartbeats", type=int, default=3)
     p.add_argument("--fanout", type=int, default=8, help="links per front-end in the tree set-ups")
+    p.add_argument("--relay-pace", type=float, default=0.05,
+                   help="tree-paced: at most a batch per this many seconds from a busy relay")
     p.add_argument("--skew", type=float, default=1.0,
                    help="nodes start spread uniformly over this many seconds (0: lockstep)")
     p.add_argument("--no-lockstep", action="store_true",
