@@ -19,7 +19,8 @@ these set-ups, in the same run, each with the traffic of agents that can run it:
                 (up to --max-proxies nodes)
   tree-10ms     (not run by default) tree, every front-end keeping its batch open 10 ms
   tree-paced    (not run by default) tree, its relays paced (--relay-pace P, default 0.05:
-                while busy, a relay sends at most a batch per P seconds; tierrun/tier/pace.py)
+                while busy, a relay sends at most a batch per P seconds; tierrun/tier/pace.py;
+                several values: a set-up each, labelled "tree-paced P s")
 
 Arrivals (--skew S, default 1 s): each node starts at a moment drawn uniformly over
 [0, S]; its ranks start 0.1-0.3 s (uniform) after its agent's rendezvous completes, as
@@ -136,15 +137,17 @@ def start_proxies(nodes: list[int], k: int, fanout: int, port: int, env: dict, t
     return started
 
 
-def measure(setup: str, k: int, p: int, skew: float, seed: str, args: argparse.Namespace) -> dict:
+def measure(setup: str, k: int, p: int, skew: float, seed: str, args: argparse.Namespace,
+            pace: float = 0.0) -> dict:
     """One start-up of K x P on one set-up: node 0's, the busiest node's and the total
-    server-side CPU seconds, the wall time, and node 0's connections, requests, frames."""
+    server-side CPU seconds, the wall time, and node 0's connections, requests, frames.
+    ``pace``: tree-paced's relay pace, seconds."""
     token = secrets.token_hex(16)
     env = dict(os.environ, TIERRUN_TOKEN=token)
     if setup == "tree-10ms":  # (read by the front-ends' Settings.from_env)
         env["TIERRUN_LINK_BATCH_WINDOW"] = "0.01"
     if setup == "tree-paced":
-        env["TIERRUN_LINK_RELAY_PACE"] = str(args.relay_pace)
+        env["TIERRUN_LINK_RELAY_PACE"] = str(pace)
     fanout = args.fanout if setup in TREES else 0
     store = None
     proxies: dict[int, StoreProcess] = {}
@@ -261,8 +264,9 @@ def main() -> None:
     p.add_argument("--traffic", choices=("nccl", "gloo"), default="nccl")
     p.add_argument("--heartbeats", type=int, default=3)
     p.add_argument("--fanout", type=int, default=8, help="links per front-end in the tree set-ups")
-    p.add_argument("--relay-pace", type=float, default=0.05,
-                   help="tree-paced: at most a batch per this many seconds from a busy relay")
+    p.add_argument("--relay-pace", type=float, nargs="+", default=[0.05],
+                   help="tree-paced: at most a batch per this many seconds from a busy relay "
+                        "(several: a tree-paced set-up each)")
     p.add_argument("--skew", type=float, default=1.0,
                    help="nodes start spread uniformly over this many seconds (0: lockstep)")
     p.add_argument("--no-lockstep", action="store_true",
@@ -306,17 +310,20 @@ def main() -> None:
         if args.sizes == DEFAULT_SIZES:
             args.sizes = list(CROSSOVER_SIZES)
     setups = [s for s in SETUPS if s == "torch" or s in args.setups]
+    # (label, set-up, relay pace): one tree-paced run per --relay-pace value
+    runs_of = [(f"{setup} {pace:g} s" if setup == "tree-paced" and len(args.relay_pace) > 1 else setup, setup, pace)
+               for setup in setups for pace in (args.relay_pace if setup == "tree-paced" else [0.0])]
     sizes = [tuple(map(int, s.split("x"))) for s in args.sizes]
     variants = [args.skew] + ([0.0] if args.skew > 0 and not args.no_lockstep else [])
     runs: dict[str, dict[str, list[dict]]] = {}
     for k, pp in sizes:
         for i in range(args.repeat):  # interleaved, so that machine noise hits all alike
             for skew in variants:
-                for setup in setups:
+                for label, setup, pace in runs_of:
                     if setup == "tree-proxies" and k > args.max_proxies:
                         continue
-                    key = setup if skew == args.skew else f"{setup} lockstep"
-                    r = measure(setup, k, pp, skew, f"{args.seed}:{i}", args)
+                    key = label if skew == args.skew else f"{label} lockstep"
+                    r = measure(setup, k, pp, skew, f"{args.seed}:{i}", args, pace)
                     r["agents"] = agents_of(setup, args)
                     runs.setdefault(f"{k}x{pp}", {}).setdefault(key, []).append(r)
                     print(f"{k}x{pp} round {i + 1} {key}: "
