@@ -20,7 +20,7 @@ import torch.distributed as dist
 
 from oracle.regressions import KNOWN_BUGS
 from oracle.targets import TOKEN, Conn, _env
-from oracle.wire import I64_MAX, I64_MIN, Big
+from oracle.wire import I64_MAX, I64_MIN, Big, encode
 from tierrun.protocol import Op
 from tierrun.server import StoreProcess
 
@@ -78,6 +78,42 @@ def test_appends_past_the_value_limit_close_their_client_only(node):
         assert proxy.exited() is None, proxy.output[-2000:]
         assert bystander.add("bystander", 1) == attempt + 2
         other.close()
+
+
+def test_appends_of_two_clients_to_a_nearly_full_key_fail_only_the_one_past_the_limit(node):
+    """The key holds 4 MiB; two clients each APPEND 3 MiB, arriving together (one batch
+    at the proxy, most of the time): whichever the store host applies first lands, the
+    other's result would pass the value limit and only that client is closed, as on
+    the store alone (torch's server, which has no such limit, keeps both). Before:
+    the proxy merged them into one 6 MiB APPEND the store host refused whole, closing
+    both and losing a write that alone would land (a hostile review's finding)."""
+    store, proxy, bystander = node
+    for attempt in range(3):  # (whether they meet in one batch depends on timing)
+        key = b"/full%d" % attempt
+        owner = Conn(proxy.port)
+        owner.send([(Op.SET, key, Big(4 * MiB, b"o")), (Op.GETNUMKEYS,)])
+        assert len(_answers(owner, 1)) == 1
+        writers = {b"a": Conn(proxy.port), b"b": Conn(proxy.port)}
+        pieces = {c: encode((Op.APPEND, key, c * 3 * MiB)) for c in writers}
+        for c, conn in writers.items():  # (all but the last byte, then the last bytes together)
+            conn.sock.setblocking(True)
+            conn.sock.sendall(pieces[c][:-1])
+        time.sleep(0.3)
+        for c, conn in writers.items():
+            conn.sock.sendall(pieces[c][-1:])
+            conn.sock.setblocking(False)
+        for conn in writers.values():
+            conn.send([(Op.GETNUMKEYS,)])
+        served = {c for c, conn in writers.items() if len(_answers(conn, 1, timeout=5)) == 1}
+        owner.send([(Op.GET, key)])
+        value = _answers(owner, 2)[1]
+        assert len(served) == 1, (served, len(value))
+        (kept,) = served
+        assert value == (7 * MiB).to_bytes(8, "little") + b"o" * 4 * MiB + kept * 3 * MiB
+        assert proxy.exited() is None, proxy.output[-2000:]
+        assert bystander.add("bystander", 1) == attempt + 2
+        for conn in (owner, *writers.values()):
+            conn.close()
 
 
 @_xfail("add-overflow-merge")

@@ -168,8 +168,8 @@ CASES = [
          "torch stores 10 MiB + 1; tierrun refuses the second APPEND (its result passes the value limit) and "
          "closes c0, the store and c1 carry on; through the tree too (the relay answers the refused write's "
          "request id: it once passed there by accident, c0 left open). (c1's write first makes /a contended: the "
-         "proxy holds c0's first APPEND for the next, as it does a barrier's ADDs: without it they merge only "
-         "when they happen to meet in one batch)", runs=3, deviates=(1, "c0[ CLOSED]")),
+         "proxy holds c0's first APPEND for the next, as it does a barrier's ADDs, so both go up in one batch; "
+         "APPENDs are never merged)", runs=3, deviates=(1, "c0[ CLOSED]")),
     Case("pipelined-sets-past-the-unacked-bytes",
          H((1, ((Op.SET, b"/h0", b"x"), (Op.GETNUMKEYS,))),
            (0, tuple((Op.SET, b"/h%d" % i, Big(8 * MiB, b"h")) for i in range(40)) + ((Op.GETNUMKEYS,),)),

@@ -7,8 +7,9 @@ Within a batch:
   with no write to their keys between them are sent once and the answer fanned out;
 - consecutive ADDs to one key with no other operation on that key between them become
   one ADD of the sum (wrapped to int64, as torch's server adds); the i-th caller gets
-  ``final - sum + prefix_i``, exactly what sequential execution returns; consecutive
-  APPENDs to one key, one APPEND of the concatenation (APPEND has no answer);
+  ``final - sum + prefix_i``, exactly what sequential execution returns (APPENDs are
+  not merged: the store host refuses an APPEND whose result passes its value limit or
+  its budget, so a merged one could fail a writer whose piece alone would land);
 - one client's SETs (and MULTI_SETs) of distinct keys fold into one MULTI_SET (only
   one's: the store host refuses a fold past its budget whole, failing every writer),
   GETs of distinct keys into one MULTI_GET whose values are handed out, and one-key
@@ -19,7 +20,7 @@ Within a batch:
   GETNUMKEYS or LIST_KEYS, whose answer a new key changes) since the fold's place.
 
 A client's request joins an earlier merged or folded request only if the client has
-sent nothing since that one's place (or, an ADD or APPEND, only that run's): its
+sent nothing since that one's place (or, an ADD, only that run's): its
 requests take effect, and its answers leave, in the order it sent them. A SET counts
 too: it has no answer, but the client's next answer tells it the SET was done.
 
@@ -104,10 +105,10 @@ class PlanLimits:
 
 class Fold:
     """Requests folded into one: the keys of a MULTI_SET or MULTI_GET (with the SETs'
-    values, or which value each GET waiter gets), or an APPEND's pieces; ``size``: the
-    encoded bytes of the request it makes."""
+    values, or which value each GET waiter gets); ``size``: the encoded bytes of the
+    request it makes."""
 
-    __slots__ = ("keys", "values", "slot", "picks", "size", "value_bytes")
+    __slots__ = ("keys", "values", "slot", "picks", "size")
 
     def __init__(self, u: UpOp) -> None:
         req = u.req
@@ -121,14 +122,11 @@ class Fold:
             self.slot = {req[1]: 0}  # GET: key -> index of its value
             self.picks = [0] * len(u.waiters)  # GET: per waiter, the index of its value
         self.size = request_size(req)
-        self.value_bytes = len(req[2]) if req[0] == Op.APPEND else 0  # (an APPEND run's value so far)
 
     def request(self, op: int) -> Request:
         if op == Op.SET or op == Op.MULTI_SET:
             return (Op.MULTI_SET, tuple(self.keys), tuple(self.values))
-        if op == Op.GET:
-            return (Op.MULTI_GET, tuple(self.keys))
-        return (Op.APPEND, self.keys[0], b"".join(self.values))
+        return (Op.MULTI_GET, tuple(self.keys))
 
 
 def request_size(req: Request) -> int:
@@ -235,7 +233,7 @@ class _Planner:
         self.plan = Plan()
         self.open_reads: dict[tuple, UpOp] = {}  # (ns, [kind,] opcode, keys): its op
         self.reads_on: dict[tuple[bytes, bytes], list[tuple]] = {}  # (ns, key): open_reads keys
-        self.runs: dict[tuple[int, bytes, bytes], UpOp] = {}  # (ADD|APPEND, ns, key): open run
+        self.runs: dict[tuple[int, bytes, bytes], UpOp] = {}  # (ADD, ns, key): open run
         self.folds: dict[tuple[int, bytes], UpOp] = {}  # (SET|GET|WAIT|mark, ns): the latest fold
         self.last_touch: dict[tuple[bytes, bytes], int] = {}  # (ns, key): place of the last request on it
         self.last_write: dict[tuple[bytes, bytes], int] = {}
@@ -248,7 +246,6 @@ class _Planner:
         if runs:
             for k in keys:
                 runs.pop((Op.ADD, ns, k), None)
-                runs.pop((Op.APPEND, ns, k), None)
         reads_on = self.reads_on
         if write and reads_on:
             open_reads = self.open_reads
@@ -410,29 +407,19 @@ class _Planner:
         self.touched(ns, (key,), write=True)
         self.last_touch[(ns, key)] = self.last_write[(ns, key)] = i
         plan = self.plan
-        if run is not None and (since < run.pos or _same_run(pending[since], ns, op, key)):
-            if op == Op.ADD:
-                run.waiters.append(waiter)
-                run.deltas.append(req[2])  # type: ignore[union-attr]
-                plan.counts.merged_adds += 1
-                self.runs[rk] = run
-                return
-            fold = run.fold or Fold(run)
-            n = len(req[2])
-            if fold.value_bytes + n <= self.limits.max_value_bytes and fold.size + n <= self.limits.max_request_bytes:
-                run.fold = fold
-                fold.values.append(req[2])
-                fold.size += n
-                fold.value_bytes += n
-                run.writers.append(waiter)  # type: ignore[union-attr]
-                plan.counts.merged_appends += 1
-                self.runs[rk] = run
-                return
-        u = UpOp(req, ns, waiter if op == Op.ADD else None, i)
-        if op == Op.ADD:
-            u.deltas = [req[2]]
-        else:
+        if op == Op.APPEND:  # (never merged: see the module's docstring)
+            u = UpOp(req, ns, None, i)
             u.writers = [waiter]
+            plan.ops.append(u)
+            return
+        if run is not None and (since < run.pos or _same_run(pending[since], ns, op, key)):
+            run.waiters.append(waiter)
+            run.deltas.append(req[2])  # type: ignore[union-attr]
+            plan.counts.merged_adds += 1
+            self.runs[rk] = run
+            return
+        u = UpOp(req, ns, waiter, i)
+        u.deltas = [req[2]]
         self.runs[rk] = u
         plan.ops.append(u)
 

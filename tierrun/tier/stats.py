@@ -16,7 +16,6 @@ class CoalescingStats:
         self.merged_reads = 0
         self.merged_waits = 0
         self.merged_adds = 0
-        self.merged_appends = 0
         self.folded_sets = 0  # SETs sent inside another's MULTI_SET
         self.folded_gets = 0  # GETs answered from another's MULTI_GET
         self.folded_waits = 0  # one-key WAITs sent in another's WAITS entry
@@ -37,7 +36,6 @@ class MergeCounts:
     merged_reads: int = 0
     merged_waits: int = 0
     merged_adds: int = 0
-    merged_appends: int = 0
     folded_sets: int = 0  # SETs sent inside another's MULTI_SET
     folded_gets: int = 0  # GETs answered from another's MULTI_GET
     folded_waits: int = 0  # one-key WAITs sent in another's WAITS entry
