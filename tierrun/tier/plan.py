@@ -25,10 +25,11 @@ requests take effect, and its answers leave, in the order it sent them. A SET co
 too: it has no answer, but the client's next answer tells it the SET was done.
 
 **A merge never builds what a single request may not** (:class:`PlanLimits`): a fold
-or run that would pass the keys per request, the value bytes, the request bytes the
-store host accepts, or (a MULTI_GET) could answer with more than a link frame holds,
-is closed and the request starts a new one. Planned with the store host's limits, a
-merged request is refused only if one of its requests alone would be.
+or run that would pass the keys per request or the request bytes the store host
+accepts, or (a MULTI_GET) could answer with more than a link frame holds, is closed and
+the request starts a new one. Planned with the store host's limits, a merged request is
+refused only if one of its requests alone would be (past the store's budget, a SET
+fold is refused whole: its client's SETs before the refused one go with it).
 
 Reads that watch their key (:mod:`.watches`) come marked, ``(WATCH_MARK, request,
 watcher)`` and the like, and merge only with their like. O(keys of the batch).
