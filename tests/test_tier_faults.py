@@ -301,3 +301,58 @@ def test_a_set_past_the_budget_does_not_close_a_neighbour_whose_set_came_with_it
     finally:
         proxy.stop()
         root.stop()
+
+
+def test_a_clients_sets_before_its_set_past_the_budget_land_as_on_the_store_alone():
+    """The store's bytes budget nearly used up; one client pipelines two small SETs and
+    a SET past the budget (one batch at the proxy): the small ones land and the client
+    is closed, as on the store host alone. (Folded into one MULTI_SET, the store host
+    refused all three.)"""
+    root, proxy = node(["--max-store-bytes", "1000000"])
+    try:
+        filler = StoreClient(("127.0.0.1", root.port), timeout=15)
+        filler.set(b"/fill", b"z" * 990_000)
+        for trial, port in enumerate((root.port, proxy.port, proxy.port, proxy.port)):
+            greedy = StoreClient(("127.0.0.1", port), timeout=15)
+            keys = [b"/own/%d/%d" % (trial, k) for k in range(3)]
+            greedy._sock.sendall(encode_request((Op.SET, keys[0], b"a")) + encode_request((Op.SET, keys[1], b"b"))
+                                 + encode_request((Op.SET, keys[2], b"C" * 20_000)))
+            with pytest.raises((StoreClientError, OSError)):
+                greedy.get(keys[0])
+            reader = StoreClient(("127.0.0.1", proxy.port), timeout=15)
+            assert [reader.check([k]) for k in keys] == [True, True, False], port
+            filler.delete_key(keys[0])
+            filler.delete_key(keys[1])
+    finally:
+        proxy.stop()
+        root.stop()
+
+
+def test_an_unexpected_error_sending_a_batch_ends_the_nodes_session_fail_stop(monkeypatch):
+    """A bug at the node (here: the planner raising on one request) ends the node's
+    link session with the reason and drops its clients, who would otherwise wait for
+    ever for a batch that never left; the node's agent hears of it (``on_lost``)."""
+    from tierrun.tier import upstream
+
+    async def main():
+        core = StoreCore()
+        link, _ = await linked(core)
+        lost = []
+        link._on_lost = lost.append
+        plan_batch = upstream.plan_batch
+
+        def buggy(pending, limits):
+            if any(req[0] == Op.SET and req[1] == b"boom" for _, _, req in pending):
+                raise RuntimeError("a bug")
+            return plan_batch(pending, limits)
+
+        monkeypatch.setattr(upstream, "plan_batch", buggy)
+        c, d = Client(), Client()
+        link.submit((Op.ADD, b"n", 1), c, b"")
+        link.submit((Op.SET, b"boom", b"1"), d, b"")
+        link.submit((Op.GET, b"n"), d, b"")
+        await settle()
+        assert link.dead is not None and "a bug" in link.dead and lost == [link.dead]
+        assert c.replies and d.replies and all(r[0] == "dropped" for r in c.replies + d.replies)
+
+    asyncio.run(main())

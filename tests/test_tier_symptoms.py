@@ -130,3 +130,36 @@ def test_merged_adds_past_int64_wrap_and_fail_nobody_else(node):
     time.sleep(0.2)
     assert proxy.exited() is None, proxy.output[-2000:]
     assert bystander.add("bystander", 1) == 2
+
+
+def test_gets_of_long_keys_from_several_clients_fold_within_the_request_limit():
+    """A store host that takes requests of at most 3,000 bytes and keys of up to 1,000:
+    five clients each GET a 900-byte key, arriving together (one batch at the proxy,
+    most of the time). Each GET alone is within the limit, so each is answered, as on
+    the store alone. Before: the proxy folded them into one MULTI_GET of ~4.5 KB, the
+    store host refused it, and all five were closed."""
+    env = _env()
+    limits = ["--max-request-bytes", "3000", "--max-key-bytes", "1000"]
+    with StoreProcess(host="127.0.0.1", port=0, controlled=True, env=env, extra_args=limits) as store:
+        with StoreProcess(host="127.0.0.1", port=0, command="proxy", controlled=True, env=env,
+                          extra_args=["--upstream", f"127.0.0.1:{store.port}", "--connect-timeout", "10"]) as proxy:
+            keys = [c.encode() * 900 for c in "abcde"]
+            setter = Conn(proxy.port)
+            setter.send([(Op.SET, k, k[:1]) for k in keys] + [(Op.GETNUMKEYS,)])
+            assert _answers(setter, 1) == [_i64(5)]
+            for attempt in range(3):  # (whether they meet in one batch depends on timing)
+                readers = [Conn(proxy.port) for _ in keys]
+                gets = [encode((Op.GET, k)) for k in keys]
+                for conn, get, k in zip(readers, gets, keys):  # (all but the last byte, then the last bytes together)
+                    conn.reader.sending((Op.GET, k))
+                    conn.sock.setblocking(True)
+                    conn.sock.sendall(get[:-1])
+                time.sleep(0.3)
+                for conn, get in zip(readers, gets):
+                    conn.sock.sendall(get[-1:])
+                    conn.sock.setblocking(False)
+                got = [_answers(conn, 1, timeout=5) for conn in readers]
+                assert got == [[_i64(1) + k[:1]] for k in keys], (attempt, got, proxy.output[-2000:])
+                assert proxy.exited() is None and store.exited() is None
+                for conn in readers:
+                    conn.close()

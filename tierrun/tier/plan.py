@@ -10,26 +10,24 @@ Within a batch:
   ``final - sum + prefix_i``, exactly what sequential execution returns (APPENDs are
   not merged: the store host refuses an APPEND whose result passes its value limit or
   its budget, so a merged one could fail a writer whose piece alone would land);
-- one client's SETs (and MULTI_SETs) of distinct keys fold into one MULTI_SET (only
-  one's: the store host refuses a fold past its budget whole, failing every writer),
-  GETs of distinct keys into one MULTI_GET whose values are handed out, and one-key
-  WAITs on distinct keys into one WAITS link entry (each still waits, and is answered,
-  on its own), run where the fold's first request stands.
-  A request joins a fold only if it commutes with everything it moves ahead of: no
-  request on its key (a GET or WAIT: no write to it; a SET: no request at all, nor a
-  GETNUMKEYS or LIST_KEYS, whose answer a new key changes) since the fold's place.
+- GETs of distinct keys fold into one MULTI_GET whose values are handed out, and
+  one-key WAITs on distinct keys into one WAITS link entry (each still waits, and is
+  answered, on its own), run where the fold's first request stands. A request joins a
+  fold only if no write to its key came since the fold's place (it moves ahead of none).
+- SETs and MULTI_SETs are sent as they are, never folded: the store host refuses a
+  write past its budget (``--max-store-bytes``, ``--max-store-keys``) whole, so a fold
+  of one client's SETs would take its SETs before the refused one with it.
 
 A client's request joins an earlier merged or folded request only if the client has
 sent nothing since that one's place (or, an ADD, only that run's): its
 requests take effect, and its answers leave, in the order it sent them. A SET counts
 too: it has no answer, but the client's next answer tells it the SET was done.
 
-**A merge never builds what a single request may not** (:class:`PlanLimits`): a fold
-or run that would pass the keys per request or the request bytes the store host
-accepts, or (a MULTI_GET) could answer with more than a link frame holds, is closed and
-the request starts a new one. Planned with the store host's limits, a merged request is
-refused only if one of its requests alone would be (past the store's budget, a SET
-fold is refused whole: its client's SETs before the refused one go with it).
+**A merge never builds what a single request may not** (:class:`PlanLimits`): a
+MULTI_GET fold that would pass the keys per request or the request bytes the store host
+accepts, or could answer with more than a link frame holds, is closed and the GET
+starts a new one. Planned with the store host's limits, a merged request is refused
+only if one of its requests alone would be.
 
 Reads that watch their key (:mod:`.watches`) come marked, ``(WATCH_MARK, request,
 watcher)`` and the like, and merge only with their like. O(keys of the batch).
@@ -66,7 +64,7 @@ class PlanLimits:
     (a proxy plans with the limits the store host announced when it linked, else its
     own), and the link's largest frame."""
 
-    max_fold: int = 1024  # most requests (keys, in a SET fold) in one fold
+    max_fold: int = 1024  # most requests in one fold (GETs, WAITs of an entry, keys read ahead)
     max_keys: int = Limits.max_keys_per_request
     max_key_bytes: int = Limits.max_key_bytes
     max_value_bytes: int = Limits.max_value_bytes
@@ -105,41 +103,20 @@ class PlanLimits:
 
 
 class Fold:
-    """Requests folded into one: the keys of a MULTI_SET or MULTI_GET (with the SETs'
-    values, or which value each GET waiter gets); ``size``: the encoded bytes of the
-    request it makes."""
+    """GETs folded into one MULTI_GET: its keys, which value each waiter gets, and
+    ``size``, the encoded bytes of the MULTI_GET."""
 
-    __slots__ = ("keys", "values", "slot", "picks", "size")
+    __slots__ = ("keys", "slot", "picks", "size")
 
     def __init__(self, u: UpOp) -> None:
-        req = u.req
-        if req[0] == Op.MULTI_SET:
-            self.keys, self.values = list(req[1]), list(req[2])
-            self.slot: dict[bytes, int] = {}
-            self.picks: list[int] = []
-        else:
-            self.keys = [req[1]]
-            self.values = [req[2]] if req[0] != Op.GET else []
-            self.slot = {req[1]: 0}  # GET: key -> index of its value
-            self.picks = [0] * len(u.waiters)  # GET: per waiter, the index of its value
-        self.size = request_size(req)
+        key = u.req[1]
+        self.keys = [key]
+        self.slot = {key: 0}  # key -> index of its value
+        self.picks = [0] * len(u.waiters)  # per waiter, the index of its value
+        self.size = _REQUEST_HEAD + _ITEM_HEAD + len(key)
 
-    def request(self, op: int) -> Request:
-        if op == Op.SET or op == Op.MULTI_SET:
-            return (Op.MULTI_SET, tuple(self.keys), tuple(self.values))
+    def request(self) -> Request:
         return (Op.MULTI_GET, tuple(self.keys))
-
-
-def request_size(req: Request) -> int:
-    """Encoded bytes (at most) of a SET, MULTI_SET, APPEND, GET or MULTI_GET. O(keys)."""
-    op = req[0]
-    if op == Op.MULTI_SET:
-        return _REQUEST_HEAD + sum(2 * _ITEM_HEAD + len(k) + len(v) for k, v in zip(req[1], req[2]))
-    if op == Op.MULTI_GET:
-        return _REQUEST_HEAD + sum(_ITEM_HEAD + len(k) for k in req[1])
-    if op == Op.GET:
-        return _REQUEST_HEAD + _ITEM_HEAD + len(req[1])
-    return _REQUEST_HEAD + 2 * _ITEM_HEAD + len(req[1]) + len(req[2])
 
 
 class UpOp:
@@ -157,21 +134,21 @@ class UpOp:
         self.deltas: list[int] | None = None  # an ADD: each waiter's delta
         self.group = False  # a WAIT or BARRIER (its waiters may cancel one by one)
         self.pos = pos  # where its first request stands in the batch
-        self.fold: Fold | None = None  # set once a second SET/GET/APPEND joins
+        self.fold: Fold | None = None  # a GET: set once a second GET joins
         self.members: list[UpOp] | None = None  # one-key WAITs sent with this one
         self.wkey: tuple[bytes, bytes] | None = None  # a watching read: (namespace, key)
         #: A watching read: per waiter, the downstream watcher it answers for (None: a
         #: local client, answered with the request's own answer, not the watch state).
         self.watchers: list[Any] | None = None
         self.fetch = 0  # a WAIT that fetches: its entry kind (WATCHES, FETCHES, PEEKS)
-        #: A write with no answer (SET, APPEND, ... and their folds): the clients whose
-        #: writes it carries, to close if the store host refuses it.
+        #: A write with no answer (SET, APPEND, ...): the client whose write it
+        #: carries, to close if the store host refuses it.
         self.writers: list[Any] | None = None
 
     def request(self) -> Request:
         """The request that goes upstream (a fold's, or an ADD of the run's sum)."""
         if self.fold is not None:
-            return self.fold.request(self.req[0])
+            return self.fold.request()
         if self.deltas is not None and len(self.deltas) > 1:
             return (Op.ADD, self.req[1], wrap_i64(sum(self.deltas)))
         return self.req
@@ -226,8 +203,7 @@ def plan_batch(pending: list[tuple[Any, bytes, Request]], limits: PlanLimits = P
 
 
 class _Planner:
-    __slots__ = ("limits", "plan", "open_reads", "reads_on", "runs", "folds", "last_touch", "last_write", "last",
-                 "set_joined")
+    __slots__ = ("limits", "plan", "open_reads", "reads_on", "runs", "folds", "last_touch", "last_write", "last")
 
     def __init__(self, limits: PlanLimits) -> None:
         self.limits = limits
@@ -235,11 +211,10 @@ class _Planner:
         self.open_reads: dict[tuple, UpOp] = {}  # (ns, [kind,] opcode, keys): its op
         self.reads_on: dict[tuple[bytes, bytes], list[tuple]] = {}  # (ns, key): open_reads keys
         self.runs: dict[tuple[int, bytes, bytes], UpOp] = {}  # (ADD, ns, key): open run
-        self.folds: dict[tuple[int, bytes], UpOp] = {}  # (SET|GET|WAIT|mark, ns): the latest fold
+        self.folds: dict[tuple[int, bytes], UpOp] = {}  # (GET|WAIT|mark, ns): the latest fold
         self.last_touch: dict[tuple[bytes, bytes], int] = {}  # (ns, key): place of the last request on it
         self.last_write: dict[tuple[bytes, bytes], int] = {}
         self.last = -1  # place of the batch's last request (nothing after it needs its keys noted)
-        self.set_joined: dict[bytes, int] = {}  # ns: place of the last write in its SET fold
 
     def touched(self, ns: bytes, keys, write: bool) -> None:
         # (O(keys) only while an ADD run or a read is open)
@@ -274,13 +249,12 @@ class _Planner:
                 self.read(i, since, waiter, ns, req)
             elif op == Op.ADD or op == Op.APPEND:
                 self.add_or_append(i, since, pending, waiter, ns, req)
-            elif op == Op.SET or op == Op.MULTI_SET and req[1]:
-                self.set(i, since, ns, req, waiter)
             else:
                 keys = keys_of(req)
                 self.touched(ns, keys, write=True)
-                for k in keys or (ALL_KEYS,):
-                    self.last_touch[(ns, k)] = self.last_write[(ns, k)] = i
+                if i != self.last:  # (an agent's MULTI_SET of every node's key, alone: no need)
+                    for k in keys or (ALL_KEYS,):
+                        self.last_touch[(ns, k)] = self.last_write[(ns, k)] = i
                 u = UpOp(req, ns, None if op in NO_REPLY_OPS else waiter, i)
                 if op in NO_REPLY_OPS:
                     u.writers = [waiter]
@@ -365,18 +339,20 @@ class _Planner:
             return
         if op == Op.GET:
             f = self.folds.get((Op.GET, ns))
-            if (self._joins(f, since, (ns, req[1]), members=False)
-                    and (f.fold is None or len(f.fold.keys) < self.limits.max_get_fold)):  # type: ignore[union-attr]
+            if self._joins(f, since, (ns, req[1]), members=False):
                 fold = f.fold or Fold(f)  # type: ignore[union-attr]
-                f.fold = fold  # type: ignore[union-attr]
-                fold.slot[req[1]] = len(fold.keys)
-                fold.picks.append(len(fold.keys))
-                fold.keys.append(req[1])
-                f.waiters.append(waiter)  # type: ignore[union-attr]
-                self.open_reads[dk] = f  # type: ignore[assignment]
-                self.read_on((ns, req[1]), dk)
-                plan.counts.folded_gets += 1
-                return
+                size = _ITEM_HEAD + len(req[1])
+                if len(fold.keys) < self.limits.max_get_fold and fold.size + size <= self.limits.max_request_bytes:
+                    f.fold = fold  # type: ignore[union-attr]
+                    fold.size += size
+                    fold.slot[req[1]] = len(fold.keys)
+                    fold.picks.append(len(fold.keys))
+                    fold.keys.append(req[1])
+                    f.waiters.append(waiter)  # type: ignore[union-attr]
+                    self.open_reads[dk] = f  # type: ignore[assignment]
+                    self.read_on((ns, req[1]), dk)
+                    plan.counts.folded_gets += 1
+                    return
         if op == Op.WAIT and len(keys) == 1:
             f = self.folds.get((Op.WAIT, ns))
             if self._joins(f, since, (ns, keys[0]), members=True):
@@ -423,44 +399,6 @@ class _Planner:
         u.deltas = [req[2]]
         self.runs[rk] = u
         plan.ops.append(u)
-
-    def set(self, i: int, since: int, ns: bytes, req: Request, waiter: Any) -> None:
-        """A SET, or a MULTI_SET: folded with the same waiter's only (a fold the store host
-        refuses, past its budget, fails every write in it: one client's, not a neighbour's)."""
-        keys = keys_of(req)
-        f = self.folds.get((Op.SET, ns))
-        last_touch = self.last_touch
-        joins = (f is not None and f.writers[0] is waiter  # type: ignore[index]
-                 and (since < f.pos or since == self.set_joined[ns]) and last_touch.get((ns, ALL_KEYS), -1) < f.pos
-                 and all(last_touch.get((ns, k), -1) < f.pos for k in keys))
-        if joins:
-            fold = f.fold or Fold(f)  # type: ignore[union-attr]
-            size = request_size(req) - _REQUEST_HEAD
-            limits = self.limits
-            joins = (len(fold.keys) + len(keys) <= min(limits.max_fold, limits.max_keys)
-                     and fold.size + size <= limits.max_request_bytes)
-        self.touched(ns, keys, write=True)
-        if i != self.last:  # (an agent's MULTI_SET of every node's key, alone: no need)
-            for k in keys:
-                last_touch[(ns, k)] = self.last_write[(ns, k)] = i
-        if joins:
-            f.fold = fold  # type: ignore[union-attr]
-            if req[0] == Op.SET:
-                fold.keys.append(req[1])
-                fold.values.append(req[2])
-            else:
-                fold.keys += req[1]
-                fold.values += req[2]
-            fold.size += size
-            f.writers.append(waiter)  # type: ignore[union-attr]
-            self.plan.counts.folded_sets += len(keys)
-            self.set_joined[ns] = i
-            return
-        u = UpOp(req, ns, None, i)
-        u.writers = [waiter]
-        self.folds[(Op.SET, ns)] = u
-        self.set_joined[ns] = i
-        self.plan.ops.append(u)
 
 
 def _same_run(earlier: tuple[Any, bytes, Request], ns: bytes, op: int, key: bytes) -> bool:

@@ -16,7 +16,6 @@ class CoalescingStats:
         self.merged_reads = 0
         self.merged_waits = 0
         self.merged_adds = 0
-        self.folded_sets = 0  # SETs sent inside another's MULTI_SET
         self.folded_gets = 0  # GETs answered from another's MULTI_GET
         self.folded_waits = 0  # one-key WAITs sent in another's WAITS entry
         self.ids_opened = 0  # link client ids (namespaces) opened upstream: an OPEN entry each
@@ -30,12 +29,25 @@ class CoalescingStats:
     def as_dict(self) -> dict[str, int]:
         return dict(vars(self))
 
+    def merged(self, counts: MergeCounts) -> None:
+        """Add what one batch merged."""
+        for name, n in vars(counts).items():
+            if n:
+                setattr(self, name, getattr(self, name) + n)
+
+    def sent(self, ops: int, opened: int, watches: int, peeks: int) -> None:
+        """Count a batch sent: its operations, namespaces opened, watching reads, keys read ahead."""
+        self.batches += 1
+        self.upstream_ops += ops
+        self.ids_opened += opened
+        self.watches_sent += watches
+        self.peeks_sent += peeks
+
 
 @dataclass
 class MergeCounts:
     merged_reads: int = 0
     merged_waits: int = 0
     merged_adds: int = 0
-    folded_sets: int = 0  # SETs sent inside another's MULTI_SET
     folded_gets: int = 0  # GETs answered from another's MULTI_GET
     folded_waits: int = 0  # one-key WAITs sent in another's WAITS entry

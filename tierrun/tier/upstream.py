@@ -12,7 +12,8 @@ only what that client waits for: a CANCEL entry once nobody waits under the upst
 request any more.
 
 Fail-stop: an answer that cannot be the one asked for, or any unexpected error handling
-what the store host sent, ends the session (its clients dropped, ``on_lost`` told).
+what the store host sent or sending a batch, ends the session (its clients dropped,
+``on_lost`` told).
 """
 
 from __future__ import annotations
@@ -348,7 +349,9 @@ class LinkUpstream(SessionEnd):
 
     def _flush(self) -> None:
         """Send the batch: plan it (:func:`.plan.plan_batch`), note what the watch cache
-        must know, read ahead, and encode its entries. O(keys of the batch)."""
+        must know, read ahead, and encode its entries. O(keys of the batch). Fail-stop:
+        an unexpected error ends the session (a batch lost here would leave its clients
+        waiting for ever, the node's agent none the wiser)."""
         self._stop_timers()
         if self.pace is not None:
             self.pace.sent(monotonic())
@@ -356,19 +359,27 @@ class LinkUpstream(SessionEnd):
         self._hold_policy.writers.clear()
         pending = self._pending.take()
         extra, self._extra = self._extra, []
-        plan = plan_batch(pending, self.limits) if pending else Plan()
-        if not plan.lone:  # (a lone ADD or SET: nothing for the watch cache to note)
-            self._note_plan(plan)
-        self._send_plan(plan, extra)
+        unsent = pending
+        try:
+            plan = plan_batch(pending, self.limits) if pending else Plan()
+            if not plan.lone:  # (a lone ADD or SET: nothing for the watch cache to note)
+                self._note_plan(plan)
+            unsent = []  # (from here what was sent is in flight: the session's end drops it)
+            self._send_plan(plan, extra)
+        except Exception as e:
+            log.exception("unexpected error sending a batch to the store host")
+            reason = f"internal error in the node's link to the store host: {e!r}"
+            for w, _, _ in unsent:
+                w.drop(reason)  # type: ignore[attr-defined]
+            self.die(reason)
+            return
         self.queued_writes = 0
         if self.down_since is not None or self._stalled:  # (acked()'s conditions, checked here first)
             self.acked()
 
     def _note_plan(self, plan: Plan) -> None:
-        stats, counts, watches = self.stats, plan.counts, self.watches
-        for name, n in vars(counts).items():
-            if n:
-                setattr(stats, name, getattr(stats, name) + n)
+        watches = self.watches
+        self.stats.merged(plan.counts)
         watches.note_reads(plan.reads)
         wait_of = self._wait_of
         for op in plan.ops:  # (every op, members after the op that carries them)
@@ -390,12 +401,7 @@ class LinkUpstream(SessionEnd):
         if out.writes:
             self._writes.sent(out.writes)
         if out.frames and self.dead is None:
-            stats = self.stats
-            stats.batches += 1
-            stats.upstream_ops += out.ops
-            stats.ids_opened += out.opened
-            stats.watches_sent += out.watches
-            stats.peeks_sent += out.peeks
+            self.stats.sent(out.ops, out.opened, out.watches, out.peeks)
             for frame in out.frames:
                 self.send(frame)
 
