@@ -61,6 +61,24 @@ def test_a_set_past_the_bytes_budget_is_refused_and_changes_nothing():
     assert totals(core) == (52, 2)
 
 
+def test_an_add_is_refused_only_as_one_creating_its_key_with_20_digits_would_be():
+    """So ADDs merged into one ADD of their sum (a node proxy's) are refused exactly when
+    the first of them alone would be: growing a counter is never refused, creating one
+    needs room for the longest int64 whatever the delta."""
+    core, c = core_of(max_store_bytes=100), Client()
+    core.execute((Op.SET, b"pad", b"p" * 77), c)  # (80 bytes held: 20 left)
+    with pytest.raises(BudgetExceeded, match="adds 21"):
+        core.execute((Op.ADD, b"n", 1), c)  # (2 bytes as it is, 21 as the longest)
+    core.execute((Op.SET, b"pad", b"p" * 76), c)  # (21 left)
+    core.execute((Op.ADD, b"n", 9), c)
+    assert totals(core) == (81, 2)  # (counted as it is)
+    core.execute((Op.SET, b"pad", b"p" * 95), c)  # (the budget full: 100)
+    core.execute((Op.ADD, b"n", 1), c)  # ("9" -> "10": a digit more, taken)
+    assert totals(core) == (101, 2) and core.snapshot()[b"n"] == b"10"
+    with pytest.raises(BudgetExceeded):
+        core.execute((Op.SET, b"pad", b"p" * 96), c)  # (other writes still refused)
+
+
 def test_the_keys_budget_counts_keys_queues_and_queued_values():
     core, c = core_of(max_store_keys=4), Client()
     core.execute((Op.ADD, b"n", 1), c)

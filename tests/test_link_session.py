@@ -7,8 +7,8 @@ import pytest
 
 from tierrun.link import auth
 from tierrun.link.frames import (
-    ACK, AUTH, ERROR, HELLO, RESUMED, SESSION, WELCOME, FrameDecoder, LinkError, Unauthenticated, encode_count,
-    encode_resumed, frame,
+    ACK, AUTH, ERROR, HELLO, RESUMED, SESSION, WELCOME, FrameDecoder, LinkError, StoreSizes, Unauthenticated,
+    encode_count, encode_resumed, frame,
 )
 from tierrun.link.session import (
     LATE_CHECK, RECHECK_AFTER, ClientHandshake, DeadlineCheck, Heartbeat, Ledger, ServerHandshake,
@@ -49,7 +49,7 @@ def open_link(client, server):
     flight = deliver(at_client, server.start(), client)
     replies = deliver(at_server, flight, server)
     server_sealer = server.sealer
-    resumed = server_sealer.seal(encode_resumed(7, (1, 2, 3, 4)))
+    resumed = server_sealer.seal(encode_resumed(7, StoreSizes(1, 2, 3, 4, 5, 6)))
     deliver(at_client, replies + resumed, client)
     return at_client, at_server
 
@@ -72,9 +72,9 @@ def test_one_flight_each_way_opens_the_session():
     assert client.opener is not None
     decoder = FrameDecoder()
     decoder.opener = client.opener
-    ((ftype, payload),) = decoder.feed(server.sealer.seal(encode_resumed(7, (1, 2, 3, 4))))
+    ((ftype, payload),) = decoder.feed(server.sealer.seal(encode_resumed(7, StoreSizes(1, 2, 3, 4, 5, 6))))
     client.feed(ftype, payload)
-    assert client.resumed == 7 and client.limits == (1, 2, 3, 4) and client.max_frame > 4096
+    assert client.resumed == 7 and client.limits == StoreSizes(1, 2, 3, 4, 5, 6) and client.max_frame > 4096
 
 
 def test_every_frame_after_the_handshake_is_sealed_and_checked():

@@ -132,34 +132,139 @@ def test_merged_adds_past_int64_wrap_and_fail_nobody_else(node):
     assert bystander.add("bystander", 1) == 2
 
 
-def test_gets_of_long_keys_from_several_clients_fold_within_the_request_limit():
-    """A store host that takes requests of at most 3,000 bytes and keys of up to 1,000:
-    five clients each GET a 900-byte key, arriving together (one batch at the proxy,
-    most of the time). Each GET alone is within the limit, so each is answered, as on
-    the store alone. Before: the proxy folded them into one MULTI_GET of ~4.5 KB, the
-    store host refused it, and all five were closed."""
+def _gets_arriving_together(port: int, keys: list[bytes]) -> list[list[bytes]]:
+    """A client per key GETs it; the GETs reach the proxy together (all but their last
+    byte first, then the last bytes at once: one batch, most of the time)."""
+    readers = [Conn(port) for _ in keys]
+    gets = [encode((Op.GET, k)) for k in keys]
+    for conn, get, k in zip(readers, gets, keys):
+        conn.reader.sending((Op.GET, k))
+        conn.sock.setblocking(True)
+        conn.sock.sendall(get[:-1])
+    time.sleep(0.3)
+    for conn, get in zip(readers, gets):
+        conn.sock.sendall(get[-1:])
+        conn.sock.setblocking(False)
+    got = [_answers(conn, 1, timeout=5) for conn in readers]
+    for conn in readers:
+        conn.close()
+    return got
+
+
+@pytest.mark.parametrize("store_args, proxy_args, key_bytes, value_bytes", [
+    # five 900-byte keys: one MULTI_GET of them (~4.5 KB) would pass the request limit
+    (["--max-request-bytes", "3000", "--max-key-bytes", "1000"], [], 900, 1),
+    # four 1,000-byte values: one MULTI_GET's answer (~4 KB) would pass the answer limit
+    (["--max-value-bytes", "1000", "--max-reply-bytes", "1500"], [], 8, 1000),
+    # the same with a proxy that takes only 100-byte values: the store's may be longer
+    (["--max-value-bytes", "1000", "--max-reply-bytes", "1100"], ["--max-value-bytes", "100"], 8, 1000),
+], ids=["request-bytes", "reply-bytes", "reply-bytes-proxy-value-limit"])
+def test_gets_of_several_clients_fold_only_within_the_store_hosts_limits(store_args, proxy_args, key_bytes,
+                                                                          value_bytes):
+    """Several clients each GET a key of their own, arriving together at a proxy whose
+    store host has tight limits on one request or one answer. Each GET alone is within
+    them, so each is answered, as on the store alone. Before: the proxy folded them into
+    one MULTI_GET the store host refused (its request or its answer too long: the proxy
+    planned with its own answer limit and its own value limit, not the store's), and all
+    were closed."""
     env = _env()
-    limits = ["--max-request-bytes", "3000", "--max-key-bytes", "1000"]
-    with StoreProcess(host="127.0.0.1", port=0, controlled=True, env=env, extra_args=limits) as store:
+    with StoreProcess(host="127.0.0.1", port=0, controlled=True, env=env, extra_args=store_args) as store:
+        with StoreProcess(host="127.0.0.1", port=0, command="proxy", controlled=True, env=env,
+                          extra_args=["--upstream", f"127.0.0.1:{store.port}", "--connect-timeout", "10",
+                                      *proxy_args]) as proxy:
+            keys = [c.encode() * key_bytes for c in "abcde"]
+            values = [c.encode() * value_bytes for c in "abcde"]
+            setter = Conn(store.port)
+            setter.send([(Op.SET, k, v) for k, v in zip(keys, values)] + [(Op.GETNUMKEYS,)])
+            assert _answers(setter, 1) == [_i64(5)]
+            expected = [[_i64(value_bytes) + v] for v in values]
+            assert _gets_arriving_together(store.port, keys) == expected  # (the store alone)
+            for attempt in range(3):  # (whether they meet in one batch depends on timing)
+                got = _gets_arriving_together(proxy.port, keys)
+                assert got == expected, (attempt, [[len(a) for a in g] for g in got], proxy.output[-2000:])
+                assert proxy.exited() is None and store.exited() is None
+            if key_bytes == 900:  # (folds of three keys fit: the test saw some)
+                assert proxy.stats()["folded_gets"] > 0
+
+
+def test_gets_folded_two_levels_down_stay_within_the_store_hosts_answer_limit():
+    """A relay that takes only 100-byte values passes the store host's longest value
+    (1,000 bytes) and answer limit (1,100) on to the node proxy linked to it: four
+    clients of that proxy each GET a 1,000-byte value at once and each is answered."""
+    env = _env()
+    store_args = ["--max-value-bytes", "1000", "--max-reply-bytes", "1100"]
+    with StoreProcess(host="127.0.0.1", port=0, controlled=True, env=env, extra_args=store_args) as store:
+        with StoreProcess(host="127.0.0.1", port=0, command="proxy", controlled=True, env=env,
+                          extra_args=["--upstream", f"127.0.0.1:{store.port}", "--connect-timeout", "10",
+                                      "--max-value-bytes", "100", "--link-listen", "127.0.0.1:0"]) as relay:
+            with StoreProcess(host="127.0.0.1", port=0, command="proxy", controlled=True, env=env,
+                              extra_args=["--upstream", f"127.0.0.1:{relay.link_port}",
+                                          "--connect-timeout", "10"]) as leaf:
+                keys = [b"/k%d" % i for i in range(4)]
+                setter = Conn(store.port)
+                setter.send([(Op.SET, k, k[-1:] * 1000) for k in keys] + [(Op.GETNUMKEYS,)])
+                assert _answers(setter, 1) == [_i64(4)]
+                for attempt in range(3):
+                    got = _gets_arriving_together(leaf.port, keys)
+                    assert got == [[_i64(1000) + k[-1:] * 1000] for k in keys], (attempt, leaf.output[-2000:])
+                assert relay.exited() is None and leaf.exited() is None
+
+
+def _adds_arriving_together(port: int, key: bytes, deltas: list[int]) -> list[list[bytes]]:
+    """A client per delta ADDs it to ``key``, arriving together (one batch, most of the
+    time: the proxy merges them into one ADD of their sum)."""
+    conns = [Conn(port) for _ in deltas]
+    adds = [encode((Op.ADD, key, d)) for d in deltas]
+    for conn, add, d in zip(conns, adds, deltas):
+        conn.reader.sending((Op.ADD, key, d))
+        conn.sock.setblocking(True)
+        conn.sock.sendall(add[:-1])
+    time.sleep(0.3)
+    for conn, add in zip(conns, adds):
+        conn.sock.sendall(add[-1:])
+        conn.sock.setblocking(False)
+    got = [_answers(conn, 1, timeout=3) for conn in conns]
+    for conn in conns:
+        conn.close()
+    return got
+
+
+def test_adds_merged_near_a_full_budget_are_refused_as_the_first_alone_would_be():
+    """The store's bytes budget full to a few bytes. Two clients ADD to a counter at
+    once: growing by a digit is never refused, on the store alone or merged (before, the
+    merged ADD of +991 was refused for its 3 more bytes and both clients closed, where
+    alone the +1 landed). Two clients ADD to a key that does not exist yet: refused
+    whatever the delta, as the first alone would be, so both are closed either way."""
+    budget = 100_000
+    env = _env()
+    with StoreProcess(host="127.0.0.1", port=0, controlled=True, env=env,
+                      extra_args=["--max-store-bytes", str(budget)]) as store:
         with StoreProcess(host="127.0.0.1", port=0, command="proxy", controlled=True, env=env,
                           extra_args=["--upstream", f"127.0.0.1:{store.port}", "--connect-timeout", "10"]) as proxy:
-            keys = [c.encode() * 900 for c in "abcde"]
-            setter = Conn(proxy.port)
-            setter.send([(Op.SET, k, k[:1]) for k in keys] + [(Op.GETNUMKEYS,)])
-            assert _answers(setter, 1) == [_i64(5)]
-            for attempt in range(3):  # (whether they meet in one batch depends on timing)
-                readers = [Conn(proxy.port) for _ in keys]
-                gets = [encode((Op.GET, k)) for k in keys]
-                for conn, get, k in zip(readers, gets, keys):  # (all but the last byte, then the last bytes together)
-                    conn.reader.sending((Op.GET, k))
-                    conn.sock.setblocking(True)
-                    conn.sock.sendall(get[:-1])
-                time.sleep(0.3)
-                for conn, get in zip(readers, gets):
-                    conn.sock.sendall(get[-1:])
-                    conn.sock.setblocking(False)
-                got = [_answers(conn, 1, timeout=5) for conn in readers]
-                assert got == [[_i64(1) + k[:1]] for k in keys], (attempt, got, proxy.output[-2000:])
-                assert proxy.exited() is None and store.exited() is None
-                for conn in readers:
-                    conn.close()
+            admin = Conn(store.port)
+
+            def fill(slack: int) -> None:
+                """Leave ``slack`` bytes of the budget (``/fill``'s key takes 5)."""
+                admin.send([(Op.DELETE_KEY, b"/fill"), (Op.GETNUMKEYS,)])
+                _answers(admin, len(admin.reader.tokens) + 2)
+                used = store.stats()["store_bytes"]
+                admin.send([(Op.SET, b"/fill", b"z" * (budget - slack - used - 5)), (Op.GETNUMKEYS,)])
+                _answers(admin, len(admin.reader.tokens) + 1)
+                assert store.stats()["store_bytes"] == budget - slack
+
+            merged = False
+            for attempt, port in enumerate((store.port, proxy.port, proxy.port, proxy.port)):
+                key = b"/n%d" % attempt
+                admin.send([(Op.SET, key, b"9"), (Op.GETNUMKEYS,)])
+                fill(1)
+                before = proxy.stats()["merged_adds"]
+                assert _adds_arriving_together(port, key, [1, 990]) in ([[_i64(10)], [_i64(1000)]],
+                                                                        [[_i64(991)], [_i64(1000)]])
+                merged |= proxy.stats()["merged_adds"] > before
+                fresh = b"/m%d" % attempt
+                fill(len(fresh) + 5)  # (room for the key and 5 digits: not for 20)
+                assert _adds_arriving_together(port, fresh, [1, 2]) == [[], []]
+                admin.send([(Op.CHECK, (fresh,))])
+                assert _answers(admin, len(admin.reader.tokens) + 1)[-1] == b"\x01"  # (torch's CHECK: not ready)
+            assert proxy.exited() is None and store.exited() is None
+            assert merged, "the proxy never merged the two ADDs: the test did not test the merge"

@@ -40,6 +40,10 @@ class BudgetFull(BudgetExceeded):
         self.over_bytes = over_bytes
 
 
+#: Characters of the longest int64 in decimal: -9223372036854775808.
+I64_DIGITS = 20
+
+
 def _key(key: bytes) -> str:
     return repr(key[:64]) + ("..." if len(key) > 64 else "")
 
@@ -85,6 +89,19 @@ class StoreBudget:
                 "or start the store with a larger budget", 0, *over)
         self.bytes = b
         self.entries = e
+
+    def count_counter(self, key: bytes, current: bytes | None, new: bytes) -> None:
+        """Count an ADD taking ``key`` from ``current`` to ``new``. Refused
+        (BudgetExceeded, nothing counted) only as an ADD creating its key with the
+        longest int64 (20 digits) would be, whatever its result; a counter that grows
+        by a digit or two is not. So ADDs to one key merged into one (a node proxy sums
+        a batch's ADDs) are refused exactly when the first of them alone would be.
+        Passes the bytes budget by at most 19 bytes a key."""
+        if current is None:
+            self.grow(key, len(key) + I64_DIGITS, 1)  # (refused, or counted as the longest...)
+            self.bytes += len(new) - I64_DIGITS  # (... then as it is)
+        else:
+            self.bytes += len(new) - len(current)
 
     def wait(self, keys: list[bytes]) -> int:
         """A WAIT (or BARRIER) about to block on ``keys``: the store holds a registration

@@ -354,7 +354,9 @@ class StoreCore:
         current = self._data.get(key)
         value = delta if current is None else wrap_i64(parse_counter(current, key) + delta)
         new = str(value).encode()
-        self._grow(key, current, new)
+        self.budget.count_counter(key, current, new)
+        if current is None:
+            self._key_bytes += len(key)
         self._data[key] = new
         if key in self._watched:
             self._break_watches(key)

@@ -41,7 +41,7 @@ from time import monotonic
 from ..frontend import Upstream
 from ..frontend.contracts import TORCH_CLIENT_REFUSED
 from ..link.config import LinkConfig
-from ..link.frames import DEFAULT_MAX_FRAME, WATCH_LEASE, LinkError, encode_resumed
+from ..link.frames import DEFAULT_MAX_FRAME, WATCH_LEASE, LinkError, StoreSizes, encode_resumed
 from ..link.session import RECHECK_AFTER, DeadlineCheck
 from ..logs import FloodLog
 from ..protocol.limits import Limits
@@ -61,7 +61,8 @@ class LinkServer:
                  config: LinkConfig | None = None, lease: Callable[[], float] = lambda: WATCH_LEASE,
                  gate: ReplyGate | None = None,
                  drop_watches: Callable[[Session], None] = lambda session: None,
-                 limits: Limits | None = None, max_connections: int = 65536) -> None:
+                 limits: Limits | None = None, max_connections: int = 65536,
+                 largest_value: int | None = None) -> None:
         """``upstream_for(namespace)``: where a link client's requests go; ``lease()``:
         how long (seconds, at most WATCH_LEASE) a front-end may answer from its
         watches past the ACK being answered (a stacked front-end grants no longer
@@ -71,7 +72,8 @@ class LinkServer:
         ``limits``: what one request may hold (the store's, as its clients get; told to
         every front-end when its session opens, so that it refuses what the store
         would); ``max_connections``: link connections beyond this are closed as soon
-        as they are accepted."""
+        as they are accepted; ``largest_value``: the longest value the store may hold
+        (a relay's: the store host's, as it was told; the store host's: its limit)."""
         self.upstream_for = upstream_for
         self.token = token
         self.config = config or LinkConfig()
@@ -79,6 +81,7 @@ class LinkServer:
         self.gate = gate or ReplyGate()
         self.drop_watches = drop_watches
         self.limits = limits or Limits()
+        self.largest_value = largest_value or self.limits.max_value_bytes
         self.max_connections = max_connections
         self.stats = LinkStats()
         self.sessions: dict[bytes, Session] = {}
@@ -199,7 +202,8 @@ class LinkServer:
         session.peer = conn.peer
         self.stats.links += conn.resumable  # (node links, not the host's own front-ends)
         lim = self.limits
-        sizes = (lim.max_key_bytes, lim.max_value_bytes, lim.max_keys_per_request, lim.max_request_bytes)
+        sizes = StoreSizes(lim.max_key_bytes, lim.max_value_bytes, lim.max_keys_per_request, lim.max_request_bytes,
+                           lim.max_reply_bytes, self.largest_value)
         conn.write(encode_resumed(session.ledger.received, sizes) + b"".join(missed))
         return session
 

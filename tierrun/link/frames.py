@@ -85,7 +85,7 @@ from __future__ import annotations
 
 import struct
 from collections.abc import Iterator
-from typing import Protocol
+from typing import NamedTuple, Protocol
 
 LINK_MAGIC = 0xA7  # first byte a front-end sends: not an opcode of any torch version
 VERSION = 10  # 2: sessions, resumption, heartbeats; 3: a client per namespace, CANCEL; 4: watches;
@@ -372,20 +372,32 @@ def decode_session(payload: bytes) -> tuple[bytes, bool, int]:
     return sid, bool(fresh), received
 
 
-_resumed = struct.Struct("<QQQQQ")
+class StoreSizes(NamedTuple):
+    """What a front-end tells the front-ends linked to it when their session opens."""
+
+    key_bytes: int  # the longest key one request may hold here
+    value_bytes: int  # the longest value one request may write here
+    keys_per_request: int
+    request_bytes: int
+    reply_bytes: int  # the largest answer to one request, here and above
+    #: The longest value the store may hold, which a GET may return: the store host's
+    #: value limit, passed on unchanged by relays (their own may be tighter).
+    largest_value: int
 
 
-def encode_resumed(received: int, limits: tuple[int, int, int, int]) -> bytes:
-    """A RESUMED frame: BATCH frames received, and the store's limits on one request
-    (key bytes, value bytes, keys per request, request bytes)."""
-    return frame(RESUMED, _resumed.pack(received, *limits))
+_resumed = struct.Struct("<QQQQQQQ")
 
 
-def decode_resumed(payload: bytes) -> tuple[int, tuple[int, int, int, int]]:
+def encode_resumed(received: int, sizes: StoreSizes) -> bytes:
+    """A RESUMED frame: BATCH frames received, and the store's sizes."""
+    return frame(RESUMED, _resumed.pack(received, *sizes))
+
+
+def decode_resumed(payload: bytes) -> tuple[int, StoreSizes]:
     if len(payload) != _resumed.size:
         raise LinkError("malformed RESUMED")
-    received, *limits = _resumed.unpack(payload)
-    return received, tuple(limits)  # type: ignore[return-value]
+    received, *sizes = _resumed.unpack(payload)
+    return received, StoreSizes(*sizes)
 
 
 def encode_count(ftype: int, n: int) -> bytes:

@@ -29,7 +29,7 @@ import secrets
 from . import auth
 from .frames import (
     ACK, AUTH, DEFAULT_MAX_FRAME, ERROR, HANDSHAKE_MAX_FRAME, HELLO, LINK_MAGIC, RESUMED, SESSION, WELCOME,
-    LinkError, Unauthenticated, decode_resumed, decode_session, encode_count, encode_session,
+    LinkError, StoreSizes, Unauthenticated, decode_resumed, decode_session, encode_count, encode_session,
 )
 from .outbox import Outbox
 from .seal import Opener, Sealer, session_keys
@@ -102,8 +102,8 @@ class ClientHandshake:
         self.sealer: Sealer | None = None
         self.welcomed = False  # the host proved it knows the token
         self.resumed: int | None = None  # the host's count of our frames, once resumed
-        #: The store's limits on one request (key, value, keys, request bytes), from RESUMED.
-        self.limits: tuple[int, int, int, int] | None = None
+        #: The store's sizes (limits on one request, largest value), from RESUMED.
+        self.limits: StoreSizes | None = None
 
     @staticmethod
     def start() -> bytes:

@@ -70,7 +70,8 @@ async def serve_proxy(
         if link.config.relay_pace > 0:
             link.pace = BatchPace(link.config.relay_pace)
         links = LinkServer(lambda ns: link.view(ns.decode()), token, link_config, lease=link.lease_left, limits=limits,
-                           max_connections=config.frontend.max_connections)
+                           max_connections=config.frontend.max_connections,
+                           largest_value=link.upstream_largest_value or None)
         try:
             sock = tcp_listen_socket(*link_listen, config.backlog)
         except ListenError as e:

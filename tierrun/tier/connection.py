@@ -25,8 +25,8 @@ from time import monotonic
 from ..link import auth
 from ..link.config import LinkConfig
 from ..link.frames import (
-    ACK, ERROR, INVALIDATE, PONG, REPLIES, SESSION_ID_BYTES, FrameDecoder, LinkError, Unauthenticated,
-    decode_count, decode_pong,
+    ACK, ERROR, INVALIDATE, PONG, REPLIES, SESSION_ID_BYTES, FrameDecoder, LinkError, StoreSizes,
+    Unauthenticated, decode_count, decode_pong,
 )
 from ..link.session import RECHECK_AFTER, ClientHandshake, DeadlineCheck, Heartbeat, Ledger
 from ..protocol.limits import Limits
@@ -71,8 +71,9 @@ class SessionEnd:
         self.down_since: float | None = None
         self._resync_upto = 0  # the frames to be acknowledged before that
         #: The store's limits on one request, as the store host said when the session
-        #: opened (None before).
+        #: opened (None before), and the longest value it may hold.
         self.upstream_limits: Limits | None = None
+        self.upstream_largest_value = 0
         #: Past this many bytes sent and not acknowledged, clients' writes wait (write_room).
         self.congested_at = self.config.max_unacked_bytes // 16  # (twice the store host's ack step)
         self._stalled: set = set()  # clients whose writes wait for room
@@ -99,8 +100,9 @@ class SessionEnd:
     def lease_granted(self, until: float) -> None:
         """The store host heard from us: watches may be answered until ``until``."""
 
-    def on_upstream_limits(self, limits: Limits) -> None:
-        """The store host's limits on one request, when the session opens."""
+    def on_upstream_limits(self, limits: Limits, largest_value: int) -> None:
+        """The store host's limits on one request, and the longest value it may hold,
+        when the session opens."""
 
     # -- the session --------------------------------------------------------------------
 
@@ -138,7 +140,7 @@ class SessionEnd:
         return LinkConnection(self)
 
     def established(self, conn: LinkConnection, batches_received: int,
-                    limits: tuple[int, int, int, int] | None = None) -> None:
+                    limits: StoreSizes | None = None) -> None:
         """RESUMED arrived on ``conn``: resend what the store host has not executed."""
         if self.dead is not None:
             conn.abort(self.dead)
@@ -148,8 +150,12 @@ class SessionEnd:
         self._opened = True
         self._resync_upto = self.ledger.outbox.sent
         if limits is not None and self.upstream_limits is None:
-            self.upstream_limits = Limits(*limits)
-            self.on_upstream_limits(self.upstream_limits)
+            self.upstream_limits = Limits(
+                max_key_bytes=limits.key_bytes, max_value_bytes=limits.value_bytes,
+                max_keys_per_request=limits.keys_per_request, max_request_bytes=limits.request_bytes,
+                max_reply_bytes=limits.reply_bytes)
+            self.upstream_largest_value = limits.largest_value
+            self.on_upstream_limits(self.upstream_limits, limits.largest_value)
         if missed:
             conn.write(b"".join(missed))
         if not self.ready.done():

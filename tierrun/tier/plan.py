@@ -25,9 +25,11 @@ too: it has no answer, but the client's next answer tells it the SET was done.
 
 **A merge never builds what a single request may not** (:class:`PlanLimits`): a
 MULTI_GET fold that would pass the keys per request or the request bytes the store host
-accepts, or could answer with more than a link frame holds, is closed and the GET
-starts a new one. Planned with the store host's limits, a merged request is refused
-only if one of its requests alone would be.
+accepts, or could answer (values as long as the store may hold) with more than a link
+frame or one answer holds, is closed and the GET starts a new one. Planned with the
+store host's limits (announced on the link), a merged request is refused only if one of
+its requests alone would be (a run of ADDs past the store's budget: only if its first
+ADD alone would be, by the store's own rule, ``core.budget``).
 
 Reads that watch their key (:mod:`.watches`) come marked, ``(WATCH_MARK, request,
 watcher)`` and the like, and merge only with their like. O(keys of the batch).
@@ -62,12 +64,12 @@ _REQUEST_HEAD, _ITEM_HEAD = 9, 8  # encoded bytes of a request besides its items
 class PlanLimits:
     """What one merged request may hold: a single request's limits at the store host
     (a proxy plans with the limits the store host announced when it linked, else its
-    own), and the link's largest frame."""
+    own), and the link's largest frame; and the longest value a GET may return."""
 
     max_fold: int = 1024  # most requests in one fold (GETs, WAITs of an entry, keys read ahead)
     max_keys: int = Limits.max_keys_per_request
     max_key_bytes: int = Limits.max_key_bytes
-    max_value_bytes: int = Limits.max_value_bytes
+    max_value_bytes: int = Limits.max_value_bytes  # the longest value the store may hold
     max_request_bytes: int = Limits.max_request_bytes
     #: Most bytes of a link frame: a MULTI_GET fold's answer must fit one.
     max_frame_bytes: int = DEFAULT_MAX_FRAME
@@ -82,11 +84,13 @@ class PlanLimits:
                    max_value_bytes=limits.max_value_bytes, max_request_bytes=limits.max_request_bytes,
                    max_frame_bytes=max_frame_bytes, max_reply_bytes=limits.max_reply_bytes)
 
-    def within(self, limits: Limits) -> PlanLimits:
-        """These limits, none past ``limits`` (the store host's, learnt on the link)."""
+    def within(self, limits: Limits, largest_value: int) -> PlanLimits:
+        """These limits, none past ``limits`` (the store host's, learnt on the link), for
+        a store whose values may be ``largest_value`` bytes long (whatever this
+        front-end lets its clients write)."""
         return PlanLimits(max_fold=self.max_fold, max_keys=min(self.max_keys, limits.max_keys_per_request),
                           max_key_bytes=min(self.max_key_bytes, limits.max_key_bytes),
-                          max_value_bytes=min(self.max_value_bytes, limits.max_value_bytes),
+                          max_value_bytes=largest_value,
                           max_request_bytes=min(self.max_request_bytes, limits.max_request_bytes),
                           max_frame_bytes=self.max_frame_bytes,
                           max_reply_bytes=min(self.max_reply_bytes, limits.max_reply_bytes))

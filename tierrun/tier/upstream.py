@@ -113,9 +113,9 @@ class LinkUpstream(SessionEnd):
     def lease_granted(self, until: float) -> None:
         self.watches.lease_until = max(self.watches.lease_until, until)
 
-    def on_upstream_limits(self, limits: Limits) -> None:
-        """Merges never exceed what the store host takes in one request."""
-        self.limits = self.limits.within(limits)
+    def on_upstream_limits(self, limits: Limits, largest_value: int) -> None:
+        """Merges never exceed what the store host takes in one request, nor answers."""
+        self.limits = self.limits.within(limits, largest_value)
 
     def lease_left(self) -> float:
         """How much longer (seconds) this front-end may answer from its watches: what

@@ -1,10 +1,10 @@
-"""Writes in flight with no answer (SET, APPEND, MULTI_SET, QUEUE_PUSH, and their folds):
-whom to close if the store host refuses one (past its budget, or its limits).
+"""Writes in flight with no answer (SET, APPEND, MULTI_SET, QUEUE_PUSH): whom to close if
+the store host refuses one (past its budget, or its limits).
 
 Torch's protocol has no answer for these writes, and torch's server closes the client
 whose write fails. So a front-end sends each with a request id; the store host answers
-it only if it refuses it (FAILED), and the front-end closes the clients whose writes it
-carried (a fold's: all of them, since none of its writes was applied). A write is
+it only if it refuses it (FAILED), and the front-end closes the client whose write it
+carried (a write is never merged with another: each is refused on its own). A write is
 forgotten once an answer to a later request arrives: the store host executes a link's
 requests in the order of their ids and answers in that order, so a refusal of it would
 have come first. At most ``MAX_WRITES`` are remembered (a client that only writes gets
