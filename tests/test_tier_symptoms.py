@@ -132,21 +132,22 @@ def test_merged_adds_past_int64_wrap_and_fail_nobody_else(node):
     assert bystander.add("bystander", 1) == 2
 
 
-def _gets_arriving_together(port: int, keys: list[bytes]) -> list[list[bytes]]:
-    """A client per key GETs it; the GETs reach the proxy together (all but their last
-    byte first, then the last bytes at once: one batch, most of the time)."""
-    readers = [Conn(port) for _ in keys]
-    gets = [encode((Op.GET, k)) for k in keys]
-    for conn, get, k in zip(readers, gets, keys):
-        conn.reader.sending((Op.GET, k))
+def _arriving_together(port: int, requests: list[tuple], timeout: float = 5.0) -> list[list[bytes]]:
+    """A client per request sends it, the requests reaching the proxy together (all but
+    their last byte first, then the last bytes at once: one batch, most of the time).
+    Returns each client's answers."""
+    conns = [Conn(port) for _ in requests]
+    data = [encode(r) for r in requests]
+    for conn, d, r in zip(conns, data, requests):
+        conn.reader.sending(r)
         conn.sock.setblocking(True)
-        conn.sock.sendall(get[:-1])
+        conn.sock.sendall(d[:-1])
     time.sleep(0.3)
-    for conn, get in zip(readers, gets):
-        conn.sock.sendall(get[-1:])
+    for conn, d in zip(conns, data):
+        conn.sock.sendall(d[-1:])
         conn.sock.setblocking(False)
-    got = [_answers(conn, 1, timeout=5) for conn in readers]
-    for conn in readers:
+    got = [_answers(conn, 1, timeout=timeout) for conn in conns]
+    for conn in conns:
         conn.close()
     return got
 
@@ -178,9 +179,9 @@ def test_gets_of_several_clients_fold_only_within_the_store_hosts_limits(store_a
             setter.send([(Op.SET, k, v) for k, v in zip(keys, values)] + [(Op.GETNUMKEYS,)])
             assert _answers(setter, 1) == [_i64(5)]
             expected = [[_i64(value_bytes) + v] for v in values]
-            assert _gets_arriving_together(store.port, keys) == expected  # (the store alone)
+            assert _arriving_together(store.port, [(Op.GET, k) for k in keys]) == expected  # (the store alone)
             for attempt in range(3):  # (whether they meet in one batch depends on timing)
-                got = _gets_arriving_together(proxy.port, keys)
+                got = _arriving_together(proxy.port, [(Op.GET, k) for k in keys])
                 assert got == expected, (attempt, [[len(a) for a in g] for g in got], proxy.output[-2000:])
                 assert proxy.exited() is None and store.exited() is None
             if key_bytes == 900:  # (folds of three keys fit: the test saw some)
@@ -205,28 +206,9 @@ def test_gets_folded_two_levels_down_stay_within_the_store_hosts_answer_limit():
                 setter.send([(Op.SET, k, k[-1:] * 1000) for k in keys] + [(Op.GETNUMKEYS,)])
                 assert _answers(setter, 1) == [_i64(4)]
                 for attempt in range(3):
-                    got = _gets_arriving_together(leaf.port, keys)
+                    got = _arriving_together(leaf.port, [(Op.GET, k) for k in keys])
                     assert got == [[_i64(1000) + k[-1:] * 1000] for k in keys], (attempt, leaf.output[-2000:])
                 assert relay.exited() is None and leaf.exited() is None
-
-
-def _adds_arriving_together(port: int, key: bytes, deltas: list[int]) -> list[list[bytes]]:
-    """A client per delta ADDs it to ``key``, arriving together (one batch, most of the
-    time: the proxy merges them into one ADD of their sum)."""
-    conns = [Conn(port) for _ in deltas]
-    adds = [encode((Op.ADD, key, d)) for d in deltas]
-    for conn, add, d in zip(conns, adds, deltas):
-        conn.reader.sending((Op.ADD, key, d))
-        conn.sock.setblocking(True)
-        conn.sock.sendall(add[:-1])
-    time.sleep(0.3)
-    for conn, add in zip(conns, adds):
-        conn.sock.sendall(add[-1:])
-        conn.sock.setblocking(False)
-    got = [_answers(conn, 1, timeout=3) for conn in conns]
-    for conn in conns:
-        conn.close()
-    return got
 
 
 def test_adds_merged_near_a_full_budget_are_refused_as_the_first_alone_would_be():
@@ -258,12 +240,12 @@ def test_adds_merged_near_a_full_budget_are_refused_as_the_first_alone_would_be(
                 admin.send([(Op.SET, key, b"9"), (Op.GETNUMKEYS,)])
                 fill(1)
                 before = proxy.stats()["merged_adds"]
-                assert _adds_arriving_together(port, key, [1, 990]) in ([[_i64(10)], [_i64(1000)]],
+                assert _arriving_together(port, [(Op.ADD, key, 1), (Op.ADD, key, 990)], timeout=3) in ([[_i64(10)], [_i64(1000)]],
                                                                         [[_i64(991)], [_i64(1000)]])
                 merged |= proxy.stats()["merged_adds"] > before
                 fresh = b"/m%d" % attempt
                 fill(len(fresh) + 5)  # (room for the key and 5 digits: not for 20)
-                assert _adds_arriving_together(port, fresh, [1, 2]) == [[], []]
+                assert _arriving_together(port, [(Op.ADD, fresh, 1), (Op.ADD, fresh, 2)], timeout=3) == [[], []]
                 admin.send([(Op.CHECK, (fresh,))])
                 assert _answers(admin, len(admin.reader.tokens) + 1)[-1] == b"\x01"  # (torch's CHECK: not ready)
             assert proxy.exited() is None and store.exited() is None
