@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 
 from tierrun.core import BudgetExceeded, StoreCore
-from tierrun.core.budget import PACED_SCAN_KEYS, ScanPacer
+from tierrun.core.budget import MIN_VALUE_BYTES, PACED_SCAN_KEYS, ScanPacer
 from tierrun.frontend.namespace import NamespacedUpstream
 from tierrun.frontend.owed import REQUEST_RESERVE, Owed, largest_answer
 from tierrun.protocol import Limits, Op
@@ -38,7 +38,7 @@ def totals(core: StoreCore) -> tuple[int, int]:
     """The budget's running totals, and what they must be, counted the slow way."""
     data = core.snapshot()
     queues = core._queues
-    held = (sum(len(k) + len(v) for k, v in data.items())
+    held = (sum(len(k) + max(len(v), MIN_VALUE_BYTES) for k, v in data.items())
             + sum(len(k) + sum(map(len, q)) for k, q in queues.items()))
     entries = len(data) + len(queues) + sum(map(len, queues.values()))
     waited = [k for _, keys in core._pending.values() for k in keys]  # (waits count as keys)
@@ -58,25 +58,30 @@ def test_a_set_past_the_bytes_budget_is_refused_and_changes_nothing():
     core.execute((Op.SET, b"a", b"x" * 99), c)  # (replacing a value counts only the difference)
     core.execute((Op.SET, b"a", b"z"), c)  # (a write that shrinks is always taken)
     core.execute((Op.SET, b"b", b"y" * 49), c)
-    assert totals(core) == (52, 2)
+    assert totals(core) == (71, 2)  # ("z" counts as 20 bytes)
 
 
-def test_an_add_is_refused_only_as_one_creating_its_key_with_20_digits_would_be():
+def test_a_value_counts_as_at_least_20_bytes_so_an_add_never_changes_what_its_key_counts():
     """So ADDs merged into one ADD of their sum (a node proxy's) are refused exactly when
-    the first of them alone would be: growing a counter is never refused, creating one
-    needs room for the longest int64 whatever the delta."""
+    the first of them alone would be: an ADD creating a key counts it as 20 bytes
+    whatever the delta, an ADD to a number changes nothing the budget counts, and the
+    budget is never passed."""
     core, c = core_of(max_store_bytes=100), Client()
     core.execute((Op.SET, b"pad", b"p" * 77), c)  # (80 bytes held: 20 left)
     with pytest.raises(BudgetExceeded, match="adds 21"):
-        core.execute((Op.ADD, b"n", 1), c)  # (2 bytes as it is, 21 as the longest)
+        core.execute((Op.ADD, b"n", 1), c)  # (the key's byte and 20 for its number)
     core.execute((Op.SET, b"pad", b"p" * 76), c)  # (21 left)
     core.execute((Op.ADD, b"n", 9), c)
-    assert totals(core) == (81, 2)  # (counted as it is)
-    core.execute((Op.SET, b"pad", b"p" * 95), c)  # (the budget full: 100)
-    core.execute((Op.ADD, b"n", 1), c)  # ("9" -> "10": a digit more, taken)
-    assert totals(core) == (101, 2) and core.snapshot()[b"n"] == b"10"
+    assert totals(core) == (100, 2)  # (the budget full)
+    core.execute((Op.ADD, b"n", 1), c)  # ("9" -> "10": still 20)
+    core.execute((Op.ADD, b"n", -(1 << 62)), c)  # (19 digits and a sign: still 20)
+    assert totals(core) == (100, 2)
     with pytest.raises(BudgetExceeded):
-        core.execute((Op.SET, b"pad", b"p" * 96), c)  # (other writes still refused)
+        core.execute((Op.SET, b"pad", b"p" * 77), c)
+    with pytest.raises(BudgetExceeded, match="adds 1,"):  # (21 bytes: one more than it counts for)
+        core.execute((Op.APPEND, b"n", b"0"), c)
+    core.execute((Op.DELETE_KEY, b"n"), c)
+    assert totals(core) == (79, 1)
 
 
 def test_the_keys_budget_counts_keys_queues_and_queued_values():
@@ -100,15 +105,15 @@ def test_keys_waited_for_count_as_keys_while_they_are_waited_for():
     core, a, b = core_of(max_store_keys=6), Client(), Client()
     core.execute((Op.SET, b"k", b"v"), a)
     assert core.execute((Op.WAIT, (b"x", b"y", b"x")), a) is None  # (a key twice counts once)
-    assert totals(core) == (4, 3)
+    assert totals(core) == (23, 3)  # ("v" counts as 20 bytes)
     with pytest.raises(BudgetExceeded, match=r"wait on 4 missing keys .*--max-store-keys 6"):
         core.execute((Op.WAIT, (b"p", b"q", b"r", b"s")), b)
     core.execute((Op.BARRIER, b"bar", 9), b)  # (it waits: its key counts twice)
-    assert totals(core) == (11, 5) and core.snapshot()[b"bar"] == b"1"
+    assert totals(core) == (49, 5) and core.snapshot()[b"bar"] == b"1"
     core.forget(b)
     core.execute((Op.SET, b"x", b"1"), b)
     core.execute((Op.SET, b"y", b"2"), b)
-    assert a.woken == [b"\x00"] and totals(core) == (10, 4)  # (STOP_WAITING)
+    assert a.woken == [b"\x00"] and totals(core) == (86, 4)  # (STOP_WAITING)
     one = core_of(max_store_keys=1)
     with pytest.raises(BudgetExceeded):  # (a BARRIER that would wait, refused: nothing changed)
         one.execute((Op.BARRIER, b"p", 9), b)
@@ -116,11 +121,11 @@ def test_keys_waited_for_count_as_keys_while_they_are_waited_for():
 
 
 def test_a_multi_set_is_counted_exactly_and_refused_whole():
-    core, c = core_of(max_store_bytes=30), Client()
-    core.execute((Op.SET, b"a", b"0123456789"), c)
+    core, c = core_of(max_store_bytes=60), Client()
+    core.execute((Op.SET, b"a", b"0" * 30), c)
     # a key set twice counts once, with its last value; a replaced value its difference
-    core.execute((Op.MULTI_SET, (b"b", b"a", b"b"), (b"x" * 20, b"", b"yy")), c)
-    assert totals(core) == (4, 2)
+    core.execute((Op.MULTI_SET, (b"b", b"a", b"b"), (b"x" * 40, b"", b"yy")), c)
+    assert totals(core) == (42, 2)  # (each short value as 20 bytes)
     with pytest.raises(BudgetExceeded):
         core.execute((Op.MULTI_SET, (b"c", b"d"), (b"1" * 10, b"2" * 20)), c)
     assert core.snapshot() == {b"a": b"", b"b": b"yy"}  # (nothing of it applied)

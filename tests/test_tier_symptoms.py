@@ -211,12 +211,16 @@ def test_gets_folded_two_levels_down_stay_within_the_store_hosts_answer_limit():
                 assert relay.exited() is None and leaf.exited() is None
 
 
-def test_adds_merged_near_a_full_budget_are_refused_as_the_first_alone_would_be():
-    """The store's bytes budget full to a few bytes. Two clients ADD to a counter at
-    once: growing by a digit is never refused, on the store alone or merged (before, the
-    merged ADD of +991 was refused for its 3 more bytes and both clients closed, where
-    alone the +1 landed). Two clients ADD to a key that does not exist yet: refused
-    whatever the delta, as the first alone would be, so both are closed either way."""
+def test_adds_merged_at_a_full_budget_answer_as_some_order_of_them_alone_would():
+    """The store's bytes budget full. Two clients ADD +1 and -1 to a counter holding 9
+    at once: every answer must be one that some order of the two ADDs, alone, gives.
+    Before, the store refused the +1 ("9" -> "10" grew it by a byte) but took the merged
+    ADD of 0 (no growth) and answered 10 and 9, which no order gives (10 only exists if
+    the +1 landed first, and then the -1 answers 9... after a refused +1, 8). Now a
+    number counts as 20 bytes whatever it is (``core.budget.held``): no ADD to a counter
+    is refused, merged or alone. Two clients ADD to a key that does not exist yet, with
+    room for the key and 5 bytes: refused whatever the delta, so both are closed, merged
+    or alone."""
     budget = 100_000
     env = _env()
     with StoreProcess(host="127.0.0.1", port=0, controlled=True, env=env,
@@ -237,14 +241,15 @@ def test_adds_merged_near_a_full_budget_are_refused_as_the_first_alone_would_be(
             merged = False
             for attempt, port in enumerate((store.port, proxy.port, proxy.port, proxy.port)):
                 key = b"/n%d" % attempt
-                admin.send([(Op.SET, key, b"9"), (Op.GETNUMKEYS,)])
+                admin.send([(Op.DELETE_KEY, b"/fill"), (Op.SET, key, b"9"), (Op.GETNUMKEYS,)])  # (room for it)
+                _answers(admin, len(admin.reader.tokens) + 2)
                 fill(1)
                 before = proxy.stats()["merged_adds"]
-                assert _arriving_together(port, [(Op.ADD, key, 1), (Op.ADD, key, 990)], timeout=3) in ([[_i64(10)], [_i64(1000)]],
-                                                                        [[_i64(991)], [_i64(1000)]])
+                got = _arriving_together(port, [(Op.ADD, key, 1), (Op.ADD, key, -1)], timeout=3)
+                assert got in ([[_i64(10)], [_i64(9)]], [[_i64(9)], [_i64(8)]]), (attempt, got)  # (+1 first; -1 first)
                 merged |= proxy.stats()["merged_adds"] > before
                 fresh = b"/m%d" % attempt
-                fill(len(fresh) + 5)  # (room for the key and 5 digits: not for 20)
+                fill(len(fresh) + 5)  # (room for the key and 5 bytes: not for a number's 20)
                 assert _arriving_together(port, [(Op.ADD, fresh, 1), (Op.ADD, fresh, 2)], timeout=3) == [[], []]
                 admin.send([(Op.CHECK, (fresh,))])
                 assert _answers(admin, len(admin.reader.tokens) + 1)[-1] == b"\x01"  # (torch's CHECK: not ready)

@@ -40,8 +40,17 @@ class BudgetFull(BudgetExceeded):
         self.over_bytes = over_bytes
 
 
-#: Characters of the longest int64 in decimal: -9223372036854775808.
-I64_DIGITS = 20
+#: The least a key's value counts for: the longest int64 in decimal
+#: (-9223372036854775808). So what a key counts for does not change when an ADD changes
+#: its number, whatever the delta, and ADDs to one key merged into one ADD of their sum
+#: (a node proxy merges a batch's) are refused past the budget exactly when the first of
+#: them alone would be.
+MIN_VALUE_BYTES = 20
+
+
+def held(size: int) -> int:
+    """What a key's value of ``size`` bytes counts for."""
+    return size if size > MIN_VALUE_BYTES else MIN_VALUE_BYTES
 
 
 def _key(key: bytes) -> str:
@@ -51,7 +60,8 @@ def _key(key: bytes) -> str:
 class StoreBudget:
     """Running totals of what the store holds, against its limits.
 
-    ``bytes``: keys and values, queued values and queue names; ``entries``: keys,
+    ``bytes``: keys and values (a key's value counts for at least
+    ``MIN_VALUE_BYTES``: :func:`held`), queued values and queue names; ``entries``: keys,
     queues and queued values. The store calls :meth:`grow` before every write that
     adds (a negative size when a write shrinks a value) and lowers the totals itself when
     something goes. O(1) per call.
@@ -89,19 +99,6 @@ class StoreBudget:
                 "or start the store with a larger budget", 0, *over)
         self.bytes = b
         self.entries = e
-
-    def count_counter(self, key: bytes, current: bytes | None, new: bytes) -> None:
-        """Count an ADD taking ``key`` from ``current`` to ``new``. Refused
-        (BudgetExceeded, nothing counted) only as an ADD creating its key with the
-        longest int64 (20 digits) would be, whatever its result; a counter that grows
-        by a digit or two is not. So ADDs to one key merged into one (a node proxy sums
-        a batch's ADDs) are refused exactly when the first of them alone would be.
-        Passes the bytes budget by at most 19 bytes a key."""
-        if current is None:
-            self.grow(key, len(key) + I64_DIGITS, 1)  # (refused, or counted as the longest...)
-            self.bytes += len(new) - I64_DIGITS  # (... then as it is)
-        else:
-            self.bytes += len(new) - len(current)
 
     def wait(self, keys: list[bytes]) -> int:
         """A WAIT (or BARRIER) about to block on ``keys``: the store holds a registration
@@ -154,11 +151,11 @@ def multi_set_growth(data: dict[bytes, bytes], keys: tuple[bytes, ...],
     for key, value in dict(zip(keys, values)).items():
         old = get(key)
         if old is None:
-            more += len(key) + len(value)
+            more += len(key) + held(len(value))
             entries += 1
             key_bytes += len(key)
         else:
-            more += len(value) - len(old)
+            more += held(len(value)) - held(len(old))
     return more, entries, key_bytes
 
 

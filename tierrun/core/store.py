@@ -17,7 +17,7 @@ from typing import Protocol
 from ..protocol import Limits, Op, Request
 from ..protocol.opcodes import CHECK_NOT_READY, CHECK_READY, STOP_WAITING, WAIT_CANCELED
 from ..protocol.replies import encode_bytes, encode_i64, encode_key_list, encode_many, encode_queue_pop, encode_u32
-from .budget import BudgetFull, ScanPacer, StoreBudget, multi_set_growth
+from .budget import BudgetFull, ScanPacer, StoreBudget, held, multi_set_growth
 from .values import StoreError, parse_counter, wrap_i64
 from .wait_shares import WaitShares, make_room
 from .watch_state import PEEK, UNWATCHABLE, WATCH_READ, encode_watch_state
@@ -301,10 +301,10 @@ class StoreCore:
     def _grow(self, key: bytes, current: bytes | None, new: bytes) -> None:
         """Count (or refuse: BudgetExceeded) ``key`` going from ``current`` to ``new``."""
         if current is None:
-            self.budget.grow(key, len(key) + len(new), 1)
+            self.budget.grow(key, len(key) + held(len(new)), 1)
             self._key_bytes += len(key)
         else:
-            self.budget.grow(key, len(new) - len(current), 0)
+            self.budget.grow(key, held(len(new)) - held(len(current)), 0)
 
     def _grow_many(self, keys: tuple[bytes, ...], values: tuple[bytes, ...]) -> None:
         """Count (or refuse, all of it) a MULTI_SET, exactly. O(keys)."""
@@ -335,7 +335,7 @@ class StoreCore:
                 changed = True
         else:
             if current == expected:
-                self.budget.grow(key, len(desired) - len(current), 0)
+                self.budget.grow(key, held(len(desired)) - held(len(current)), 0)
                 self._data[key] = desired
                 changed = current != desired
                 current = desired
@@ -354,9 +354,7 @@ class StoreCore:
         current = self._data.get(key)
         value = delta if current is None else wrap_i64(parse_counter(current, key) + delta)
         new = str(value).encode()
-        self.budget.count_counter(key, current, new)
-        if current is None:
-            self._key_bytes += len(key)
+        self._grow(key, current, new)  # (a number counts the same whatever it is: budget.held)
         self._data[key] = new
         if key in self._watched:
             self._break_watches(key)
@@ -385,7 +383,7 @@ class StoreCore:
         old = self._data.pop(req[1], None)
         if old is None:
             return encode_i64(0)
-        self.budget.bytes -= len(req[1]) + len(old)
+        self.budget.bytes -= len(req[1]) + held(len(old))
         self.budget.entries -= 1
         self._key_bytes -= len(req[1])
         if req[1] in self._watched:
@@ -397,7 +395,7 @@ class StoreCore:
         current = self._data.get(key)
         if current is not None:
             self.budget.value(key, len(current) + len(piece))
-            self.budget.grow(key, len(piece), 0)
+            self.budget.grow(key, held(len(current) + len(piece)) - held(len(current)), 0)
         else:
             self._grow(key, None, piece)
         self._data[key] = piece if current is None else current + piece
