@@ -289,6 +289,7 @@ def test_a_set_past_the_budget_does_not_close_a_neighbour_whose_set_came_with_it
     try:
         filler = StoreClient(("127.0.0.1", root.port), timeout=15)
         filler.set(b"/fill", b"z" * 990_000)
+        assert filler.check([b"/fill"])  # (a SET has no answer: this one's says it was applied)
         for trial in range(6):
             greedy = StoreClient(("127.0.0.1", proxy.port), timeout=15)
             neighbour = StoreClient(("127.0.0.1", proxy.port), timeout=15)
@@ -312,6 +313,7 @@ def test_a_clients_sets_before_its_set_past_the_budget_land_as_on_the_store_alon
     try:
         filler = StoreClient(("127.0.0.1", root.port), timeout=15)
         filler.set(b"/fill", b"z" * 990_000)
+        assert filler.check([b"/fill"])  # (a SET has no answer: this one's says it was applied)
         for trial, port in enumerate((root.port, proxy.port, proxy.port, proxy.port)):
             greedy = StoreClient(("127.0.0.1", port), timeout=15)
             keys = [b"/own/%d/%d" % (trial, k) for k in range(3)]
