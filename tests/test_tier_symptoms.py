@@ -180,12 +180,16 @@ def test_gets_of_several_clients_fold_only_within_the_store_hosts_limits(store_a
             assert _answers(setter, 1) == [_i64(5)]
             expected = [[_i64(value_bytes) + v] for v in values]
             assert _arriving_together(store.port, [(Op.GET, k) for k in keys]) == expected  # (the store alone)
-            for attempt in range(3):  # (whether they meet in one batch depends on timing)
+            # (whether they meet in one batch depends on timing: at least 3 rounds, and with
+            # long keys, where folds of three fit, until one round folded, 20 at most)
+            for attempt in range(20):
                 got = _arriving_together(proxy.port, [(Op.GET, k) for k in keys])
                 assert got == expected, (attempt, [[len(a) for a in g] for g in got], proxy.output[-2000:])
                 assert proxy.exited() is None and store.exited() is None
-            if key_bytes == 900:  # (folds of three keys fit: the test saw some)
-                assert proxy.stats()["folded_gets"] > 0
+                if attempt >= 2 and (key_bytes != 900 or proxy.stats()["folded_gets"] > 0):
+                    break
+            else:
+                pytest.fail("no round's GETs met in one batch at the proxy: the fold was not tested")
 
 
 def test_gets_folded_two_levels_down_stay_within_the_store_hosts_answer_limit():
