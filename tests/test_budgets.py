@@ -237,16 +237,16 @@ def test_a_connection_owes_each_request_at_its_largest_answer():
 def test_a_proxy_forgets_a_write_once_a_later_answer_came():
     writes = WritesInFlight(max_writes=3)
     a, b, c = Client(), Client(), Client()
-    writes.sent([(2, Op.SET, [a, b]), (4, Op.APPEND, [c])])
+    writes.sent([(2, Op.SET, a), (4, Op.APPEND, c)])
     assert writes.answered(3) is None and len(writes) == 1  # (2 executed before 3: not refused)
-    assert writes.answered(4) == (Op.APPEND, [c])
-    refused_write(Op.APPEND, [c], b"the value would be too long")
+    assert writes.answered(4) == (Op.APPEND, c)
+    refused_write(Op.APPEND, c, b"the value would be too long")
     assert c.dropped == "APPEND failed: the value would be too long" and a.dropped is None
-    refused_write(Op.SET, [b], b"SET failed: past the budget")  # (a relay's reason, from the level above)
+    refused_write(Op.SET, b, b"SET failed: past the budget")  # (a relay's reason, from the level above)
     assert b.dropped == "SET failed: past the budget"  # (not "SET failed: SET failed: ...")
     u = UpOp((Op.WAIT, (b"k",)), b"", None, 0)
     assert failure(u, b"WAIT failed: past it") == failure(u, b"past it") == "WAIT failed: past it"
-    writes.sent([(5, Op.SET, [a]), (6, Op.SET, [a]), (7, Op.SET, [a]), (8, Op.SET, [a])])
+    writes.sent([(5, Op.SET, a), (6, Op.SET, a), (7, Op.SET, a), (8, Op.SET, a)])
     assert len(writes) == 3 and writes.answered(5) is None  # (at most 3 kept: 5 forgotten)
 
 

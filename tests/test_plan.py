@@ -233,6 +233,6 @@ def test_a_batch_of_one_write_is_planned_as_the_same_write_in_a_larger_batch(req
     lone = plan_batch([("a", b"", req)])
     planned = plan_batch([("a", b"", req), ("b", b"", (GET, b"elsewhere"))])
     u, p = lone.ops[0], planned.ops[0]
-    assert (u.request(), u.waiters, u.writers, u.deltas, u.group, u.pos, u.fold, u.wkey) == (
-        p.request(), p.waiters, p.writers, p.deltas, p.group, p.pos, p.fold, p.wkey)
+    assert (u.request(), u.waiters, u.writer, u.deltas, u.group, u.pos, u.fold, u.wkey) == (
+        p.request(), p.waiters, p.writer, p.deltas, p.group, p.pos, p.fold, p.wkey)
     assert len(lone.ops) == 1 and lone.lone and not lone.reads and not lone.fetched and not lone.read_keys

@@ -5,6 +5,7 @@ a namespace's first), and BATCH frames: a batch past a frame's size leaves as se
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any
 
 from ..link.frames import PEEKS, WAITS, encode_batch, entry_open, entry_request, entry_waits, entry_watch
 from ..protocol import Op
@@ -38,8 +39,8 @@ class Encoded:
     peeks: int = 0  # keys read ahead
     #: The request id of the batch's last answer the upstream gives at once (0: none).
     answered_at_once: int = 0
-    #: Writes with no answer: (request id, opcode, the clients whose writes it carries).
-    writes: list[tuple[int, int, list]] = field(default_factory=list)
+    #: Writes with no answer: (request id, opcode, the client whose write it is).
+    writes: list[tuple[int, int, Any]] = field(default_factory=list)
 
 
 def encode_plan(plan: Plan, extra: list[bytes], ids: Ids, inflight: dict[int, UpOp], max_frame: int) -> Encoded:
@@ -117,8 +118,8 @@ def _plain(u: UpOp, cid: int, ids: Ids, inflight: dict[int, UpOp], out: Encoded,
         inflight[u.rid] = u
         if req[0] not in WAITING_OPS:
             out.answered_at_once = u.rid
-    elif u.writers:  # (answered only if refused: see .writes)
+    elif u.writer is not None:  # (answered only if refused: see .writes)
         u.rid = ids.new()
-        out.writes.append((u.rid, req[0], u.writers))
+        out.writes.append((u.rid, req[0], u.writer))
     new.append(entry_request(cid, u.rid, encode_request(req)))
     out.ops += 1

@@ -127,7 +127,7 @@ class UpOp:
     """One operation sent upstream, and who gets its answer."""
 
     __slots__ = ("req", "ns", "cid", "rid", "waiters", "deltas", "group", "pos", "fold", "members", "wkey",
-                 "watchers", "fetch", "writers")
+                 "watchers", "fetch", "writer")
 
     def __init__(self, req: Request, ns: bytes, waiter: Any, pos: int) -> None:
         self.req = req
@@ -146,8 +146,8 @@ class UpOp:
         self.watchers: list[Any] | None = None
         self.fetch = 0  # a WAIT that fetches: its entry kind (WATCHES, FETCHES, PEEKS)
         #: A write with no answer (SET, APPEND, ...): the client whose write it
-        #: carries, to close if the store host refuses it.
-        self.writers: list[Any] | None = None
+        #: carries, to close if the store host refuses it (a write is never merged).
+        self.writer: Any = None
 
     def request(self) -> Request:
         """The request that goes upstream (a fold's, or an ADD of the run's sum)."""
@@ -201,7 +201,7 @@ def plan_batch(pending: list[tuple[Any, bytes, Request]], limits: PlanLimits = P
             return Plan([u], lone=True)
         if req[0] == Op.SET:
             u = UpOp(req, ns, None, 0)
-            u.writers = [waiter]
+            u.writer = waiter
             return Plan([u], lone=True)
     return _Planner(limits).run(pending)
 
@@ -261,7 +261,7 @@ class _Planner:
                         self.last_touch[(ns, k)] = self.last_write[(ns, k)] = i
                 u = UpOp(req, ns, None if op in NO_REPLY_OPS else waiter, i)
                 if op in NO_REPLY_OPS:
-                    u.writers = [waiter]
+                    u.writer = waiter
                 u.group = op == Op.BARRIER
                 plan.ops.append(u)
         plan.read_keys = set(self.reads_on)
@@ -390,7 +390,7 @@ class _Planner:
         plan = self.plan
         if op == Op.APPEND:  # (never merged: see the module's docstring)
             u = UpOp(req, ns, None, i)
-            u.writers = [waiter]
+            u.writer = waiter
             plan.ops.append(u)
             return
         if run is not None and (since < run.pos or _same_run(pending[since], ns, op, key)):

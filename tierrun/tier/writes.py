@@ -28,28 +28,28 @@ class WritesInFlight:
 
     def __init__(self, max_writes: int = MAX_WRITES) -> None:
         self._order: deque[int] = deque()  # request ids, ascending
-        self._writers: dict[int, tuple[int, list[Any]]] = {}  # request id -> (opcode, clients)
+        self._writers: dict[int, tuple[int, Any]] = {}  # request id -> (opcode, client)
         self.max_writes = max_writes
 
     def __len__(self) -> int:
         return len(self._writers)
 
-    def sent(self, writes: list[tuple[int, int, list[Any]]]) -> None:
-        """Writes that left in a batch: (request id, opcode, their clients), ids ascending."""
-        for rid, op, writers in writes:
+    def sent(self, writes: list[tuple[int, int, Any]]) -> None:
+        """Writes that left in a batch: (request id, opcode, its client), ids ascending."""
+        for rid, op, writer in writes:
             self._order.append(rid)
-            self._writers[rid] = (op, writers)
+            self._writers[rid] = (op, writer)
         while len(self._order) > self.max_writes:
             self._writers.pop(self._order.popleft(), None)
 
-    def answered(self, rid: int) -> tuple[int, list[Any]] | None:
-        """An answer for request ``rid`` came: (opcode, clients) of that write if it is
+    def answered(self, rid: int) -> tuple[int, Any] | None:
+        """An answer for request ``rid`` came: (opcode, client) of that write if it is
         one (it was refused), else None; writes sent before it are forgotten."""
-        writers = self._writers.pop(rid, None)
+        write = self._writers.pop(rid, None)
         order = self._order
         while order and order[0] < rid:
             self._writers.pop(order.popleft(), None)
-        return writers
+        return write
 
     def clear(self) -> None:
         self._order.clear()
@@ -63,15 +63,13 @@ def write_size(req: tuple) -> int:
     return len(req[1]) + len(req[2])
 
 
-def refused_write(op: int, writers: list[Any], reason: bytes) -> None:
+def refused_write(op: int, writer: Any, reason: bytes) -> None:
     """The store host refused a write with no answer (past its budget): close the
-    clients whose writes it carried, as torch's server closes a client whose write
-    fails. A relayed write (a front-end below sent it with a request id) waits under a
-    ticket whose ``drop`` answers that id with FAILED, so the front-end below closes its
-    own clients in turn (``hub.session.WriteTicket``). A link client itself (``relay``:
-    a write sent with no request id, which nobody below can be told of) is not closed:
-    the store host logged it. O(writers)."""
-    why = failed(op, reason)
-    for w in writers:
-        if not getattr(w, "relay", False):
-            w.drop(why)
+    client whose write it was, as torch's server closes a client whose write fails. A
+    relayed write (a front-end below sent it with a request id) waits under a ticket
+    whose ``drop`` answers that id with FAILED, so the front-end below closes its own
+    client in turn (``hub.session.WriteTicket``). A link client itself (``relay``: a
+    write sent with no request id, which nobody below can be told of) is not closed:
+    the store host logged it. O(1)."""
+    if not getattr(writer, "relay", False):
+        writer.drop(failed(op, reason))
