@@ -250,6 +250,21 @@ def test_a_proxy_forgets_a_write_once_a_later_answer_came():
     assert len(writes) == 3 and writes.answered(5) is None  # (at most 3 kept: 5 forgotten)
 
 
+def test_a_clients_latest_write_stays_unsettled_while_in_flight_or_refused():
+    writes = WritesInFlight(max_writes=3)
+    a, b = Client(), Client()
+    writes.sent([(2, Op.SET, a), (3, Op.SET, b)])
+    assert (writes.unsettled(a), writes.unsettled(b)) == (2, 3)
+    writes.sent([(4, Op.APPEND, a)])
+    assert writes.unsettled(a) == 4  # (its latest)
+    assert writes.answered(3) == (Op.SET, b)  # (refused: 2 landed before it)
+    assert (writes.unsettled(a), writes.unsettled(b)) == (4, 3)  # (b's refused write stays)
+    assert writes.answered(5) is None  # (a later answer: 4 landed)
+    assert (writes.unsettled(a), writes.unsettled(b)) == (0, 3)
+    writes.clear()
+    assert writes.unsettled(b) == 0
+
+
 @pytest.mark.parametrize("change, flag", [
     (dict(max_reply_bytes=8 * MiB), "--max-reply-bytes"),
     (dict(max_unread_bytes=136 * MiB), "--max-unread-bytes"),

@@ -487,8 +487,10 @@ def test_a_client_request_never_joins_one_placed_before_its_own_earlier_request(
 
 def test_a_clients_adds_join_its_run_and_its_sets_go_as_they_are():
     """A client's ADDs join a run they are already in (their answers leave in order);
-    its SET and MULTI_SET go as they are. The core sees the SET, the MULTI_SET, one ADD
-    and the GET, and every answer is in-order execution's."""
+    its SET and MULTI_SET go as they are. An ADD of a client whose SET may yet be refused
+    goes alone, behind it (AFTER: ``tier.writes``). The core sees the SET, the
+    MULTI_SET, first's ADD, lower's two as one, and the GET, and every answer is
+    in-order execution's."""
     async def main():
         core = StoreCore()
         link, stats = await linked(core)
@@ -503,8 +505,8 @@ def test_a_clients_adds_join_its_run_and_its_sets_go_as_they_are():
         await settle()
         assert first.replies == [struct.pack("<q", 1)]
         assert lower.replies == [struct.pack("<q", 4), struct.pack("<q", 6), value(b"r2")]
-        assert link.stats.merged_adds == 2
-        assert stats.operations == 4  # the SET, the MULTI_SET, the ADD and the GET
+        assert link.stats.merged_adds == 1
+        assert stats.operations == 5  # the SET, the MULTI_SET, the two ADDs and the GET
         assert core.snapshot() == {b"/init": b"6", b"/role/0": b"r0", b"/role/1": b"r1", b"/role/2": b"r2"}
 
     run(main())

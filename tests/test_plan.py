@@ -236,3 +236,34 @@ def test_a_batch_of_one_write_is_planned_as_the_same_write_in_a_larger_batch(req
     assert (u.request(), u.waiters, u.writer, u.deltas, u.group, u.pos, u.fold, u.wkey) == (
         p.request(), p.waiters, p.writer, p.deltas, p.group, p.pos, p.fold, p.wkey)
     assert len(lone.ops) == 1 and lone.lone and not lone.reads and not lone.fetched and not lone.read_keys
+
+
+def test_a_request_with_an_effect_behind_its_clients_write_goes_alone_behind_an_after_entry():
+    """Client a SETs, then ADDs and GETs; b ADDs the same key. a's ADD may only run if
+    its SET was not refused: it is not merged with b's, and its entry comes behind an
+    AFTER naming the SET (a's GET has no effect: as ever). A client whose write is
+    still in flight (``unsettled``) is treated alike; one with none merges as before."""
+    from tierrun.link.frames import AFTER, REQUEST, decode_batch
+    from tierrun.tier.entries import Ids, encode_plan
+
+    pending = [("a", b"", (SET, b"s", b"v")), ("a", b"", (ADD, b"n", 1)), ("b", b"", (ADD, b"n", 2)),
+               ("a", b"", (GET, b"s"))]
+    plan = plan_batch(pending)
+    assert [(u.request(), u.waiters, u.after) for u in plan.ops] == [
+        ((SET, b"s", b"v"), [], None), ((ADD, b"n", 1), ["a"], "a"), ((ADD, b"n", 2), ["b"], None),
+        ((GET, b"s"), ["a"], None)]
+    out = encode_plan(plan, [], Ids(), {}, 1 << 20)
+    entries = [(kind, rid) for kind, _, rid, _ in decode_batch(out.frames[0][5:])]
+    set_rid = plan.ops[0].rid
+    assert entries[entries.index((REQUEST, set_rid)) + 1] == (AFTER, set_rid)  # (then a's ADD)
+    assert [k for k, _ in entries].count(AFTER) == 1
+
+    in_flight = {"a": 7}.get  # (a's SET of an earlier batch: request id 7, not answered yet)
+    plan = plan_batch([("a", b"", (ADD, b"n", 1)), ("b", b"", (ADD, b"n", 2))], unsettled=in_flight)
+    assert [(u.request(), u.after) for u in plan.ops] == [((ADD, b"n", 1), "a"), ((ADD, b"n", 2), None)]
+    out = encode_plan(plan, [], Ids(next=10), {}, 1 << 20, in_flight)
+    assert [(kind, rid) for kind, _, rid, _ in decode_batch(out.frames[0][5:])][1] == (AFTER, 7)
+    (u,) = plan_batch([("a", b"", (ADD, b"n", 1))], unsettled=in_flight).ops  # (not the lone path)
+    assert u.after == "a"
+    (u,) = plan_batch([("a", b"", (ADD, b"n", 1)), ("b", b"", (ADD, b"n", 2))]).ops  # (nothing unsettled)
+    assert u.after is None and u.request() == (ADD, b"n", 3)

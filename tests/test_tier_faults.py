@@ -330,6 +330,49 @@ def test_a_clients_sets_before_its_set_past_the_budget_land_as_on_the_store_alon
         root.stop()
 
 
+@pytest.mark.parametrize("levels", [0, 1, 2])
+def test_a_clients_requests_after_its_refused_write_do_not_land_as_on_the_store_alone(levels):
+    """The store's bytes budget nearly used up; a client pipelines a SET past it, then an
+    ADD, an APPEND and a SET of small keys. On the store alone the SET is refused, the
+    client closed and nothing after it runs. Through a proxy (``levels`` 1), and a
+    proxy linked to a relay (2), the later requests left before the refusal came back:
+    each goes behind an AFTER entry naming the refused write, and is not run. The
+    client's own requests before the refused SET, and another client's, land."""
+    env = dict(ENV)
+    with StoreProcess(host="127.0.0.1", port=0, controlled=True, env=env,
+                      extra_args=["--max-store-bytes", "1000000"]) as root:
+        upstream, procs = f"127.0.0.1:{root.port}", []
+        try:
+            for level in range(levels):
+                relay = level < levels - 1
+                p = StoreProcess(host="127.0.0.1", port=0, command="proxy", controlled=True, env=env,
+                                 extra_args=["--upstream", upstream, "--connect-timeout", "10",
+                                             *(["--link-listen", "127.0.0.1:0"] if relay else [])])
+                p.start()
+                procs.append(p)
+                upstream = f"127.0.0.1:{p.link_port}"
+            port = procs[-1].port if procs else root.port
+            filler = StoreClient(("127.0.0.1", root.port), timeout=15)
+            filler.set(b"/fill", b"z" * 990_000)
+            assert filler.check([b"/fill"])
+            for trial in range(3):
+                greedy = StoreClient(("127.0.0.1", port), timeout=15)
+                k = [b"/t%d/%s" % (trial, name) for name in (b"before", b"big", b"count", b"log", b"after")]
+                greedy._sock.sendall(b"".join(encode_request(r) for r in (
+                    (Op.SET, k[0], b"a"), (Op.SET, k[1], b"C" * 20_000), (Op.ADD, k[2], 1),
+                    (Op.APPEND, k[3], b"x"), (Op.SET, k[4], b"b"))))
+                with pytest.raises((StoreClientError, OSError)):
+                    greedy.get(k[0])
+                other = StoreClient(("127.0.0.1", port), timeout=15)
+                assert other.add(b"/t%d/other" % trial, 1) == 1
+                assert [other.check([key]) for key in k] == [True, False, False, False, False], (levels, trial)
+                filler.delete_key(k[0])
+            assert all(p.exited() is None for p in procs) and root.exited() is None
+        finally:
+            for p in reversed(procs):
+                p.stop()
+
+
 def test_an_unexpected_error_sending_a_batch_ends_the_nodes_session_fail_stop(monkeypatch):
     """A bug at the node (here: the planner raising on one request) ends the node's
     link session with the reason and drops its clients, who would otherwise wait for
@@ -343,10 +386,10 @@ def test_an_unexpected_error_sending_a_batch_ends_the_nodes_session_fail_stop(mo
         link._on_lost = lost.append
         plan_batch = upstream.plan_batch
 
-        def buggy(pending, limits):
+        def buggy(pending, limits, unsettled):
             if any(req[0] == Op.SET and req[1] == b"boom" for _, _, req in pending):
                 raise RuntimeError("a bug")
-            return plan_batch(pending, limits)
+            return plan_batch(pending, limits, unsettled)
 
         monkeypatch.setattr(upstream, "plan_batch", buggy)
         c, d = Client(), Client()

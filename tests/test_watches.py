@@ -12,7 +12,7 @@ from inproc import Client, RootFrontEnd, gate_of, linked, settle, value
 from tierrun.core import StoreCore
 from tierrun.core.watch_state import ABSENT, UNWATCHABLE, decode_watch_answer, encode_watch_state
 from tierrun.link.frames import (
-    PEEKS, WATCHES, LinkError, decode_invalidate, decode_pong, encode_batch, encode_invalidate, encode_pong, entry_open,
+    AFTER, PEEKS, WATCHES, LinkError, decode_invalidate, decode_pong, encode_batch, encode_invalidate, encode_pong, entry_open,
     entry_waits, entry_watch,
 )
 from tierrun.protocol.requests import encode_request
@@ -585,7 +585,7 @@ def test_a_watch_of_anything_but_a_one_key_read_closes_the_link(caplog):
     ([entry_waits(77, 1, [b"/a"], PEEKS)], "request for unknown client 77"),
     ([entry_open(99, b""), bytes([PEEKS]) + struct.pack("<IQII", 99, 1, 3, 1) + b"/"], "malformed batch"),
     ([entry_open(99, b""), bytes([PEEKS]) + struct.pack("<IQII", 99, 1, 1, 70000) + b"/"], "truncated batch"),
-    ([entry_open(99, b""), bytes([PEEKS + 1]) + b"\0" * 16], "unknown batch entry kind 8"),
+    ([entry_open(99, b""), bytes([AFTER + 1]) + b"\0" * 16], "unknown batch entry kind 9"),
 ])
 def test_a_bad_watches_entry_closes_the_link(caplog, entries, error):
     async def main():

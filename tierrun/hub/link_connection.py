@@ -24,7 +24,8 @@ from ..protocol import ProtocolError
 from ..protocol.parser import decode_request
 from ..protocol.opcodes import NO_REPLY_OPS, WAITING_OPS
 from .lookup import LookupAnswer
-from .session import SMALL_ANSWER, Host, Session, waiter_for
+from .session import SMALL_ANSWER, Host, Session
+from .waiters import waiter_for
 
 
 log = logging.getLogger("tierrun.store")
@@ -291,6 +292,8 @@ class LinkServerConnection(asyncio.Protocol):
         try:  # (not a WAIT here; a relayed write: its ticket)
             reply = client.upstream.execute(req, waiter_for(client, req, rid) if client.relays_writes else client)
         except StoreError as err:
+            if req[0] in NO_REPLY_OPS:
+                session.refused(rid)  # (an AFTER it: not run)
             answer = (rid, FAILED, session.failed(req, err))
         else:
             if reply is None:

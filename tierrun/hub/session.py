@@ -20,13 +20,19 @@ On a relaying proxy (its upstream a link) a write with no answer may be refused 
 upstream: it waits under a :class:`WriteTicket` that answers its request id FAILED
 then, so the front-end below closes its clients; and while the upstream link has no
 room for writes, the session's connection is not read (:meth:`Session.relayed_writes`).
+
+An AFTER entry makes the request after it depend on a write the front-end sent before
+(``tier.writes``): here, if that write was refused, the request is answered FAILED and
+not run; on a relaying proxy, whose upstream decides later, the request goes on behind
+the relayed write (its waiter's ``after``), and the proxy's own link sends an AFTER
+entry before it in turn. Each session keeps the latest ``KEPT`` refused and relayed
+writes: a request further behind its write runs (that write was long decided).
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
-from collections import deque
 from collections.abc import Callable
 from itertools import islice
 from time import monotonic
@@ -38,25 +44,22 @@ from ..frontend import Upstream
 from ..frontend.namespace import NamespacedUpstream
 from ..link.config import LinkConfig
 from ..link.frames import (
-    CANCEL, FAILED, FETCHES, OK, OPEN, PEEKS, REQUEST, WAITS, WATCH, WATCHES, LinkError, decode_batch,
+    AFTER, CANCEL, FAILED, FETCHES, OK, OPEN, PEEKS, REQUEST, WAITS, WATCH, WATCHES, LinkError, decode_batch,
     decode_keys, replies_frames,
 )
 from ..link.session import Ledger
 from ..protocol import LimitExceeded, Op, Request
 from ..protocol.limits import Limits
 from ..protocol.parser import decode_request
-from ..protocol.opcodes import NO_REPLY_OPS, WAITING_OPS, WATCHABLE_OPS
+from ..protocol.opcodes import NO_REPLY_OPS, WATCHABLE_OPS
 from .reply_gate import ReplyGate
+from .waiters import KEPT, OWN_WAITER_OPS, Behind, RemoteClient, Ticket, WriteTicket, waiter_for
 
 log = logging.getLogger("tierrun.store")
 
 MAX_SHARED_NAMESPACES = 1024
 #: Answers up to this size always go: a node's counters and WAITs must never be refused.
 SMALL_ANSWER = 64 * 1024
-#: Requests whose answer may go to someone other than their client (``waiter_for``).
-OWN_WAITER_OPS = WAITING_OPS | NO_REPLY_OPS
-
-
 class Host(Protocol):
     """What a session needs of the link server that keeps it."""
 
@@ -81,108 +84,6 @@ class Connection(Protocol):
     def pause_reading(self) -> None: ...
 
     def resume_reading(self) -> None: ...
-
-
-class RemoteClient:
-    """A link client (one namespace of a front-end), as its upstream sees it: the waiter
-    of its deferred answers. A WAIT or BARRIER waits under a :class:`Ticket` of its
-    own, so any number may wait at once; a front-end's link upstream (a stacked
-    front-end) also defers every other answer, delivered in request order. It
-    relays: its requests are a whole subtree's (see ``tier.hold.HoldPolicy.contended``)."""
-
-    __slots__ = ("session", "upstream", "pending", "tickets", "relays_writes")
-    relay = True
-
-    def __init__(self, session: Session, upstream: Upstream) -> None:
-        self.session = session
-        self.upstream = upstream
-        self.pending: deque[int] = deque()  # request ids of deferred answers, in order
-        self.tickets: dict[int, Ticket] = {}  # request id -> its waiting WAIT/BARRIER
-        #: Its upstream is a link (this is a relaying proxy): a write it executes may be
-        #: refused later, upstream, and is executed under a :class:`WriteTicket`.
-        self.relays_writes = bool(getattr(upstream, "defers_refusals", False))
-
-    @property
-    def scan_source(self) -> int:
-        """Whose share its scans and its keys waited for count in (``core.budget``,
-        ``core.wait_shares``): its node's, all of the session's clients together."""
-        return id(self.session)
-
-    def wake(self, reply: bytes) -> None:
-        self.session.queue_reply(self.pending.popleft(), OK, reply)
-
-    def drop(self, reason: str) -> None:
-        """The request failed upstream (or the upstream link is gone)."""
-        if self.pending:
-            self.session.queue_reply(self.pending.popleft(), FAILED, reason.encode())
-
-    def forget(self) -> None:
-        """The session is gone: drop what waits upstream for it."""
-        tickets, self.tickets = self.tickets, {}
-        for ticket in tickets.values():
-            self.upstream.forget(ticket)
-        self.upstream.forget(self)
-
-
-class Ticket:
-    """One waiting WAIT or BARRIER of a remote client: answered by its request id."""
-
-    __slots__ = ("client", "rid")
-
-    def __init__(self, client: RemoteClient, rid: int) -> None:
-        self.client = client
-        self.rid = rid
-
-    @property
-    def scan_source(self) -> int:
-        """(As its client's.)"""
-        return id(self.client.session)
-
-    def wake(self, reply: bytes) -> None:
-        if self.client.tickets.pop(self.rid, None) is not None:
-            self.client.session.queue_reply(self.rid, OK, reply)
-
-    def drop(self, reason: str) -> None:
-        if self.client.tickets.pop(self.rid, None) is not None:
-            self.client.session.queue_reply(self.rid, FAILED, reason.encode())
-
-
-class WriteTicket:
-    """A write with no answer (SET, APPEND, MULTI_SET, QUEUE_PUSH) that a front-end below
-    sent with a request id, relayed upstream: answered only if it is refused there
-    (FAILED, once), so that the front-end below closes the clients whose writes it
-    carried (``tier.writes``), as the store host answers it when it refuses it itself.
-    ``client`` is the link client it came from: the planner keeps that client's
-    requests in order, the hold policy counts the write as that client's
-    (``tier.hold.issuer``)."""
-
-    __slots__ = ("client", "rid")
-
-    def __init__(self, client: RemoteClient, rid: int) -> None:
-        self.client = client
-        self.rid = rid
-
-    def wake(self, reply: bytes) -> None:
-        """(A write has no answer: never called.)"""
-
-    def drop(self, reason: str) -> None:
-        """Refused upstream (or its link lost before it left): answer FAILED. O(1)."""
-        if self.rid:
-            rid, self.rid = self.rid, 0
-            self.client.session.queue_reply(rid, FAILED, reason.encode())
-
-
-def waiter_for(client: RemoteClient, req: Request, rid: int) -> RemoteClient | Ticket | WriteTicket:
-    """Who waits for the answer of ``client``'s request ``rid``: a WAIT or BARRIER, a
-    :class:`Ticket` of its own (any number wait at once); a relayed write sent with a
-    request id, a :class:`WriteTicket`; anything else the client (deferred answers
-    leave in request order). O(1)."""
-    op = req[0]
-    if op in WAITING_OPS:
-        return Ticket(client, rid)
-    if rid and op in NO_REPLY_OPS and client.relays_writes:
-        return WriteTicket(client, rid)
-    return client
 
 
 class LinkStats:
@@ -212,7 +113,35 @@ class Session:
         self._loop = asyncio.get_running_loop()
         self.last_ping_rx = monotonic()  # when its last ACK arrived: its lease began before
         self.held = 0  # bytes of its frames held by the reply gate
-        self.refused = 0  # requests refused, and answers refused for room (vet)
+        self.refused_count = 0  # requests refused, and answers refused for room (vet)
+        self.refused_writes: dict[int, None] = {}  # request ids of its writes refused (the latest KEPT)
+        self.relayed: dict[int, WriteTicket] = {}  # a relaying proxy's: its relayed writes (the latest KEPT)
+
+    def refused(self, rid: int) -> None:
+        """Request ``rid`` (a write with no answer, or one not run) was refused: a request
+        AFTER it is not run. O(1)."""
+        if rid:
+            writes = self.refused_writes
+            writes[rid] = None
+            if len(writes) > KEPT:
+                del writes[next(iter(writes))]
+
+    def _behind(self, gate: int, client: RemoteClient, rid: int, req: Request, replies: list) -> object:
+        """A request AFTER write ``gate``: None if it must not run (answered FAILED here),
+        else its waiter (behind the relayed write, on a relaying proxy). O(1)."""
+        ticket = self.relayed.get(gate) if client.relays_writes else None
+        if ticket is None and gate in self.refused_writes:
+            self.refused(rid)  # (a write behind it is refused in turn)
+            if rid:
+                replies.append((rid, FAILED, b"not run: an earlier write of its client was refused"))
+            return None
+        waiter = client if req[0] not in OWN_WAITER_OPS else waiter_for(client, req, rid)
+        if ticket is not None:
+            if type(waiter) is WriteTicket:
+                waiter.after = ticket
+            elif waiter is client:
+                return Behind(client, ticket)
+        return waiter
 
     def execute(self, payload: bytes) -> None:
         """Run one BATCH. Raises LinkError/ProtocolError on a malformed one."""
@@ -224,6 +153,7 @@ class Session:
         clients = self.clients
         limits = self.server.limits
         relayed: RemoteClient | None = None  # (a client of this batch whose write was relayed upstream)
+        gate = 0  # (an AFTER entry's: the write the next request must follow)
         for kind, cid, rid, data in decode_batch(payload):
             if kind == REQUEST:
                 client = clients.get(cid)
@@ -233,12 +163,21 @@ class Session:
                     req = decode_request(data, limits)
                 except LimitExceeded as err:  # (refused, as torch's server would: that client only)
                     self._refuse(rid, err, replies)
+                    gate = 0
                     continue
                 stats.operations += 1
-                waiter = client if req[0] not in OWN_WAITER_OPS else waiter_for(client, req, rid)
+                if gate:
+                    waiter = self._behind(gate, client, rid, req, replies)
+                    gate = 0
+                    if waiter is None:
+                        continue
+                else:
+                    waiter = client if req[0] not in OWN_WAITER_OPS else waiter_for(client, req, rid)
                 try:
                     reply = client.upstream.execute(req, waiter)
                 except StoreError as err:
+                    if req[0] in NO_REPLY_OPS:
+                        self.refused(rid)
                     replies.append((rid, FAILED, self.failed(req, err)))
                     continue
                 if reply is not None:  # (vet inlined for small answers: most of them)
@@ -298,6 +237,8 @@ class Session:
                 ticket = None if client is None else client.tickets.pop(rid, None)
                 if ticket is not None:
                     client.upstream.forget(ticket)  # type: ignore[union-attr]
+            elif kind == AFTER:
+                gate = rid
         if relayed is not None:
             self.relayed_writes(relayed)
 
@@ -322,6 +263,7 @@ class Session:
         (its front-end closes it, as torch's server closes such a client); a request
         with no answer (rid 0) is dropped with a log line. The link stays up."""
         if rid:
+            self.refused(rid)
             replies.append((rid, FAILED, f"invalid request: {err}".encode()))
         else:
             log.warning("link from %s: dropped a request with no answer: %s", self.peer, err)
@@ -354,10 +296,10 @@ class Session:
     def failed(self, req: Request, err: StoreError) -> bytes:
         """A request the store refused (its front-end closes its client): logged (the
         1st, 2nd, 4th, 8th... of the session: a hog cannot flood the log); the reason."""
-        self.refused += 1
-        if self.refused & (self.refused - 1) == 0:
+        self.refused_count += 1
+        if self.refused_count & (self.refused_count - 1) == 0:
             log.warning("link from %s: %s failed (%d refused so far): %s", self.peer, Op(req[0]).name,
-                        self.refused, err)
+                        self.refused_count, err)
         return str(err).encode()
 
     def vet(self, answer: bytes) -> tuple[int, bytes]:
@@ -371,12 +313,12 @@ class Session:
         limit = self.server.config.max_unacked_bytes * 7 // 8  # (the rest: room for small answers)
         if owed + len(answer) <= limit:
             return OK, answer
-        self.refused += 1
+        self.refused_count += 1
         why = (f"the store host holds {owed:,} bytes of answers for the node at {self.peer} not yet acknowledged; "
                f"with this one ({len(answer):,} bytes) it would pass its limit of {limit:,}: the node reads its "
                "link too slowly for what its clients ask")
-        if self.refused & (self.refused - 1) == 0:  # (the 1st, 2nd, 4th, 8th... : a hog cannot flood the log)
-            log.warning("link from %s: answer refused (%d so far): %s", self.peer, self.refused, why)
+        if self.refused_count & (self.refused_count - 1) == 0:  # (the 1st, 2nd, 4th, 8th... : a hog cannot flood the log)
+            log.warning("link from %s: answer refused (%d so far): %s", self.peer, self.refused_count, why)
         return FAILED, why.encode()
 
     def emit(self, frame: bytes) -> None:

@@ -9,6 +9,13 @@
         entry := u8 OPEN    | u32 client | u32 len | namespace   (a new client; "" = root)
                | u8 REQUEST | u32 client | u64 rid | u32 len | torch-encoded request
                | u8 CANCEL  | u32 client | u64 rid              (drop that WAIT/BARRIER)
+               | u8 AFTER   | u32 client | u64 rid              (the next REQUEST runs only
+                                      if the write with no answer sent as rid was not
+                                      refused; else it is answered FAILED, not run: a
+                                      client's requests after its refused write, which
+                                      its front-end sent before it knew, do not land,
+                                      as its connection to the store alone would have
+                                      been closed at that write)
                | u8 WAITS   | u32 client | u64 rid | u32 n | n x (u32 len | key)
                                       (n one-key WAITs, the i-th with request id rid + i)
                | u8 WATCH   | u32 client | u64 rid | u32 len | torch-encoded request
@@ -88,14 +95,14 @@ from collections.abc import Iterator
 from typing import NamedTuple, Protocol
 
 LINK_MAGIC = 0xA7  # first byte a front-end sends: not an opcode of any torch version
-VERSION = 11  # 2: sessions, resumption, heartbeats; 3: a client per namespace, CANCEL; 4: watches;
+VERSION = 12  # 2: sessions, resumption, heartbeats; 3: a client per namespace, CANCEL; 4: watches;
 # 5: WATCHES; 6: FETCHES; 7: PEEKS; 8: sealed frames (a MAC each), the store's limits in RESUMED;
 # 9: LOOKUP; 10: the MAC over the frame's number and the frame (the number was BLAKE2's salt);
-# 11: the answer limit and the longest value in RESUMED
+# 11: the answer limit and the longest value in RESUMED; 12: AFTER
 
 HELLO, AUTH, WELCOME, ERROR, BATCH, REPLIES, SESSION, RESUMED, ACK, PONG, INVALIDATE, INVALIDATED = range(1, 13)
 LOOKUP, FOUND, PENDING = 13, 14, 15
-OPEN, REQUEST, CANCEL, WAITS, WATCH, WATCHES, FETCHES, PEEKS = range(8)
+OPEN, REQUEST, CANCEL, WAITS, WATCH, WATCHES, FETCHES, PEEKS, AFTER = range(9)
 #: A front-end answers from a watch only this long (seconds) after sending an ACK that
 #: the core answered with a PONG; the core, holding its answers for a front-end that
 #: does not confirm an invalidation, waits this long past that ACK's arrival, plus
@@ -233,6 +240,11 @@ def entry_cancel(client: int, rid: int) -> bytes:
     return _cancel.pack(CANCEL, client, rid)
 
 
+def entry_after(client: int, rid: int) -> bytes:
+    """The next entry runs only if the write sent as ``rid`` was not refused."""
+    return _cancel.pack(AFTER, client, rid)
+
+
 def entry_waits(client: int, rid: int, keys: list[bytes], kind: int = WAITS) -> bytes:
     """A WAITS entry, or (``kind``) a WATCHES, FETCHES or PEEKS entry."""
     return _waits.pack(kind, client, rid, len(keys)) + b"".join([_u32.pack(len(k)) + k for k in keys])
@@ -279,10 +291,10 @@ def decode_batch(payload: bytes) -> list[Entry]:
                 pos += _OPEN_SIZE
                 out.append((OPEN, client, 0, payload[pos : pos + length]))
                 pos += length
-            elif kind == CANCEL:
+            elif kind == CANCEL or kind == AFTER:
                 _, client, rid = _cancel.unpack_from(payload, pos)
                 pos += _CANCEL_SIZE
-                out.append((CANCEL, client, rid, b""))
+                out.append((kind, client, rid, b""))
             elif WAITS <= kind <= PEEKS:  # (not WATCH, above; data: the key count and the keys)
                 start = pos + 13
                 _, client, rid, n = _waits.unpack_from(payload, pos)

@@ -4,10 +4,13 @@ a namespace's first), and BATCH frames: a batch past a frame's size leaves as se
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from ..link.frames import PEEKS, WAITS, encode_batch, entry_open, entry_request, entry_waits, entry_watch
+from ..link.frames import (
+    PEEKS, WAITS, encode_batch, entry_after, entry_open, entry_request, entry_waits, entry_watch,
+)
 from ..protocol import Op
 from ..protocol.opcodes import WAITING_OPS
 from ..protocol.requests import encode_request
@@ -41,19 +44,29 @@ class Encoded:
     answered_at_once: int = 0
     #: Writes with no answer: (request id, opcode, the client whose write it is).
     writes: list[tuple[int, int, Any]] = field(default_factory=list)
+    #: Client -> request id of its latest write with no answer in this batch.
+    latest: dict[Any, int] = field(default_factory=dict)
 
 
-def encode_plan(plan: Plan, extra: list[bytes], ids: Ids, inflight: dict[int, UpOp], max_frame: int) -> Encoded:
+def _settled(writer: Any) -> int:
+    return 0
+
+
+def encode_plan(plan: Plan, extra: list[bytes], ids: Ids, inflight: dict[int, UpOp], max_frame: int,
+                unsettled: Callable[[Any], int] = _settled) -> Encoded:
     """Give ``plan``'s ops their ids (registered in ``inflight`` when an answer is
-    expected; a write with no answer has one too, in ``writes``) and entries, after the ``extra`` ones (CANCELs), in BATCH frames of at
-    most ``max_frame`` bytes: several, in order, when a batch holds more (each is
-    executed in turn; a fold never spans two). O(bytes of the entries)."""
+    expected; a write with no answer has one too, in ``writes``) and entries, after the
+    ``extra`` ones (CANCELs), in BATCH frames of at most ``max_frame`` bytes: several,
+    in order, when a batch holds more (each is executed in turn; a fold never spans
+    two). An op with ``after`` goes behind an AFTER entry naming its client's latest
+    write that may yet be refused (this batch's, else ``unsettled(client)``'s), if any.
+    O(bytes of the entries)."""
     out = Encoded()
     if not extra and len(plan.ops) == 1:  # (a batch of one plain request: most of a trickle)
         u = plan.ops[0]
         if u.watchers is None and not u.members and not u.fetch:
             new: list[bytes] = []
-            _plain(u, _client_id(u, ids, new, out), ids, inflight, out, new)
+            _plain(u, _client_id(u, ids, new, out), ids, inflight, out, new, unsettled)
             out.frames = [encode_batch(new)]
             return out
     frames: list[list[bytes]] = []
@@ -86,7 +99,7 @@ def encode_plan(plan: Plan, extra: list[bytes], ids: Ids, inflight: dict[int, Up
             out.watches += 1
             out.ops += 1
         else:
-            _plain(u, cid, ids, inflight, out, new)
+            _plain(u, cid, ids, inflight, out, new, unsettled)
         added = sum(map(len, new))
         if entries and size + added > room:
             frames.append(entries)
@@ -110,8 +123,14 @@ def _client_id(u: UpOp, ids: Ids, new: list[bytes], out: Encoded) -> int:
     return cid
 
 
-def _plain(u: UpOp, cid: int, ids: Ids, inflight: dict[int, UpOp], out: Encoded, new: list[bytes]) -> None:
-    """A plain request's entry (not a watching read, not WAITs folded in one entry)."""
+def _plain(u: UpOp, cid: int, ids: Ids, inflight: dict[int, UpOp], out: Encoded, new: list[bytes],
+           unsettled: Callable[[Any], int]) -> None:
+    """A plain request's entry (not a watching read, not WAITs folded in one entry),
+    behind an AFTER entry if it must follow a write that may yet be refused."""
+    if u.after is not None:
+        after = out.latest.get(u.after) or unsettled(u.after)
+        if after:
+            new.append(entry_after(cid, after))
     req = u.request()
     if u.waiters:
         u.rid = ids.new()
@@ -121,5 +140,6 @@ def _plain(u: UpOp, cid: int, ids: Ids, inflight: dict[int, UpOp], out: Encoded,
     elif u.writer is not None:  # (answered only if refused: see .writes)
         u.rid = ids.new()
         out.writes.append((u.rid, req[0], u.writer))
+        out.latest[u.writer] = u.rid
     new.append(entry_request(cid, u.rid, encode_request(req)))
     out.ops += 1

@@ -31,6 +31,12 @@ store host's limits (announced on the link), a merged request is refused only if
 its requests alone would be (a run of ADDs past the store's budget: only if its first
 ADD alone would be, by the store's own rule, ``core.budget``).
 
+A request with an effect (a write, an ADD, a COMPARE_SET, ...) of a client whose own
+write with no answer may still be refused (sent earlier in the batch, or in flight:
+``tier.writes``) is never merged, and carries ``after``: whose write it must follow
+(``tier.entries`` sends an AFTER entry before it). A relayed request may come with one
+already (its waiter's ``after``, from the AFTER entry of the front-end below).
+
 Reads that watch their key (:mod:`.watches`) come marked, ``(WATCH_MARK, request,
 watcher)`` and the like, and merge only with their like. O(keys of the batch).
 """
@@ -38,6 +44,7 @@ watcher)`` and the like, and merge only with their like. O(keys of the batch).
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from collections.abc import Callable
 from typing import Any
 
 from ..link.frames import DEFAULT_MAX_FRAME, FETCHES, PEEKS, WATCHES
@@ -55,6 +62,9 @@ PEEK_MARK = -4  # a front-end below reading ahead, in a PEEKS entry
 ENTRY_KIND = {WATCH_MARK: 0, FETCH_MARK: WATCHES, FETCH_AFTER_WRITES_MARK: FETCHES, PEEK_MARK: PEEKS}
 
 _DEDUP_OPS = frozenset({Op.WAIT, Op.CHECK, Op.GET, Op.MULTI_GET, Op.GETNUMKEYS, Op.QUEUE_LEN})
+#: Requests with an effect on the store: after a refused write of their client, not run.
+EFFECT_OPS = frozenset({Op.SET, Op.APPEND, Op.MULTI_SET, Op.QUEUE_PUSH, Op.ADD, Op.COMPARE_SET,
+                        Op.DELETE_KEY, Op.QUEUE_POP})
 #: Pseudo-key touched by every write: GETNUMKEYS and LIST_KEYS depend on all keys.
 ALL_KEYS = b"\x00*"
 _REQUEST_HEAD, _ITEM_HEAD = 9, 8  # encoded bytes of a request besides its items, of an item
@@ -127,7 +137,7 @@ class UpOp:
     """One operation sent upstream, and who gets its answer."""
 
     __slots__ = ("req", "ns", "cid", "rid", "waiters", "deltas", "group", "pos", "fold", "members", "wkey",
-                 "watchers", "fetch", "writer")
+                 "watchers", "fetch", "writer", "after")
 
     def __init__(self, req: Request, ns: bytes, waiter: Any, pos: int) -> None:
         self.req = req
@@ -148,6 +158,9 @@ class UpOp:
         #: A write with no answer (SET, APPEND, ...): the client whose write it
         #: carries, to close if the store host refuses it (a write is never merged).
         self.writer: Any = None
+        #: A request of a client whose write may still be refused: that client (whose
+        #: latest write it must follow: an AFTER entry goes before it).
+        self.after: Any = None
 
     def request(self) -> Request:
         """The request that goes upstream (a fold's, or an ADD of the run's sum)."""
@@ -189,11 +202,18 @@ class Plan:
     lone: bool = False
 
 
-def plan_batch(pending: list[tuple[Any, bytes, Request]], limits: PlanLimits = PlanLimits()) -> Plan:
+def _settled(writer: Any) -> int:
+    return 0
+
+
+def plan_batch(pending: list[tuple[Any, bytes, Request]], limits: PlanLimits = PlanLimits(),
+               unsettled: Callable[[Any], int] = _settled) -> Plan:
     """Merge and fold ``pending`` (client, namespace, request) by this module's rule.
-    A batch of one ADD or SET (most batches of a start-up whose requests trickle in) is
-    planned as the planner would plan it, without the planner's tables."""
-    if len(pending) == 1:
+    ``unsettled(client)``: whether the client has a write in flight that may yet be
+    refused (``WritesInFlight.unsettled``). A batch of one ADD or SET (most batches of a
+    start-up whose requests trickle in) is planned as the planner would plan it, without
+    the planner's tables."""
+    if len(pending) == 1 and not unsettled(pending[0][0]) and getattr(pending[0][0], "after", None) is None:
         waiter, ns, req = pending[0]
         if req[0] == Op.ADD:
             u = UpOp(req, ns, waiter, 0)
@@ -203,14 +223,17 @@ def plan_batch(pending: list[tuple[Any, bytes, Request]], limits: PlanLimits = P
             u = UpOp(req, ns, None, 0)
             u.writer = waiter
             return Plan([u], lone=True)
-    return _Planner(limits).run(pending)
+    return _Planner(limits, unsettled).run(pending)
 
 
 class _Planner:
-    __slots__ = ("limits", "plan", "open_reads", "reads_on", "runs", "folds", "last_touch", "last_write", "last")
+    __slots__ = ("limits", "unsettled", "wrote", "plan", "open_reads", "reads_on", "runs", "folds", "last_touch",
+                 "last_write", "last")
 
-    def __init__(self, limits: PlanLimits) -> None:
+    def __init__(self, limits: PlanLimits, unsettled: Callable[[Any], int]) -> None:
         self.limits = limits
+        self.unsettled = unsettled
+        self.wrote: set[Any] = set()  # writers of the batch's writes with no answer so far
         self.plan = Plan()
         self.open_reads: dict[tuple, UpOp] = {}  # (ns, [kind,] opcode, keys): its op
         self.reads_on: dict[tuple[bytes, bytes], list[tuple]] = {}  # (ns, key): open_reads keys
@@ -260,12 +283,24 @@ class _Planner:
                     for k in keys or (ALL_KEYS,):
                         self.last_touch[(ns, k)] = self.last_write[(ns, k)] = i
                 u = UpOp(req, ns, None if op in NO_REPLY_OPS else waiter, i)
+                if op in EFFECT_OPS:
+                    u.after = self.after(waiter)
                 if op in NO_REPLY_OPS:
                     u.writer = waiter
+                    self.wrote.add(waiter)
                 u.group = op == Op.BARRIER
                 plan.ops.append(u)
         plan.read_keys = set(self.reads_on)
         return plan
+
+    def after(self, waiter: Any) -> Any:
+        """Whose write a request with an effect from ``waiter`` must follow: its own
+        (or, relayed, the one the front-end below named), if it may still be refused;
+        None: nobody's. O(1)."""
+        writer = getattr(waiter, "after", None)
+        if writer is None:
+            writer = waiter
+        return writer if writer in self.wrote or self.unsettled(writer) else None
 
     def _joins(self, f: UpOp | None, since: int, k: tuple[bytes, bytes], members: bool) -> bool:
         """May a request of a client whose previous one stands at ``since``, on key
@@ -388,9 +423,18 @@ class _Planner:
         self.touched(ns, (key,), write=True)
         self.last_touch[(ns, key)] = self.last_write[(ns, key)] = i
         plan = self.plan
+        after = self.after(waiter)
         if op == Op.APPEND:  # (never merged: see the module's docstring)
             u = UpOp(req, ns, None, i)
             u.writer = waiter
+            u.after = after
+            self.wrote.add(waiter)
+            plan.ops.append(u)
+            return
+        if after is not None:  # (alone: it runs only if that write was not refused)
+            u = UpOp(req, ns, waiter, i)
+            u.deltas = [req[2]]
+            u.after = after
             plan.ops.append(u)
             return
         if run is not None and (since < run.pos or _same_run(pending[since], ns, op, key)):

@@ -361,7 +361,7 @@ class LinkUpstream(SessionEnd):
         extra, self._extra = self._extra, []
         unsent = pending
         try:
-            plan = plan_batch(pending, self.limits) if pending else Plan()
+            plan = plan_batch(pending, self.limits, self._writes.unsettled) if pending else Plan()
             if not plan.lone:  # (a lone ADD or SET: nothing for the watch cache to note)
                 self._note_plan(plan)
             unsent = []  # (from here what was sent is in flight: the session's end drops it)
@@ -395,7 +395,7 @@ class LinkUpstream(SessionEnd):
 
     def _send_plan(self, plan: Plan, extra: list[bytes]) -> None:
         """Encode the plan's entries (:func:`.entries.encode_plan`) and send them."""
-        out = encode_plan(plan, extra, self._ids, self._inflight, self.limits.max_frame_bytes)
+        out = encode_plan(plan, extra, self._ids, self._inflight, self.limits.max_frame_bytes, self._writes.unsettled)
         if out.answered_at_once:
             self._batches_awaiting.add(out.answered_at_once)
         if out.writes:

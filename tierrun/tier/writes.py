@@ -10,6 +10,13 @@ requests in the order of their ids and answers in that order, so a refusal of it
 have come first. At most ``MAX_WRITES`` are remembered (a client that only writes gets
 no answers to forget them by): the oldest beyond it are forgotten, and a refusal of one
 of those is only logged by the store host. O(1) per write and per answer, amortised.
+
+A client whose write is refused is closed, but the requests it sent after that write
+went on before the refusal came back: so each client's latest write whose outcome is not
+known to be a success (in flight, or refused) is kept (:meth:`WritesInFlight.unsettled`),
+and a request with an effect that the client sends meanwhile leaves behind an AFTER
+entry naming that write (``tier.entries``): the store host runs it only if the write
+was not refused, as the store alone would have closed the client at that write.
 """
 
 from __future__ import annotations
@@ -24,11 +31,14 @@ MAX_WRITES = 64 * 1024
 
 
 class WritesInFlight:
-    __slots__ = ("_order", "_writers", "max_writes")
+    __slots__ = ("_order", "_writers", "_latest", "max_writes")
 
     def __init__(self, max_writes: int = MAX_WRITES) -> None:
         self._order: deque[int] = deque()  # request ids, ascending
         self._writers: dict[int, tuple[int, Any]] = {}  # request id -> (opcode, client)
+        #: client -> request id of its latest write not known to have landed (in flight,
+        #: or refused: kept, oldest dropped past ``max_writes``)
+        self._latest: dict[Any, int] = {}
         self.max_writes = max_writes
 
     def __len__(self) -> int:
@@ -36,24 +46,41 @@ class WritesInFlight:
 
     def sent(self, writes: list[tuple[int, int, Any]]) -> None:
         """Writes that left in a batch: (request id, opcode, its client), ids ascending."""
+        latest = self._latest
         for rid, op, writer in writes:
             self._order.append(rid)
             self._writers[rid] = (op, writer)
+            latest.pop(writer, None)  # (re-inserted: the oldest stay first)
+            latest[writer] = rid
         while len(self._order) > self.max_writes:
-            self._writers.pop(self._order.popleft(), None)
+            self._landed(self._order.popleft())
+        while len(latest) > self.max_writes:
+            del latest[next(iter(latest))]
+
+    def unsettled(self, writer: Any) -> int:
+        """The request id of ``writer``'s latest write not known to have landed (in flight,
+        or refused); 0: none. O(1)."""
+        return self._latest.get(writer, 0)
+
+    def _landed(self, rid: int) -> None:
+        """Write ``rid`` is forgotten: executed (a later answer came), or too old."""
+        write = self._writers.pop(rid, None)
+        if write is not None and self._latest.get(write[1]) == rid:
+            del self._latest[write[1]]
 
     def answered(self, rid: int) -> tuple[int, Any] | None:
         """An answer for request ``rid`` came: (opcode, client) of that write if it is
         one (it was refused), else None; writes sent before it are forgotten."""
-        write = self._writers.pop(rid, None)
+        write = self._writers.pop(rid, None)  # (refused: its client's latest stays unsettled)
         order = self._order
         while order and order[0] < rid:
-            self._writers.pop(order.popleft(), None)
+            self._landed(order.popleft())
         return write
 
     def clear(self) -> None:
         self._order.clear()
         self._writers.clear()
+        self._latest.clear()
 
 
 def write_size(req: tuple) -> int:
