@@ -13,7 +13,7 @@ from tierrun.core import StoreCore
 from tierrun.core.watch_state import ABSENT, UNWATCHABLE, decode_watch_answer, encode_watch_state
 from tierrun.link.frames import (
     AFTER, PEEKS, WATCHES, LinkError, decode_invalidate, decode_pong, encode_batch, encode_invalidate, encode_pong, entry_open,
-    entry_waits, entry_watch,
+    entry_after, entry_request, entry_waits, entry_watch,
 )
 from tierrun.protocol.requests import encode_request
 from tierrun.tier.plan import UpOp
@@ -578,6 +578,9 @@ def test_a_watch_of_anything_but_a_one_key_read_closes_the_link(caplog):
     assert "MULTI_GET cannot watch" in caplog.text
 
 
+_AFTER_ALONE = "an AFTER entry not followed by a request of its client"
+
+
 @pytest.mark.parametrize("entries, error", [
     ([entry_waits(77, 1, [b"/a"], WATCHES)], "request for unknown client 77"),
     # three keys announced, one sent
@@ -586,6 +589,11 @@ def test_a_watch_of_anything_but_a_one_key_read_closes_the_link(caplog):
     ([entry_open(99, b""), bytes([PEEKS]) + struct.pack("<IQII", 99, 1, 3, 1) + b"/"], "malformed batch"),
     ([entry_open(99, b""), bytes([PEEKS]) + struct.pack("<IQII", 99, 1, 1, 70000) + b"/"], "truncated batch"),
     ([entry_open(99, b""), bytes([AFTER + 1]) + b"\0" * 16], "unknown batch entry kind 9"),
+    # an AFTER binds the next entry only, a request of its own client
+    ([entry_open(99, b""), entry_after(99, 5), entry_waits(99, 1, [b"/a"])], _AFTER_ALONE),
+    ([entry_open(99, b""), entry_open(98, b""), entry_after(99, 5),
+      entry_request(98, 2, encode_request((Op.ADD, b"/n", 1)))], _AFTER_ALONE),
+    ([entry_open(99, b""), entry_after(99, 5)], _AFTER_ALONE),
 ])
 def test_a_bad_watches_entry_closes_the_link(caplog, entries, error):
     async def main():

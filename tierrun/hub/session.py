@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+from collections import OrderedDict
 from collections.abc import Callable
 from itertools import islice
 from time import monotonic
@@ -60,6 +61,8 @@ log = logging.getLogger("tierrun.store")
 MAX_SHARED_NAMESPACES = 1024
 #: Answers up to this size always go: a node's counters and WAITs must never be refused.
 SMALL_ANSWER = 64 * 1024
+
+
 class Host(Protocol):
     """What a session needs of the link server that keeps it."""
 
@@ -114,8 +117,9 @@ class Session:
         self.last_ping_rx = monotonic()  # when its last ACK arrived: its lease began before
         self.held = 0  # bytes of its frames held by the reply gate
         self.refused_count = 0  # requests refused, and answers refused for room (vet)
-        self.refused_writes: dict[int, None] = {}  # request ids of its writes refused (the latest KEPT)
-        self.relayed: dict[int, WriteTicket] = {}  # a relaying proxy's: its relayed writes (the latest KEPT)
+        # (OrderedDicts: dropping the oldest is O(1), a dict's scans what it deleted before)
+        self.refused_writes: OrderedDict[int, None] = OrderedDict()  # its writes refused (the latest KEPT)
+        self.relayed: OrderedDict[int, WriteTicket] = OrderedDict()  # a relaying proxy's relayed writes (ditto)
 
     def refused(self, rid: int) -> None:
         """Request ``rid`` (a write with no answer, or one not run) was refused: a request
@@ -124,11 +128,12 @@ class Session:
             writes = self.refused_writes
             writes[rid] = None
             if len(writes) > KEPT:
-                del writes[next(iter(writes))]
+                writes.popitem(last=False)
 
-    def _behind(self, gate: int, client: RemoteClient, rid: int, req: Request, replies: list) -> object:
+    def _after(self, gate: int, client: RemoteClient, rid: int, req: Request, replies: list) -> object:
         """A request AFTER write ``gate``: None if it must not run (answered FAILED here),
-        else its waiter (behind the relayed write, on a relaying proxy). O(1)."""
+        else its waiter (behind the relayed write, on a relaying proxy; a relayed write's
+        ticket is registered, as by ``waiter_for``). O(1)."""
         ticket = self.relayed.get(gate) if client.relays_writes else None
         if ticket is None and gate in self.refused_writes:
             self.refused(rid)  # (a write behind it is refused in turn)
@@ -153,8 +158,10 @@ class Session:
         clients = self.clients
         limits = self.server.limits
         relayed: RemoteClient | None = None  # (a client of this batch whose write was relayed upstream)
-        gate = 0  # (an AFTER entry's: the write the next request must follow)
+        gate = gate_cid = 0  # (an AFTER entry's: the write the next request must follow, its client)
         for kind, cid, rid, data in decode_batch(payload):
+            if gate and (kind != REQUEST or cid != gate_cid):
+                raise LinkError("an AFTER entry not followed by a request of its client")
             if kind == REQUEST:
                 client = clients.get(cid)
                 if client is None:
@@ -167,7 +174,7 @@ class Session:
                     continue
                 stats.operations += 1
                 if gate:
-                    waiter = self._behind(gate, client, rid, req, replies)
+                    waiter = self._after(gate, client, rid, req, replies)
                     gate = 0
                     if waiter is None:
                         continue
@@ -238,7 +245,9 @@ class Session:
                 if ticket is not None:
                     client.upstream.forget(ticket)  # type: ignore[union-attr]
             elif kind == AFTER:
-                gate = rid
+                gate, gate_cid = rid, cid
+        if gate:
+            raise LinkError("an AFTER entry not followed by a request of its client")
         if relayed is not None:
             self.relayed_writes(relayed)
 

@@ -6,7 +6,7 @@ for a relayed request AFTER a relayed write, its link client behind that write.
 
 from __future__ import annotations
 
-from collections import deque
+from collections import OrderedDict, deque
 from typing import Protocol
 
 from ..frontend import Upstream
@@ -15,10 +15,10 @@ from ..protocol import Request
 from ..protocol.opcodes import NO_REPLY_OPS, WAITING_OPS
 
 
-class Session(Protocol):
+class LinkSession(Protocol):
     """What a waiter needs of its link session (``hub.session.Session``)."""
 
-    relayed: dict[int, WriteTicket]
+    relayed: OrderedDict[int, WriteTicket]
 
     def queue_reply(self, rid: int, status: int, data: bytes) -> None: ...
 
@@ -41,7 +41,7 @@ class RemoteClient:
     __slots__ = ("session", "upstream", "pending", "tickets", "relays_writes")
     relay = True
 
-    def __init__(self, session: Session, upstream: Upstream) -> None:
+    def __init__(self, session: LinkSession, upstream: Upstream) -> None:
         self.session = session
         self.upstream = upstream
         self.pending: deque[int] = deque()  # request ids of deferred answers, in order
@@ -154,8 +154,9 @@ def waiter_for(client: RemoteClient, req: Request, rid: int) -> RemoteClient | T
         return Ticket(client, rid)
     if rid and op in NO_REPLY_OPS and client.relays_writes:
         ticket = WriteTicket(client, rid)
-        client.session.relayed[rid] = ticket
-        if len(client.session.relayed) > KEPT:
-            del client.session.relayed[next(iter(client.session.relayed))]
+        relayed = client.session.relayed  # (for AFTER entries naming it: the latest KEPT)
+        relayed[rid] = ticket
+        if len(relayed) > KEPT:
+            relayed.popitem(last=False)
         return ticket
     return client

@@ -14,7 +14,7 @@ from ..link.frames import (
 from ..protocol import Op
 from ..protocol.opcodes import WAITING_OPS
 from ..protocol.requests import encode_request
-from .plan import Plan, UpOp
+from .plan import Plan, UpOp, nothing_unsettled
 
 #: Bytes of a BATCH frame besides its entries (length, type, entry count), and a margin.
 _FRAME_HEAD = 64
@@ -48,12 +48,8 @@ class Encoded:
     latest: dict[Any, int] = field(default_factory=dict)
 
 
-def _settled(writer: Any) -> int:
-    return 0
-
-
 def encode_plan(plan: Plan, extra: list[bytes], ids: Ids, inflight: dict[int, UpOp], max_frame: int,
-                unsettled: Callable[[Any], int] = _settled) -> Encoded:
+                unsettled: Callable[[Any], int] = nothing_unsettled) -> Encoded:
     """Give ``plan``'s ops their ids (registered in ``inflight`` when an answer is
     expected; a write with no answer has one too, in ``writes``) and entries, after the
     ``extra`` ones (CANCELs), in BATCH frames of at most ``max_frame`` bytes: several,

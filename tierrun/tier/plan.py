@@ -43,8 +43,8 @@ watcher)`` and the like, and merge only with their like. O(keys of the batch).
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
 from collections.abc import Callable
+from dataclasses import dataclass, field
 from typing import Any
 
 from ..link.frames import DEFAULT_MAX_FRAME, FETCHES, PEEKS, WATCHES
@@ -62,7 +62,8 @@ PEEK_MARK = -4  # a front-end below reading ahead, in a PEEKS entry
 ENTRY_KIND = {WATCH_MARK: 0, FETCH_MARK: WATCHES, FETCH_AFTER_WRITES_MARK: FETCHES, PEEK_MARK: PEEKS}
 
 _DEDUP_OPS = frozenset({Op.WAIT, Op.CHECK, Op.GET, Op.MULTI_GET, Op.GETNUMKEYS, Op.QUEUE_LEN})
-#: Requests with an effect on the store: after a refused write of their client, not run.
+#: Requests with an effect on the store: after a refused write of their client, not run
+#: (BARRIER is not among them: a relay cannot carry the dependency of a ticket's wait).
 EFFECT_OPS = frozenset({Op.SET, Op.APPEND, Op.MULTI_SET, Op.QUEUE_PUSH, Op.ADD, Op.COMPARE_SET,
                         Op.DELETE_KEY, Op.QUEUE_POP})
 #: Pseudo-key touched by every write: GETNUMKEYS and LIST_KEYS depend on all keys.
@@ -202,15 +203,16 @@ class Plan:
     lone: bool = False
 
 
-def _settled(writer: Any) -> int:
+def nothing_unsettled(writer: Any) -> int:
+    """For a front-end with no write in flight: 0 for every client."""
     return 0
 
 
 def plan_batch(pending: list[tuple[Any, bytes, Request]], limits: PlanLimits = PlanLimits(),
-               unsettled: Callable[[Any], int] = _settled) -> Plan:
+               unsettled: Callable[[Any], int] = nothing_unsettled) -> Plan:
     """Merge and fold ``pending`` (client, namespace, request) by this module's rule.
-    ``unsettled(client)``: whether the client has a write in flight that may yet be
-    refused (``WritesInFlight.unsettled``). A batch of one ADD or SET (most batches of a
+    ``unsettled(client)``: the request id of the client's latest write that may yet be
+    refused, 0 if none (``WritesInFlight.unsettled``). A batch of one ADD or SET (most batches of a
     start-up whose requests trickle in) is planned as the planner would plan it, without
     the planner's tables."""
     if len(pending) == 1 and not unsettled(pending[0][0]) and getattr(pending[0][0], "after", None) is None:

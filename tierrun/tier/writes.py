@@ -21,7 +21,7 @@ was not refused, as the store alone would have closed the client at that write.
 
 from __future__ import annotations
 
-from collections import deque
+from collections import OrderedDict, deque
 from typing import Any
 
 from ..protocol import Op
@@ -38,7 +38,7 @@ class WritesInFlight:
         self._writers: dict[int, tuple[int, Any]] = {}  # request id -> (opcode, client)
         #: client -> request id of its latest write not known to have landed (in flight,
         #: or refused: kept, oldest dropped past ``max_writes``)
-        self._latest: dict[Any, int] = {}
+        self._latest: OrderedDict[Any, int] = OrderedDict()  # (dropping the oldest: O(1))
         self.max_writes = max_writes
 
     def __len__(self) -> int:
@@ -50,16 +50,16 @@ class WritesInFlight:
         for rid, op, writer in writes:
             self._order.append(rid)
             self._writers[rid] = (op, writer)
-            latest.pop(writer, None)  # (re-inserted: the oldest stay first)
             latest[writer] = rid
+            latest.move_to_end(writer)  # (the oldest stay first)
         while len(self._order) > self.max_writes:
             self._landed(self._order.popleft())
         while len(latest) > self.max_writes:
-            del latest[next(iter(latest))]
+            latest.popitem(last=False)
 
     def unsettled(self, writer: Any) -> int:
         """The request id of ``writer``'s latest write not known to have landed (in flight,
-        or refused); 0: none. O(1)."""
+        or refused); 0 if it has none. O(1)."""
         return self._latest.get(writer, 0)
 
     def _landed(self, rid: int) -> None:
