@@ -14,7 +14,7 @@ from typing import Protocol
 
 from ..link import auth
 from ..link.frames import (
-    ACK, BATCH, ERROR, FAILED, INVALIDATED, LINK_MAGIC, LOOKUP, OK, REQUEST, TAG,
+    ACK, BATCH, ERROR, FAILED, INVALIDATED, LINK_MAGIC, LOOKUP, OK, REQUEST, TAG, UNORDERED,
     FrameDecoder, LinkError, Unauthenticated, decode_count, encode_pong, encode_reply, lone_request,
 )
 from ..link.seal import Sealer
@@ -308,6 +308,8 @@ class LinkServerConnection(asyncio.Protocol):
             if session._wakes:  # (it woke a WAIT of this link: that answer first, as torch's server sends them)
                 session._wakes.append(answer)
             else:  # (through the gate: if the request changed a watched key, the round goes first)
+                if session.relayed and rid > next(iter(session.relayed)):  # (see Session.ordering)
+                    answer = (rid, answer[1] | UNORDERED, answer[2])
                 session.emit(encode_reply(*answer))
         if ack_due:
             self.write(session.ledger.ack())

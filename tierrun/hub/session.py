@@ -25,8 +25,15 @@ An AFTER entry makes the request after it depend on a write the front-end sent b
 (``tier.writes``): here, if that write was refused, the request is answered FAILED and
 not run; on a relaying proxy, whose upstream decides later, the request goes on behind
 the relayed write (its waiter's ``after``), and the proxy's own link sends an AFTER
-entry before it in turn. Each session keeps the latest ``KEPT`` refused and relayed
-writes: a request further behind its write runs (that write was long decided).
+entry before it in turn. Each session keeps the latest ``KEPT`` refused writes (a
+request further behind its write runs: that write was long decided) and its relayed
+writes until they land upstream (``WriteTicket.landed``).
+
+A relaying proxy answers some requests itself (from its watches; refused there) and
+may answer one ahead of a write it relayed earlier for the same front-end: while that
+write has not landed upstream (or its refusal follows in the same frame), such an
+answer is marked UNORDERED (:meth:`Session.ordering`), so the front-end below does not
+take it to mean that write landed (``tier.writes``).
 """
 
 from __future__ import annotations
@@ -45,8 +52,8 @@ from ..frontend import Upstream
 from ..frontend.namespace import NamespacedUpstream
 from ..link.config import LinkConfig
 from ..link.frames import (
-    AFTER, CANCEL, FAILED, FETCHES, OK, OPEN, PEEKS, REQUEST, WAITS, WATCH, WATCHES, LinkError, decode_batch,
-    decode_keys, replies_frames,
+    AFTER, CANCEL, FAILED, FETCHES, OK, OPEN, PEEKS, REQUEST, UNORDERED, WAITS, WATCH, WATCHES, LinkError,
+    decode_batch, decode_keys, replies_frames,
 )
 from ..link.session import Ledger
 from ..protocol import LimitExceeded, Op, Request
@@ -119,7 +126,10 @@ class Session:
         self.refused_count = 0  # requests refused, and answers refused for room (vet)
         # (OrderedDicts: dropping the oldest is O(1), a dict's scans what it deleted before)
         self.refused_writes: OrderedDict[int, None] = OrderedDict()  # its writes refused (the latest KEPT)
-        self.relayed: OrderedDict[int, WriteTicket] = OrderedDict()  # a relaying proxy's relayed writes (ditto)
+        #: A relaying proxy's relayed writes not yet known to have landed upstream, oldest
+        #: (lowest request id) first; and those refused since the last REPLIES frame.
+        self.relayed: OrderedDict[int, WriteTicket] = OrderedDict()
+        self.relayed_refused: list[int] = []
 
     def refused(self, rid: int) -> None:
         """Request ``rid`` (a write with no answer, or one not run) was refused: a request
@@ -129,6 +139,30 @@ class Session:
             writes[rid] = None
             if len(writes) > KEPT:
                 writes.popitem(last=False)
+            if self.relayed:
+                self.relayed.pop(rid, None)
+
+    def relayed_write_refused(self, rid: int, reason: bytes) -> None:
+        """A write relayed upstream (``WriteTicket``) was refused there: answer it
+        FAILED; answers queued before it for later requests go UNORDERED. O(1)."""
+        self.refused(rid)
+        self.relayed_refused.append(rid)
+        self.queue_reply(rid, FAILED, reason)
+
+    def ordering(self, replies: list[tuple[int, int, bytes]]) -> None:
+        """A relaying proxy's: mark UNORDERED, in place, each answer of ``replies`` (the
+        next REPLIES frame's, in order) whose request came after a relayed write not
+        yet known to have landed upstream, or refused further on in ``replies`` (its
+        FAILED would come after it). O(answers); not called while neither exists."""
+        floor = next(iter(self.relayed), 1 << 64)
+        refused = set(self.relayed_refused)
+        self.relayed_refused.clear()
+        for i in range(len(replies) - 1, -1, -1):
+            rid, status, data = replies[i]
+            if rid > floor:
+                replies[i] = (rid, status | UNORDERED, data)
+            if rid in refused and rid < floor:
+                floor = rid
 
     def _after(self, gate: int, client: RemoteClient, rid: int, req: Request, replies: list) -> object:
         """A request AFTER write ``gate``: None if it must not run (answered FAILED here),
@@ -142,7 +176,7 @@ class Session:
             return None
         waiter = client if req[0] not in OWN_WAITER_OPS else waiter_for(client, req, rid)
         if ticket is not None:
-            if type(waiter) is WriteTicket:
+            if type(waiter) is WriteTicket or type(waiter) is Ticket:
                 waiter.after = ticket
             elif waiter is client:
                 return Behind(client, ticket)
@@ -356,6 +390,8 @@ class Session:
         self._flush_due = False
         wakes = self._wakes
         if wakes:
+            if self.relayed or self.relayed_refused:
+                self.ordering(wakes)
             try:
                 frames = replies_frames(wakes, self.server.max_frame)
             except Exception as e:  # (no memory for the frame: fail-stop, never a lost answer)

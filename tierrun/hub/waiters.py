@@ -24,10 +24,12 @@ class LinkSession(Protocol):
 
     def refused(self, rid: int) -> None: ...
 
+    def relayed_write_refused(self, rid: int, reason: bytes) -> None: ...
+
 
 #: Requests whose answer may go to someone other than their client (``waiter_for``).
 OWN_WAITER_OPS = WAITING_OPS | NO_REPLY_OPS
-#: Refused writes, and relayed ones, a session remembers for AFTER entries (the latest).
+#: Refused writes a session remembers for AFTER entries (the latest).
 KEPT = 4096
 
 
@@ -73,13 +75,15 @@ class RemoteClient:
 
 
 class Ticket:
-    """One waiting WAIT or BARRIER of a remote client: answered by its request id."""
+    """One waiting WAIT or BARRIER of a remote client: answered by its request id. A
+    relayed BARRIER AFTER a relayed write has that write's ticket as ``after``."""
 
-    __slots__ = ("client", "rid")
+    __slots__ = ("client", "rid", "after")
 
     def __init__(self, client: RemoteClient, rid: int) -> None:
         self.client = client
         self.rid = rid
+        self.after: WriteTicket | None = None
 
     @property
     def scan_source(self) -> int:
@@ -114,12 +118,18 @@ class WriteTicket:
     def wake(self, reply: bytes) -> None:
         """(A write has no answer: never called.)"""
 
+    def landed(self) -> None:
+        """Executed upstream (``tier.writes``; or forgotten there, too old): no longer
+        in its session's ``relayed``. O(1)."""
+        if self.rid:
+            self.client.session.relayed.pop(self.rid, None)
+            self.rid = 0
+
     def drop(self, reason: str) -> None:
         """Refused upstream (or its link lost before it left): answer FAILED. O(1)."""
         if self.rid:
             rid, self.rid = self.rid, 0
-            self.client.session.refused(rid)
-            self.client.session.queue_reply(rid, FAILED, reason.encode())
+            self.client.session.relayed_write_refused(rid, reason.encode())
 
 
 class Behind:
@@ -153,10 +163,8 @@ def waiter_for(client: RemoteClient, req: Request, rid: int) -> RemoteClient | T
     if op in WAITING_OPS:
         return Ticket(client, rid)
     if rid and op in NO_REPLY_OPS and client.relays_writes:
-        ticket = WriteTicket(client, rid)
-        relayed = client.session.relayed  # (for AFTER entries naming it: the latest KEPT)
-        relayed[rid] = ticket
-        if len(relayed) > KEPT:
-            relayed.popitem(last=False)
+        # (kept until it lands or is refused: bounded by the upstream's writes in flight
+        # (``tier.writes.MAX_WRITES``) and its room for queued ones)
+        ticket = client.session.relayed[rid] = WriteTicket(client, rid)
         return ticket
     return client

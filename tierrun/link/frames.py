@@ -38,7 +38,11 @@
       Any number of its requests may be outstanding; a WAIT or BARRIER waits alone
       (answered by its rid whenever it completes) until answered or cancelled.
     REPLIES := u32 n | n x (u64 rid | u8 status | u32 len | bytes)  core -> front-end
-        status 0: the torch-encoded reply; 1: an error message (the client must be closed)
+        status 0: the torch-encoded reply; 1: an error message (the client must be closed);
+        plus 2 (UNORDERED): a relay's answer that may be ahead of writes with no answer it
+        relayed before it for that front-end (not yet known to have landed upstream), so
+        it says nothing of them (``tier.writes``); every other answer follows every
+        earlier write's execution, and the FAILED of any refused one
     SESSION := 16-byte session id | u8 fresh | u64 REPLIES frames received   front-end -> core,
                right after AUTH (in the same write, with its first ACK: the handshake
                is one flight each way): open a session (fresh) or resume one
@@ -95,10 +99,10 @@ from collections.abc import Iterator
 from typing import NamedTuple, Protocol
 
 LINK_MAGIC = 0xA7  # first byte a front-end sends: not an opcode of any torch version
-VERSION = 12  # 2: sessions, resumption, heartbeats; 3: a client per namespace, CANCEL; 4: watches;
+VERSION = 13  # 2: sessions, resumption, heartbeats; 3: a client per namespace, CANCEL; 4: watches;
 # 5: WATCHES; 6: FETCHES; 7: PEEKS; 8: sealed frames (a MAC each), the store's limits in RESUMED;
 # 9: LOOKUP; 10: the MAC over the frame's number and the frame (the number was BLAKE2's salt);
-# 11: the answer limit and the longest value in RESUMED; 12: AFTER
+# 11: the answer limit and the longest value in RESUMED; 12: AFTER; 13: UNORDERED
 
 HELLO, AUTH, WELCOME, ERROR, BATCH, REPLIES, SESSION, RESUMED, ACK, PONG, INVALIDATE, INVALIDATED = range(1, 13)
 LOOKUP, FOUND, PENDING = 13, 14, 15
@@ -110,7 +114,7 @@ OPEN, REQUEST, CANCEL, WAITS, WATCH, WATCHES, FETCHES, PEEKS, AFTER = range(9)
 #: constant, so that both ends agree.
 WATCH_LEASE = 3.0
 LEASE_MARGIN = 0.5
-OK, FAILED = 0, 1
+OK, FAILED, UNORDERED = 0, 1, 2
 
 _hdr = struct.Struct("<IB")
 _u32 = struct.Struct("<I")

@@ -62,10 +62,9 @@ PEEK_MARK = -4  # a front-end below reading ahead, in a PEEKS entry
 ENTRY_KIND = {WATCH_MARK: 0, FETCH_MARK: WATCHES, FETCH_AFTER_WRITES_MARK: FETCHES, PEEK_MARK: PEEKS}
 
 _DEDUP_OPS = frozenset({Op.WAIT, Op.CHECK, Op.GET, Op.MULTI_GET, Op.GETNUMKEYS, Op.QUEUE_LEN})
-#: Requests with an effect on the store: after a refused write of their client, not run
-#: (BARRIER is not among them: a relay cannot carry the dependency of a ticket's wait).
+#: Requests with an effect on the store: after a refused write of their client, not run.
 EFFECT_OPS = frozenset({Op.SET, Op.APPEND, Op.MULTI_SET, Op.QUEUE_PUSH, Op.ADD, Op.COMPARE_SET,
-                        Op.DELETE_KEY, Op.QUEUE_POP})
+                        Op.DELETE_KEY, Op.QUEUE_POP, Op.BARRIER})
 #: Pseudo-key touched by every write: GETNUMKEYS and LIST_KEYS depend on all keys.
 ALL_KEYS = b"\x00*"
 _REQUEST_HEAD, _ITEM_HEAD = 9, 8  # encoded bytes of a request besides its items, of an item

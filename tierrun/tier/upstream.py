@@ -3,13 +3,13 @@ planner (:mod:`.plan`), the answer fan-out (:mod:`.fanout`), the watch cache
 (:mod:`.watches`), the read-ahead (:mod:`.readahead`), hold (:mod:`.hold`) and a
 relay's pace (:mod:`.pace`) policies with a link session (:mod:`.connection`).
 
-A loop iteration's requests form one *batch* (held, if it opens with a contended write:
-:mod:`.hold`), sent in one frame (several past a frame's size), executed in order. Every request of a
-namespace travels under one link client id (opened once per session), whoever sent it;
-the core matches answers by request id. Each WAIT or BARRIER waits at the core on its
-own, so a client's CANCEL_WAIT (answered here at once, with torch's answer) cancels
-only what that client waits for: a CANCEL entry once nobody waits under the upstream
-request any more.
+A loop iteration's requests form one *batch* (held, if it opens with a contended
+write: :mod:`.hold`), sent in one frame (several past a frame's size), executed in
+order. Every request of a namespace travels under one link client id (opened once per
+session), whoever sent it; the core matches answers by request id. Each WAIT or
+BARRIER waits at the core on its own, so a client's CANCEL_WAIT (answered here at once,
+with torch's answer) cancels only what that client waits for: a CANCEL entry once
+nobody waits under the upstream request any more.
 
 Fail-stop: an answer that cannot be the one asked for, or any unexpected error handling
 what the store host sent or sending a batch, ends the session (its clients dropped,
@@ -28,7 +28,8 @@ from typing import Any
 from ..core import StoreError, Waiter
 from ..core.watch_state import FETCH, FETCH_AFTER_WRITES, PEEK, WATCH_READ, encode_watch_state
 from ..link.config import LinkConfig
-from ..link.frames import INVALIDATED, OK, PEEKS, WATCH_LEASE, decode_invalidate, decode_replies, encode_count, entry_cancel
+from ..link.frames import FAILED, INVALIDATED, OK, PEEKS, UNORDERED, WATCH_LEASE, decode_invalidate, decode_replies
+from ..link.frames import encode_count, entry_cancel
 from ..protocol import Op, Request
 from ..protocol.limits import Limits
 from ..protocol.opcodes import NO_REPLY_OPS, WAIT_CANCELED, WATCHABLE_OPS
@@ -65,9 +66,8 @@ class LinkUpstream(SessionEnd):
         self._writes = WritesInFlight()  # writes with no answer, answered if refused
         self._wait_of = WaitsOf()  # a client's WAITs and BARRIERs upstream
         self._ids = Ids()  # request ids, and a link client id per namespace
-        #: Per batch in flight, the request id of its last answer that the upstream
-        #: gives at once (not a WAIT's or BARRIER's): while there are
-        #: ``batches_in_flight`` of them, new requests wait for the next batch.
+        #: Per batch in flight, the request id of its last answer the upstream gives at once (not a
+        #: WAIT's or BARRIER's): while ``batches_in_flight`` of them wait, new requests wait for the next.
         self._batches_awaiting: set[int] = set()
         self.stats = CoalescingStats()
         self.watches = WatchCache()
@@ -413,10 +413,10 @@ class LinkUpstream(SessionEnd):
         awaiting = self._batches_awaiting
         answered = self._answered
         writes = self._writes
-        writes_in_flight = bool(writes)  # (none leaves meanwhile: flushes are scheduled, not run here)
         for rid, status, data in decode_replies(payload):
             u = self._inflight.pop(rid, None)
-            refused = writes.answered(rid) if writes_in_flight else None
+            refused = writes.answered(rid, status < UNORDERED)
+            status &= FAILED  # (UNORDERED: a relay's answer, maybe ahead of earlier writes: see .writes)
             if u is None:
                 if refused is not None and status != OK:
                     refused_write(*refused, data)

@@ -7,9 +7,13 @@ it only if it refuses it (FAILED), and the front-end closes the client whose wri
 carried (a write is never merged with another: each is refused on its own). A write is
 forgotten once an answer to a later request arrives: the store host executes a link's
 requests in the order of their ids and answers in that order, so a refusal of it would
-have come first. At most ``MAX_WRITES`` are remembered (a client that only writes gets
-no answers to forget them by): the oldest beyond it are forgotten, and a refusal of one
-of those is only logged by the store host. O(1) per write and per answer, amortised.
+have come first. A relay, which answers some requests itself (from its watches, or
+refused there), marks an answer that may be ahead of writes it relayed before it
+UNORDERED (``link.frames``): that one settles no other write. A relayed write's
+waiter hears when it lands (``landed``; ``hub.waiters.WriteTicket``). At most
+``MAX_WRITES`` are remembered (a client that only writes gets no answers to forget
+them by): the oldest beyond it are forgotten, and a refusal of one of those is only
+logged by the store host. O(1) per write and per answer, amortised.
 
 A client whose write is refused is closed, but the requests it sent after that write
 went on before the refusal came back: so each client's latest write whose outcome is not
@@ -65,13 +69,21 @@ class WritesInFlight:
     def _landed(self, rid: int) -> None:
         """Write ``rid`` is forgotten: executed (a later answer came), or too old."""
         write = self._writers.pop(rid, None)
-        if write is not None and self._latest.get(write[1]) == rid:
-            del self._latest[write[1]]
+        if write is not None:
+            writer = write[1]
+            if self._latest.get(writer) == rid:
+                del self._latest[writer]
+            landed = getattr(writer, "landed", None)  # (a relayed write's ticket)
+            if landed is not None:
+                landed()
 
-    def answered(self, rid: int) -> tuple[int, Any] | None:
+    def answered(self, rid: int, ordered: bool = True) -> tuple[int, Any] | None:
         """An answer for request ``rid`` came: (opcode, client) of that write if it is
-        one (it was refused), else None; writes sent before it are forgotten."""
+        one (it was refused), else None; writes sent before it are forgotten, unless the
+        answer is not ``ordered`` (a relay's UNORDERED one)."""
         write = self._writers.pop(rid, None)  # (refused: its client's latest stays unsettled)
+        if not ordered:
+            return write
         order = self._order
         while order and order[0] < rid:
             self._landed(order.popleft())
