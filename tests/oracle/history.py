@@ -108,6 +108,9 @@ class Profile:
     heavy: float = 0.01  # chance, per request, of a request of megabytes
     huge: float = 0.0  # chance, per history, of a request past 256 MiB of pipelined SETs
     fronts: int = 4  # front-ends of the mixed topology
+    #: Chance, per value, of one of hundreds of bytes: writes that pass a small store
+    #: budget (the budget oracle's, tests/test_oracle_budget.py).
+    medium: float = 0.0
     #: Patterns not to draw (names of regressions.KNOWN_BUGS): bugs already handed over.
     avoid: frozenset = frozenset()
 
@@ -144,6 +147,8 @@ class Generator:
         if r.random() < self.p.heavy:
             return r.choice([Big(5 * MiB), Big(VALUE_LIMIT), Big(VALUE_LIMIT, b"w"), Big(VALUE_LIMIT + 1),
                              Big(3 * MiB, b"z")])
+        if self.p.medium and r.random() < self.p.medium:  # (no draw otherwise: CI's histories stay as they are)
+            return Big(r.randint(200, 1500), r.choice([b"m", b"n"]))
         return r.choice(self.values)
 
     def keylist(self):
