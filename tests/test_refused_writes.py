@@ -5,6 +5,7 @@ process: a core, front-ends linked to it and to each other through in-memory pip
 
 import asyncio
 import gc
+import struct
 
 import pytest
 from inproc import Client, linked, settle, value
@@ -12,6 +13,8 @@ from inproc import Client, linked, settle, value
 from tierrun.core import StoreCore
 from tierrun.hub.session import Session
 from tierrun.hub.waiters import KEPT
+from tierrun.link.config import LinkConfig
+from tierrun.link.frames import OK, UNORDERED, LinkError, decode_replies, replies_frames
 from tierrun.protocol import Op
 from tierrun.protocol.limits import Limits
 from tierrun.tier.writes import WritesInFlight
@@ -29,6 +32,15 @@ async def chain(core: StoreCore, levels: int, delay: int = 0):
     for _ in range(levels - 1):
         link, _ = await linked(link)
     return link
+
+
+def test_an_answers_status_keeps_its_unordered_mark_and_an_unknown_one_ends_the_link():
+    (frame,) = replies_frames([(5, OK | UNORDERED, b"x" * 1000), (6, OK, b"y")], max_frame=200)
+    (rid, status, _), after = decode_replies(frame[5:])  # (past the frame head: length, type)
+    assert (rid, status, after) == (5, 3, (6, OK, b"y"))  # (FAILED: no frame holds it; still UNORDERED)
+    bad = struct.pack("<I", 1) + struct.pack("<QBI", 1, 4, 0)
+    with pytest.raises(LinkError):
+        decode_replies(bad)
 
 
 def test_an_answer_out_of_order_settles_no_earlier_write():
@@ -141,5 +153,92 @@ def test_a_barrier_after_a_refused_write_is_not_counted(levels):
         for _ in range(20):
             await settle()
         assert len(b.replies) == len(c.replies) == 1 and isinstance(b.replies[0], bytes)
+
+    asyncio.run(main())
+
+
+@pytest.mark.parametrize("batches_in_flight", [0, 1])
+def test_a_clients_read_after_its_own_add_behind_a_write_sees_that_add(batches_in_flight):
+    """At a relay, a client's ADD that follows its relayed write (AFTER) is still on its
+    way up when the same client reads the key, which the relay watches: the read is not
+    answered from the watch ahead of the ADD (the ADD's waiter counts as its client),
+    so it sees the ADD, and the answers come in order. (With one batch in flight, a
+    store host slower than a heartbeat lets the next batch go: ``on_beat``.)"""
+
+    async def main():
+        core = StoreCore()
+        relay, _ = await linked(core, delay=60)
+        poller, _ = await linked(relay)
+        leaf, _ = await linked(relay, config=LinkConfig(batches_in_flight=batches_in_flight))
+        p = Client()
+        poller.view("").execute((Op.SET, b"/k", b"5"), p)
+        for _ in range(20):
+            await settle()
+        for _ in range(3):  # (a poll: the relay watches /k)
+            poller.view("").execute((Op.GET, b"/k"), p)
+            for _ in range(20):
+                await settle()
+        assert (b"", b"/k") in relay.watches.values
+        a = Client()
+        v = leaf.view("")
+        v.execute((Op.SET, b"/w", b"x"), a)
+        await asyncio.sleep(0)
+        v.execute((Op.GET, b"/x"), a)  # (its answer: the relay takes the link client as clean)
+        if batches_in_flight:
+            for _ in range(3):
+                await asyncio.sleep(0)
+            leaf.on_beat()
+        await asyncio.sleep(0)
+        v.execute((Op.ADD, b"/k", 1), a)  # (AFTER /w)
+        for _ in range(5):
+            await asyncio.sleep(0)
+        if batches_in_flight:
+            leaf.on_beat()
+        for _ in range(400):
+            await asyncio.sleep(0)
+            if a.replies:
+                break
+        v.execute((Op.GET, b"/k"), a)
+        if batches_in_flight:
+            await asyncio.sleep(0)
+            leaf.on_beat()
+        for _ in range(80):
+            await settle()
+        assert a.replies == [value(b""), b"\x06" + bytes(7), value(b"6")]
+
+    asyncio.run(main())
+
+
+def test_writes_with_no_answer_are_settled_by_a_ping_and_past_a_bound_their_writers_wait(monkeypatch):
+    """A client that only writes gets no answers to settle its writes by: past
+    ``SYNC_AT`` in flight the front-end sends a PING of its own, whose answer settles
+    them; past ``STALL_AT`` its writers get no room (they are read no more) until
+    then. So the bound of writes remembered (``MAX_WRITES``, shared at a relay by
+    every node below it) is not reached, and no write's refusal is forgotten."""
+    from tierrun.tier import connection, writes
+
+    monkeypatch.setattr(writes, "SYNC_AT", 20)
+    monkeypatch.setattr(connection, "STALL_AT", 40)
+
+    class Writer(Client):
+        rooms = 0
+
+        def room_again(self):
+            self.rooms += 1
+
+    async def main():
+        core = StoreCore()
+        leaf, _ = await linked(core, delay=50)
+        v, w = leaf.view(""), Writer()
+        for i in range(45):
+            v.execute((Op.SET, b"/k%d" % i, b""), w)
+        await asyncio.sleep(0)
+        assert len(leaf._writes) == 45 and leaf._writes.sync.due
+        assert not leaf.write_room(w)
+        for _ in range(20):
+            await settle()
+        assert len(leaf._writes) == 0 and not leaf._writes.sync.due
+        assert w.rooms == 1 and leaf.write_room(w) and not w.replies
+        assert len(core.snapshot()) == 45
 
     asyncio.run(main())

@@ -119,7 +119,7 @@ class WriteTicket:
         """(A write has no answer: never called.)"""
 
     def landed(self) -> None:
-        """Executed upstream (``tier.writes``; or forgotten there, too old): no longer
+        """Executed upstream (``tier.writes``; or forgotten there, past its bound): no longer
         in its session's ``relayed``. O(1)."""
         if self.rid:
             self.client.session.relayed.pop(self.rid, None)
@@ -134,7 +134,10 @@ class WriteTicket:
 
 class Behind:
     """The waiter of a relayed request with an answer that must follow a relayed write
-    (AFTER): its link client's, which gets its answer in order, plus that write."""
+    (AFTER): its link client's, which gets its answer in order, plus that write. It
+    counts as its client (equal, same hash): the upstream's bookkeeping of a client's
+    answers still due (``LinkUpstream._unanswered``) must see this one, or it would
+    answer the client's next read from its watch ahead of this request."""
 
     __slots__ = ("client", "after")
     relay = True
@@ -142,6 +145,12 @@ class Behind:
     def __init__(self, client: RemoteClient, after: WriteTicket) -> None:
         self.client = client
         self.after = after
+
+    def __hash__(self) -> int:
+        return hash(self.client)
+
+    def __eq__(self, other: object) -> bool:
+        return other is self.client or other is self or (type(other) is Behind and other.client is self.client)
 
     @property
     def scan_source(self) -> int:
@@ -163,8 +172,8 @@ def waiter_for(client: RemoteClient, req: Request, rid: int) -> RemoteClient | T
     if op in WAITING_OPS:
         return Ticket(client, rid)
     if rid and op in NO_REPLY_OPS and client.relays_writes:
-        # (kept until it lands or is refused: bounded by the upstream's writes in flight
-        # (``tier.writes.MAX_WRITES``) and its room for queued ones)
+        # (kept until it lands or is refused: bounded by the upstream's writes in flight,
+        # ``tier.writes.MAX_WRITES`` at most, and its room for queued ones)
         ticket = client.session.relayed[rid] = WriteTicket(client, rid)
         return ticket
     return client

@@ -350,7 +350,8 @@ def replies_frames(replies: list[tuple[int, int, bytes]], max_frame: int = DEFAU
     size = _u32.size
     for rid, status, data in replies:
         if len(data) + head > max_frame:
-            status, data = FAILED, f"an answer of {len(data)} bytes exceeds the link's frame limit".encode()
+            data = f"an answer of {len(data)} bytes exceeds the link's frame limit".encode()
+            status = FAILED | status & UNORDERED
         if chunk and size + _reply.size + len(data) > max_frame - 8:
             frames.append(encode_replies(chunk))
             chunk, size = [], _u32.size
@@ -368,6 +369,8 @@ def decode_replies(payload: bytes) -> list[tuple[int, int, bytes]]:
         out = []
         for _ in range(n):
             rid, status, length = _reply.unpack_from(payload, pos)
+            if status > FAILED | UNORDERED:
+                raise LinkError(f"an answer with status {status}")
             pos += _reply.size
             out.append((rid, status, payload[pos : pos + length]))
             pos += length

@@ -30,6 +30,7 @@ from ..link.frames import (
 )
 from ..link.session import RECHECK_AFTER, ClientHandshake, DeadlineCheck, Heartbeat, Ledger
 from ..protocol.limits import Limits
+from .writes import STALL_AT, WritesInFlight
 
 log = logging.getLogger("tierrun.frontend")
 
@@ -79,6 +80,7 @@ class SessionEnd:
         self._stalled: set = set()  # clients whose writes wait for room
         #: Bytes of writes waiting for the next batch (kept by the subclass).
         self.queued_writes = 0
+        self._writes = WritesInFlight()  # writes with no answer, answered if refused
 
     # -- for the subclass -----------------------------------------------------------------
 
@@ -111,12 +113,16 @@ class SessionEnd:
         frames sent and not acknowledged, and the writes waiting for the next batch (a
         batch waits while one is in flight), pass ``congested_at``: a client that floods
         the link with SETs would make it pass its bound (the session, and the node,
-        lost). Then ``client.room_again()`` is called once they are back under it (or
-        the session is over). O(1)."""
-        if self.ledger.outbox.bytes + self.queued_writes <= self.congested_at or self.dead is not None:
+        lost); nor while ``writes.STALL_AT`` writes are in flight with no answer yet
+        (:mod:`.writes`). Then ``client.room_again()`` is called once they are back
+        under it (or the session is over). O(1)."""
+        if self._room() or self.dead is not None:
             return True
         self._stalled.add(client)
         return False
+
+    def _room(self) -> bool:
+        return self.ledger.outbox.bytes + self.queued_writes <= self.congested_at and len(self._writes) < STALL_AT
 
     def acked(self) -> None:
         """The store host acknowledged frames (or a batch left): once it has everything
@@ -124,8 +130,7 @@ class SessionEnd:
         afresh after the next loss); waiting writes go if there is room."""
         if self.down_since is not None and self.ledger.outbox.acked >= self._resync_upto:
             self.down_since = None
-        if self._stalled and (self.ledger.outbox.bytes + self.queued_writes <= self.congested_at
-                              or self.dead is not None):
+        if self._stalled and (self._room() or self.dead is not None):
             stalled, self._stalled = self._stalled, set()
             for client in stalled:
                 client.room_again()  # type: ignore[attr-defined]

@@ -43,9 +43,9 @@ from .plan import FETCH_AFTER_WRITES_MARK, FETCH_MARK, PEEK_MARK, WATCH_MARK, Pl
 from .connection import SessionEnd
 from .readahead import ReadAhead, plan_peeks
 from .stats import CoalescingStats
-from .watches import MISSING, WatchCache, answer_from
+from .watches import MISSING, WatchCache, answer_from, nobody_below
 from .view import LinkView
-from .writes import WritesInFlight, refused_write, write_size
+from .writes import refused_write, write_size
 
 log = logging.getLogger("tierrun.frontend")
 
@@ -63,7 +63,6 @@ class LinkUpstream(SessionEnd):
         self._pending = PendingBatch()
         self._extra: list[bytes] = []  # CANCEL entries for the next batch
         self._inflight: dict[int, UpOp] = {}
-        self._writes = WritesInFlight()  # writes with no answer, answered if refused
         self._wait_of = WaitsOf()  # a client's WAITs and BARRIERs upstream
         self._ids = Ids()  # request ids, and a link client id per namespace
         #: Per batch in flight, the request id of its last answer the upstream gives at once (not a
@@ -79,7 +78,7 @@ class LinkUpstream(SessionEnd):
         self._hold: asyncio.Handle | None = None  # ... until then (None: a batch is in flight)
         #: (watchers, on_done): the invalidation round of front-ends below watching keys
         #: that changed; set by whoever links them to this one (``hub.reply_gate``'s).
-        self.on_watches_broken: Callable[[list, Callable[[], None] | None], None] = _nobody_below
+        self.on_watches_broken: Callable[[list, Callable[[], None] | None], None] = nobody_below
         self.pace: BatchPace | None = None  # a relay's (see .pace): set by who makes it one
         self._paced: asyncio.TimerHandle | None = None  # the batch leaves then, as its pace allows
 
@@ -398,8 +397,8 @@ class LinkUpstream(SessionEnd):
         out = encode_plan(plan, extra, self._ids, self._inflight, self.limits.max_frame_bytes, self._writes.unsettled)
         if out.answered_at_once:
             self._batches_awaiting.add(out.answered_at_once)
-        if out.writes:
-            self._writes.sent(out.writes)
+        if out.writes and self._writes.sent(out.writes):  # (many writes, no answer: a PING settles them)
+            self._enqueue(self._writes.sync, b"", (Op.PING, 0))
         if out.frames and self.dead is None:
             self.stats.sent(out.ops, out.opened, out.watches, out.peeks)
             for frame in out.frames:
@@ -454,6 +453,8 @@ class LinkUpstream(SessionEnd):
                     continue
                 answered(w)
                 w.wake(answer)
+        if self._stalled:  # (writes settled: room for more, maybe)
+            self.acked()
 
     def _watch_answered(self, u: UpOp, data: bytes) -> None:
         """A watching read's answer: keep the state (the watch is on until
@@ -495,6 +496,3 @@ class LinkUpstream(SessionEnd):
         if below:
             self.on_watches_broken(below, None)
 
-
-def _nobody_below(watchers: list, on_done: Callable[[], None] | None) -> None:
-    raise RuntimeError("front-ends below watch keys, but nothing runs their invalidation rounds")

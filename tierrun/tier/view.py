@@ -25,7 +25,7 @@ class LinkView:
     """The link as seen by one front-end listener: every client in ``namespace``."""
 
     #: A write with no answer may be refused after ``execute`` returned: its waiter's
-    #: ``drop`` is called then (``hub.session.WriteTicket``: a relaying proxy's).
+    #: ``drop`` is called then (``hub.waiters.WriteTicket``: a relaying proxy's).
     defers_refusals = True
 
     def __init__(self, link: Link, namespace: bytes) -> None:

@@ -24,6 +24,7 @@ answers from its watches. A key invalidated ``MAX_CHURN`` times is not watched a
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 from ..link.frames import PEEKS
@@ -207,3 +208,8 @@ class WatchCache:
         below = [w for ws in self.downstream.values() for w in ws]
         self.downstream.clear()
         return below
+
+
+def nobody_below(watchers: list, on_done: Callable[[], None] | None) -> None:
+    """(A front-end's ``on_watches_broken`` until something links front-ends to it.)"""
+    raise RuntimeError("front-ends below watch keys, but nothing runs their invalidation rounds")

@@ -13,7 +13,14 @@ UNORDERED (``link.frames``): that one settles no other write. A relayed write's
 waiter hears when it lands (``landed``; ``hub.waiters.WriteTicket``). At most
 ``MAX_WRITES`` are remembered (a client that only writes gets no answers to forget
 them by): the oldest beyond it are forgotten, and a refusal of one of those is only
-logged by the store host. O(1) per write and per answer, amortised.
+logged by the store host (and a client whose write that was is not closed). So that it
+does not come to that (at a relay, every node's writes below it count), a PING follows
+once ``SYNC_AT`` writes are in flight (its answer settles them:
+:attr:`WritesInFlight.sync`), and from ``STALL_AT`` on the front-end reads no more
+writes from its clients, nor a relay from the front-ends below (``write_room``), until
+answers have settled them. What still passes: a frame's worth of writes per client
+read, or per front-end below, beyond ``STALL_AT`` (a relay whose children all flood at
+once). O(1) per write and per answer, amortised.
 
 A client whose write is refused is closed, but the requests it sent after that write
 went on before the refusal came back: so each client's latest write whose outcome is not
@@ -32,10 +39,25 @@ from ..protocol import Op
 from .fanout import failed
 
 MAX_WRITES = 64 * 1024
+SYNC_AT, STALL_AT = MAX_WRITES // 4, MAX_WRITES // 2
+
+
+class Sync:
+    """The waiter of a front-end's own PING that settles its writes in flight."""
+
+    __slots__ = ("due",)
+
+    def __init__(self) -> None:
+        self.due = False  # a PING is on its way
+
+    def wake(self, reply: bytes) -> None:
+        self.due = False
+
+    drop = wake
 
 
 class WritesInFlight:
-    __slots__ = ("_order", "_writers", "_latest", "max_writes")
+    __slots__ = ("_order", "_writers", "_latest", "max_writes", "sync")
 
     def __init__(self, max_writes: int = MAX_WRITES) -> None:
         self._order: deque[int] = deque()  # request ids, ascending
@@ -44,12 +66,14 @@ class WritesInFlight:
         #: or refused: kept, oldest dropped past ``max_writes``)
         self._latest: OrderedDict[Any, int] = OrderedDict()  # (dropping the oldest: O(1))
         self.max_writes = max_writes
+        self.sync = Sync()
 
     def __len__(self) -> int:
         return len(self._writers)
 
-    def sent(self, writes: list[tuple[int, int, Any]]) -> None:
-        """Writes that left in a batch: (request id, opcode, its client), ids ascending."""
+    def sent(self, writes: list[tuple[int, int, Any]]) -> bool:
+        """Writes that left in a batch: (request id, opcode, its client), ids ascending.
+        True if a PING must follow them (``SYNC_AT``; one at a time: ``sync.due``)."""
         latest = self._latest
         for rid, op, writer in writes:
             self._order.append(rid)
@@ -60,6 +84,10 @@ class WritesInFlight:
             self._landed(self._order.popleft())
         while len(latest) > self.max_writes:
             latest.popitem(last=False)
+        if len(self._writers) >= SYNC_AT and not self.sync.due:
+            self.sync.due = True
+            return True
+        return False
 
     def unsettled(self, writer: Any) -> int:
         """The request id of ``writer``'s latest write not known to have landed (in flight,
@@ -89,11 +117,6 @@ class WritesInFlight:
             self._landed(order.popleft())
         return write
 
-    def clear(self) -> None:
-        self._order.clear()
-        self._writers.clear()
-        self._latest.clear()
-
 
 def write_size(req: tuple) -> int:
     """Bytes of a SET's, APPEND's, QUEUE_PUSH's or MULTI_SET's keys and values."""
@@ -107,7 +130,7 @@ def refused_write(op: int, writer: Any, reason: bytes) -> None:
     client whose write it was, as torch's server closes a client whose write fails. A
     relayed write (a front-end below sent it with a request id) waits under a ticket
     whose ``drop`` answers that id with FAILED, so the front-end below closes its own
-    client in turn (``hub.session.WriteTicket``). A link client itself (``relay``: a
+    client in turn (``hub.waiters.WriteTicket``). A link client itself (``relay``: a
     write sent with no request id, which nobody below can be told of) is not closed:
     the store host logged it. O(1)."""
     if not getattr(writer, "relay", False):
