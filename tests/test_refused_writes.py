@@ -12,7 +12,6 @@ from inproc import Client, linked, settle, value
 
 from tierrun.core import StoreCore
 from tierrun.hub.session import Session
-from tierrun.hub.waiters import KEPT
 from tierrun.link.config import LinkConfig
 from tierrun.link.frames import OK, UNORDERED, LinkError, decode_replies, replies_frames
 from tierrun.protocol import Op
@@ -101,9 +100,10 @@ def test_a_relays_answer_from_its_watch_does_not_settle_a_write_it_relayed_befor
 
 
 def test_a_relay_keeps_a_write_in_flight_however_many_of_its_neighbours_land():
-    """More than ``KEPT`` writes of a neighbour land while a client's write is on its
-    way: the relay still knows that write (its ADD behind it is not run once it is
-    refused), and forgets every write once it landed or was refused."""
+    """Thousands of writes of a neighbour land while a client's write is on its way
+    (a relay once kept the latest 4,096): the relay still knows that write (its ADD
+    behind it is not run once it is refused), and forgets every write once it landed
+    or was refused."""
 
     async def main():
         core = StoreCore(Limits(max_store_bytes=400_000))
@@ -111,19 +111,20 @@ def test_a_relay_keeps_a_write_in_flight_however_many_of_its_neighbours_land():
         v = leaf.view("")
         a, b = Client(), Client()
         v.execute((Op.SET, b"/a-big", b"A" * 500_000), a)
-        for i in range(KEPT + 100):
+        for i in range(4200):
             v.execute((Op.SET, b"/b%d" % i, b"x"), b)
         v.execute((Op.ADD, b"/a-count", 1), a)
         for _ in range(100):
             await settle()
         snap = core.snapshot()
         assert dropped(a) and not b.replies
-        assert snap.get(b"/a-count") is None and sum(k.startswith(b"/b") for k in snap) == KEPT + 100
+        assert snap.get(b"/a-count") is None and sum(k.startswith(b"/b") for k in snap) == 4200
         v.execute((Op.ADD, b"/b-count", 1), b)  # (its answer lands what came before)
         for _ in range(20):
             await settle()
         assert b.replies == [b"\x01" + bytes(7)]
-        sessions = [o for o in gc.get_objects() if type(o) is Session]
+        loop = asyncio.get_running_loop()
+        sessions = [o for o in gc.get_objects() if type(o) is Session and o._loop is loop]
         assert sessions and not any(s.relayed or s.relayed_refused for s in sessions)
 
     asyncio.run(main())
@@ -240,5 +241,51 @@ def test_writes_with_no_answer_are_settled_by_a_ping_and_past_a_bound_their_writ
         assert len(leaf._writes) == 0 and not leaf._writes.sync.due
         assert w.rooms == 1 and leaf.write_room(w) and not w.replies
         assert len(core.snapshot()) == 45
+        # writes queued count too; those that went behind the PING, as many again, get
+        # a PING of their own once its answer came
+        for i in range(45):
+            v.execute((Op.SET, b"/j%d" % i, b""), w)
+        assert not leaf.write_room(w)  # (45 queued)
+        await asyncio.sleep(0)
+        for i in range(30):
+            v.execute((Op.SET, b"/l%d" % i, b""), w)  # (behind the PING)
+        for _ in range(40):
+            await settle()
+        assert len(leaf._writes) == 0 and not leaf._writes.sync.due
+        assert w.rooms == 2 and leaf.write_room(w) and len(core.snapshot()) == 120
+
+    asyncio.run(main())
+
+
+@pytest.mark.parametrize("levels", [1, 2])
+def test_a_refused_write_is_forgotten_once_acknowledged_and_named_refused_after(levels):
+    """The store host (and a relay) remember a refused write only until the front-end
+    below acknowledged its FAILED (not the latest 4,096 refusals: another client's
+    refusals pushed it out). A request of that client sent after the front-end read the
+    refusal names it REFUSED, and is not run."""
+
+    async def main():
+        core = StoreCore(Limits(max_store_bytes=10_000))
+        fast = LinkConfig(heartbeat_interval=0.5)
+        link, _ = await linked(core, config=fast)
+        for _ in range(levels - 1):
+            link, _ = await linked(link, config=fast)
+        v, a, others = link.view(""), Client(), Client()
+        v.execute((Op.SET, b"/a-big", BIG), a)
+        for i in range(5000):  # (another client's refusals: the old window's 4,096 and more)
+            v.execute((Op.SET, b"/o%d" % i, BIG), others)
+        for _ in range(20):
+            await settle()
+        assert dropped(a) and len(others.replies) == 5000
+        loop = asyncio.get_running_loop()
+        sessions = [o for o in gc.get_objects() if type(o) is Session and o._loop is loop]
+        assert max(len(o.refused_writes) for o in sessions) >= 5001
+        await asyncio.sleep(1.5)  # (heartbeats: every front-end acknowledged)
+        assert not any(o.refused_writes for o in sessions)
+        v.execute((Op.ADD, b"/a-count", 1), a)
+        for _ in range(20):
+            await settle()
+        assert len(a.replies) == 2 and dropped(a)
+        assert core.snapshot().get(b"/a-count") is None
 
     asyncio.run(main())

@@ -174,6 +174,8 @@ class LinkServerConnection(asyncio.Protocol):
                 elif session is not None and ftype == ACK:
                     ledger = session.ledger
                     ledger.acked(decode_count(payload))
+                    if session._refusals_sent:
+                        session.acknowledged()
                     session.last_ping_rx = self.heartbeat.last_rx
                     # the answer to the front-end's heartbeat, and its watch lease
                     gate = self._server.gate
@@ -310,7 +312,7 @@ class LinkServerConnection(asyncio.Protocol):
             else:  # (through the gate: if the request changed a watched key, the round goes first)
                 if session.relayed and rid > next(iter(session.relayed)):  # (see Session.ordering)
                     answer = (rid, answer[1] | UNORDERED, answer[2])
-                session.emit(encode_reply(*answer))
+                session.emit(encode_reply(*answer), session.take_refusals() if answer[1] != OK else None)
         if ack_due:
             self.write(session.ledger.ack())
         return True

@@ -25,9 +25,10 @@ An AFTER entry makes the request after it depend on a write the front-end sent b
 (``tier.writes``): here, if that write was refused, the request is answered FAILED and
 not run; on a relaying proxy, whose upstream decides later, the request goes on behind
 the relayed write (its waiter's ``after``), and the proxy's own link sends an AFTER
-entry before it in turn. Each session keeps the latest ``KEPT`` refused writes (a
-request further behind its write runs: that write was long decided) and its relayed
-writes until they land upstream (``WriteTicket.landed``).
+entry before it in turn. Each session keeps its refused writes until the front-end has
+acknowledged the REPLIES frame that carried their FAILED (it names them REFUSED from
+then on: ``tier.writes``), the latest ``KEPT`` at most, and its relayed writes until
+they land upstream (``WriteTicket.landed``).
 
 A relaying proxy answers some requests itself (from its watches; refused there) and
 may answer one ahead of a write it relayed earlier for the same front-end: while that
@@ -40,8 +41,9 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections import OrderedDict
+from collections import OrderedDict, deque
 from collections.abc import Callable
+from functools import partial
 from itertools import islice
 from time import monotonic
 from typing import Protocol
@@ -52,8 +54,8 @@ from ..frontend import Upstream
 from ..frontend.namespace import NamespacedUpstream
 from ..link.config import LinkConfig
 from ..link.frames import (
-    AFTER, CANCEL, FAILED, FETCHES, OK, OPEN, PEEKS, REQUEST, UNORDERED, WAITS, WATCH, WATCHES, LinkError,
-    decode_batch, decode_keys, replies_frames,
+    AFTER, CANCEL, FAILED, FETCHES, OK, OPEN, PEEKS, REFUSED, REQUEST, UNORDERED, WAITS, WATCH, WATCHES,
+    LinkError, decode_batch, decode_keys, replies_frames,
 )
 from ..link.session import Ledger
 from ..protocol import LimitExceeded, Op, Request
@@ -125,7 +127,9 @@ class Session:
         self.held = 0  # bytes of its frames held by the reply gate
         self.refused_count = 0  # requests refused, and answers refused for room (vet)
         # (OrderedDicts: dropping the oldest is O(1), a dict's scans what it deleted before)
-        self.refused_writes: OrderedDict[int, None] = OrderedDict()  # its writes refused (the latest KEPT)
+        self.refused_writes: OrderedDict[int, None] = OrderedDict()  # its refused requests not yet acknowledged
+        self._refusals: list[int] = []  # those whose FAILED is not in a REPLIES frame yet
+        self._refusals_sent: deque[tuple[int, list[int]]] = deque()  # (a frame's number, the refusals it carried)
         #: A relaying proxy's relayed writes not yet known to have landed upstream, oldest
         #: (lowest request id) first; and those refused since the last REPLIES frame.
         self.relayed: OrderedDict[int, WriteTicket] = OrderedDict()
@@ -137,10 +141,28 @@ class Session:
         if rid:
             writes = self.refused_writes
             writes[rid] = None
+            self._refusals.append(rid)
             if len(writes) > KEPT:
                 writes.popitem(last=False)
             if self.relayed:
                 self.relayed.pop(rid, None)
+
+    def acknowledged(self) -> None:
+        """The front-end acknowledged REPLIES frames (it has read them): the refused
+        requests whose FAILED they carried are forgotten (an AFTER entry names them
+        REFUSED from then on). O(refusals forgotten)."""
+        upto, sent, writes = self.ledger.outbox.acked, self._refusals_sent, self.refused_writes
+        while sent and sent[0][0] <= upto:
+            for rid in sent.popleft()[1]:
+                writes.pop(rid, None)
+
+    def take_refusals(self) -> list[int] | None:
+        """The refusals the next REPLIES frame carries the FAILED of (None: none)."""
+        refusals = self._refusals
+        if not refusals:
+            return None
+        self._refusals = []
+        return refusals
 
     def relayed_write_refused(self, rid: int, reason: bytes) -> None:
         """A write relayed upstream (``WriteTicket``) was refused there: answer it
@@ -169,7 +191,7 @@ class Session:
         else its waiter (behind the relayed write, on a relaying proxy; a relayed write's
         ticket is registered, as by ``waiter_for``). O(1)."""
         ticket = self.relayed.get(gate) if client.relays_writes else None
-        if ticket is None and gate in self.refused_writes:
+        if ticket is None and (gate in self.refused_writes or gate == REFUSED):
             self.refused(rid)  # (a write behind it is refused in turn)
             if rid:
                 replies.append((rid, FAILED, b"not run: an earlier write of its client was refused"))
@@ -326,13 +348,16 @@ class Session:
         else:
             client.tickets[rid] = ticket
 
-    def send(self, data: bytes) -> None:
-        """Number, keep and (if connected) write one REPLIES frame."""
+    def send(self, data: bytes, refusals: list[int] | None = None) -> None:
+        """Number, keep and (if connected) write one REPLIES frame (that carries the
+        FAILED of ``refusals``)."""
         try:
             self.ledger.outbox.add(data)  # (ledger.sent, inlined)
         except LinkError as e:
             self.server.expire(self, str(e))
             return
+        if refusals:
+            self._refusals_sent.append((self.ledger.outbox.sent, refusals))
         if self.conn is not None:
             self.conn.write(data)
 
@@ -364,18 +389,18 @@ class Session:
             log.warning("link from %s: answer refused (%d so far): %s", self.peer, self.refused_count, why)
         return FAILED, why.encode()
 
-    def emit(self, frame: bytes) -> None:
+    def emit(self, frame: bytes, refusals: list[int] | None = None) -> None:
         """Send a REPLIES frame through the reply gate (held while a round runs)."""
         gate = self.server.gate
         if gate.closed:
             self.held += len(frame)
-            gate.emit(self._release, frame)
+            gate.emit(self._release if refusals is None else partial(self._release, refusals=refusals), frame)
         else:
-            self.send(frame)
+            self.send(frame, refusals)
 
-    def _release(self, frame: bytes) -> None:
+    def _release(self, frame: bytes, refusals: list[int] | None = None) -> None:
         self.held -= len(frame)
-        self.send(frame)
+        self.send(frame, refusals)
 
     def queue_reply(self, rid: int, status: int, reply: bytes) -> None:
         """A deferred answer: those queued in one loop iteration leave in one frame."""
@@ -399,9 +424,11 @@ class Session:
                 self.server.fail(self, e)
                 return
             wakes.clear()  # (in place: a batch being executed appends to it)
+            refusals = self.take_refusals()  # (their FAILEDs are in the last frame at the latest)
             if self.server.sessions.get(self.sid) is self:
-                for frame in frames:
+                for frame in frames[:-1]:
                     self.emit(frame)
+                self.emit(frames[-1], refusals)
 
     def flush_answers(self) -> None:
         """Send the answers queued so far now (an invalidation round must follow them)."""

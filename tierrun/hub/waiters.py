@@ -29,8 +29,10 @@ class LinkSession(Protocol):
 
 #: Requests whose answer may go to someone other than their client (``waiter_for``).
 OWN_WAITER_OPS = WAITING_OPS | NO_REPLY_OPS
-#: Refused writes a session remembers for AFTER entries (the latest).
-KEPT = 4096
+#: Refused requests a session remembers for AFTER entries until acknowledged: the latest
+#: this many at most (a client with more refused between two acknowledgements of its
+#: node's link may make the store host forget another's).
+KEPT = 65536
 
 
 class RemoteClient:

@@ -15,7 +15,8 @@
                                       client's requests after its refused write, which
                                       its front-end sent before it knew, do not land,
                                       as its connection to the store alone would have
-                                      been closed at that write)
+                                      been closed at that write; rid REFUSED: the
+                                      front-end knows that write was refused)
                | u8 WAITS   | u32 client | u64 rid | u32 n | n x (u32 len | key)
                                       (n one-key WAITs, the i-th with request id rid + i)
                | u8 WATCH   | u32 client | u64 rid | u32 len | torch-encoded request
@@ -102,11 +103,14 @@ LINK_MAGIC = 0xA7  # first byte a front-end sends: not an opcode of any torch ve
 VERSION = 13  # 2: sessions, resumption, heartbeats; 3: a client per namespace, CANCEL; 4: watches;
 # 5: WATCHES; 6: FETCHES; 7: PEEKS; 8: sealed frames (a MAC each), the store's limits in RESUMED;
 # 9: LOOKUP; 10: the MAC over the frame's number and the frame (the number was BLAKE2's salt);
-# 11: the answer limit and the longest value in RESUMED; 12: AFTER; 13: UNORDERED
+# 11: the answer limit and the longest value in RESUMED; 12: AFTER; 13: UNORDERED, AFTER REFUSED
 
 HELLO, AUTH, WELCOME, ERROR, BATCH, REPLIES, SESSION, RESUMED, ACK, PONG, INVALIDATE, INVALIDATED = range(1, 13)
 LOOKUP, FOUND, PENDING = 13, 14, 15
 OPEN, REQUEST, CANCEL, WAITS, WATCH, WATCHES, FETCHES, PEEKS, AFTER = range(9)
+#: An AFTER entry's request id naming a write whose refusal the front-end has read: the
+#: store host forgets a refused write's id once the front-end acknowledged its FAILED.
+REFUSED = (1 << 64) - 1
 #: A front-end answers from a watch only this long (seconds) after sending an ACK that
 #: the core answered with a PONG; the core, holding its answers for a front-end that
 #: does not confirm an invalidation, waits this long past that ACK's arrival, plus

@@ -78,8 +78,7 @@ class SessionEnd:
         #: Past this many bytes sent and not acknowledged, clients' writes wait (write_room).
         self.congested_at = self.config.max_unacked_bytes // 16  # (twice the store host's ack step)
         self._stalled: set = set()  # clients whose writes wait for room
-        #: Bytes of writes waiting for the next batch (kept by the subclass).
-        self.queued_writes = 0
+        self.queued_writes = self.queued_count = 0  # bytes and number of writes for the next batch (the subclass's)
         self._writes = WritesInFlight()  # writes with no answer, answered if refused
 
     # -- for the subclass -----------------------------------------------------------------
@@ -122,7 +121,8 @@ class SessionEnd:
         return False
 
     def _room(self) -> bool:
-        return self.ledger.outbox.bytes + self.queued_writes <= self.congested_at and len(self._writes) < STALL_AT
+        return (self.ledger.outbox.bytes + self.queued_writes <= self.congested_at
+                and len(self._writes) + self.queued_count < STALL_AT)
 
     def acked(self) -> None:
         """The store host acknowledged frames (or a batch left): once it has everything

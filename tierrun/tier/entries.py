@@ -55,7 +55,8 @@ def encode_plan(plan: Plan, extra: list[bytes], ids: Ids, inflight: dict[int, Up
     ``extra`` ones (CANCELs), in BATCH frames of at most ``max_frame`` bytes: several,
     in order, when a batch holds more (each is executed in turn; a fold never spans
     two). An op with ``after`` goes behind an AFTER entry naming its client's latest
-    write that may yet be refused (this batch's, else ``unsettled(client)``'s), if any.
+    write that may yet be refused (this batch's, else ``unsettled(client)``'s: its id, or
+    REFUSED once its refusal came: ``WritesInFlight.gate``), if any.
     O(bytes of the entries)."""
     out = Encoded()
     if not extra and len(plan.ops) == 1:  # (a batch of one plain request: most of a trickle)

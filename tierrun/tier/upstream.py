@@ -76,8 +76,7 @@ class LinkUpstream(SessionEnd):
         self._unconfirmed: set[Waiter] = set()  # clients whose writes no later answer has confirmed
         self._held = False  # the open batch opened with a contended write: it is held
         self._hold: asyncio.Handle | None = None  # ... until then (None: a batch is in flight)
-        #: (watchers, on_done): the invalidation round of front-ends below watching keys
-        #: that changed; set by whoever links them to this one (``hub.reply_gate``'s).
+        #: (watchers, on_done): the invalidation round of front-ends below (``hub.reply_gate``'s)
         self.on_watches_broken: Callable[[list, Callable[[], None] | None], None] = nobody_below
         self.pace: BatchPace | None = None  # a relay's (see .pace): set by who makes it one
         self._paced: asyncio.TimerHandle | None = None  # the batch leaves then, as its pace allows
@@ -270,6 +269,7 @@ class LinkUpstream(SessionEnd):
             policy.writers.add(getattr(waiter, "client", waiter))  # (issuer(), inlined)
         if req[0] in NO_REPLY_OPS:  # (see SessionEnd.write_room)
             self.queued_writes += write_size(req)
+            self.queued_count += 1
         self._pending.add(waiter, ns, req)
 
     def _hold_over(self) -> None:
@@ -372,7 +372,7 @@ class LinkUpstream(SessionEnd):
                 w.drop(reason)  # type: ignore[attr-defined]
             self.die(reason)
             return
-        self.queued_writes = 0
+        self.queued_writes = self.queued_count = 0
         if self.down_since is not None or self._stalled:  # (acked()'s conditions, checked here first)
             self.acked()
 
@@ -394,7 +394,7 @@ class LinkUpstream(SessionEnd):
 
     def _send_plan(self, plan: Plan, extra: list[bytes]) -> None:
         """Encode the plan's entries (:func:`.entries.encode_plan`) and send them."""
-        out = encode_plan(plan, extra, self._ids, self._inflight, self.limits.max_frame_bytes, self._writes.unsettled)
+        out = encode_plan(plan, extra, self._ids, self._inflight, self.limits.max_frame_bytes, self._writes.gate)
         if out.answered_at_once:
             self._batches_awaiting.add(out.answered_at_once)
         if out.writes and self._writes.sent(out.writes):  # (many writes, no answer: a PING settles them)
@@ -453,6 +453,8 @@ class LinkUpstream(SessionEnd):
                     continue
                 answered(w)
                 w.wake(answer)
+        if writes.sync_needed():  # (writes sent behind the last PING: another)
+            self._enqueue(writes.sync, b"", (Op.PING, 0))
         if self._stalled:  # (writes settled: room for more, maybe)
             self.acked()
 

@@ -16,18 +16,22 @@ them by): the oldest beyond it are forgotten, and a refusal of one of those is o
 logged by the store host (and a client whose write that was is not closed). So that it
 does not come to that (at a relay, every node's writes below it count), a PING follows
 once ``SYNC_AT`` writes are in flight (its answer settles them:
-:attr:`WritesInFlight.sync`), and from ``STALL_AT`` on the front-end reads no more
+:attr:`WritesInFlight.sync`; another follows it if the writes sent behind it are as
+many), and from ``STALL_AT`` writes in flight or queued on, the front-end reads no more
 writes from its clients, nor a relay from the front-ends below (``write_room``), until
-answers have settled them. What still passes: a frame's worth of writes per client
-read, or per front-end below, beyond ``STALL_AT`` (a relay whose children all flood at
-once). O(1) per write and per answer, amortised.
+answers have settled them. What still passes: a frame's worth of writes per front-end
+below, beyond ``STALL_AT`` (a relay whose children all flood at once). O(1) per write
+and per answer, amortised.
 
 A client whose write is refused is closed, but the requests it sent after that write
 went on before the refusal came back: so each client's latest write whose outcome is not
 known to be a success (in flight, or refused) is kept (:meth:`WritesInFlight.unsettled`),
 and a request with an effect that the client sends meanwhile leaves behind an AFTER
 entry naming that write (``tier.entries``): the store host runs it only if the write
-was not refused, as the store alone would have closed the client at that write.
+was not refused, as the store alone would have closed the client at that write. Once
+its refusal has come, the AFTER entry says REFUSED instead (:meth:`WritesInFlight.gate`:
+a request of a relayed client still on its way up, here), so the store host need only
+remember a refused write until the front-end acknowledged its FAILED.
 """
 
 from __future__ import annotations
@@ -35,6 +39,7 @@ from __future__ import annotations
 from collections import OrderedDict, deque
 from typing import Any
 
+from ..link.frames import REFUSED
 from ..protocol import Op
 from .fanout import failed
 
@@ -57,7 +62,7 @@ class Sync:
 
 
 class WritesInFlight:
-    __slots__ = ("_order", "_writers", "_latest", "max_writes", "sync")
+    __slots__ = ("_order", "_writers", "_latest", "_refused", "max_writes", "sync")
 
     def __init__(self, max_writes: int = MAX_WRITES) -> None:
         self._order: deque[int] = deque()  # request ids, ascending
@@ -65,6 +70,7 @@ class WritesInFlight:
         #: client -> request id of its latest write not known to have landed (in flight,
         #: or refused: kept, oldest dropped past ``max_writes``)
         self._latest: OrderedDict[Any, int] = OrderedDict()  # (dropping the oldest: O(1))
+        self._refused: set[int] = set()  # those of _latest whose refusal came
         self.max_writes = max_writes
         self.sync = Sync()
 
@@ -74,16 +80,24 @@ class WritesInFlight:
     def sent(self, writes: list[tuple[int, int, Any]]) -> bool:
         """Writes that left in a batch: (request id, opcode, its client), ids ascending.
         True if a PING must follow them (``SYNC_AT``; one at a time: ``sync.due``)."""
-        latest = self._latest
+        latest, refused = self._latest, self._refused
         for rid, op, writer in writes:
             self._order.append(rid)
             self._writers[rid] = (op, writer)
+            if refused:
+                refused.discard(latest.get(writer, 0))
             latest[writer] = rid
             latest.move_to_end(writer)  # (the oldest stay first)
         while len(self._order) > self.max_writes:
             self._landed(self._order.popleft())
         while len(latest) > self.max_writes:
-            latest.popitem(last=False)
+            refused.discard(latest.popitem(last=False)[1])
+        return self.sync_needed()
+
+    def sync_needed(self) -> bool:
+        """True if a PING must go now (``SYNC_AT`` writes in flight, none on its way):
+        after a batch of writes, and after answers (those sent behind a PING may be as
+        many). O(1)."""
         if len(self._writers) >= SYNC_AT and not self.sync.due:
             self.sync.due = True
             return True
@@ -93,6 +107,12 @@ class WritesInFlight:
         """The request id of ``writer``'s latest write not known to have landed (in flight,
         or refused); 0 if it has none. O(1)."""
         return self._latest.get(writer, 0)
+
+    def gate(self, writer: Any) -> int:
+        """What an AFTER entry for ``writer`` names: :meth:`unsettled`, or REFUSED once
+        that write's refusal came (the store host may have forgotten it). O(1)."""
+        rid = self._latest.get(writer, 0)
+        return REFUSED if rid and rid in self._refused else rid
 
     def _landed(self, rid: int) -> None:
         """Write ``rid`` is forgotten: executed (a later answer came), or too old."""
@@ -110,6 +130,8 @@ class WritesInFlight:
         one (it was refused), else None; writes sent before it are forgotten, unless the
         answer is not ``ordered`` (a relay's UNORDERED one)."""
         write = self._writers.pop(rid, None)  # (refused: its client's latest stays unsettled)
+        if write is not None and self._latest.get(write[1]) == rid:
+            self._refused.add(rid)
         if not ordered:
             return write
         order = self._order
