@@ -29,6 +29,8 @@ class Relay:
         self.target_port = target_port
         self.cut_at: int | None = None  # cut every connection once this many bytes went up
         self.frozen = False  # stop forwarding, keep the connections open
+        self.hold_down = False  # stop forwarding what the store host sends (kept)
+        self.drop_up = False  # lose what the front-end sends
         self.refusing = False  # close new connections at once
         self.pairs: list[tuple[asyncio.StreamWriter, asyncio.StreamWriter]] = []
         self.connections = 0
@@ -49,7 +51,9 @@ class Relay:
         async def pump(src, dst, upward):
             try:
                 while data := await src.read(65536):
-                    while self.frozen:
+                    if upward and self.drop_up:
+                        continue
+                    while self.frozen or (self.hold_down and not upward):
                         await asyncio.sleep(0.01)
                     if upward and self.cut_at is not None and sent[0] + len(data) >= self.cut_at:
                         part = self.cut_at - sent[0]

@@ -9,16 +9,22 @@ import struct
 
 import pytest
 from inproc import Client, linked, settle, value
+from test_link_resume import Relay
 
 from tierrun.core import StoreCore
+from tierrun.frontend.frontend import FrontEndConfig
 from tierrun.hub.session import Session
 from tierrun.link.config import LinkConfig
 from tierrun.link.frames import OK, UNORDERED, LinkError, decode_replies, replies_frames
 from tierrun.protocol import Op
 from tierrun.protocol.limits import Limits
+from tierrun.server.root import serve_root
+from tierrun.server.service import ServiceConfig
+from tierrun.tier import connect_link
 from tierrun.tier.writes import WritesInFlight
 
 BIG = b"A" * 20_000  # past the 10,000-byte budget of these cores
+RESUMING = LinkConfig(heartbeat_interval=0.1, heartbeat_timeout=0.5, grace=3.0)
 
 
 def dropped(client: Client) -> bool:
@@ -289,3 +295,78 @@ def test_a_refused_write_is_forgotten_once_acknowledged_and_named_refused_after(
         assert core.snapshot().get(b"/a-count") is None
 
     asyncio.run(main())
+
+
+def test_a_refusal_survives_the_acknowledgement_that_comes_before_a_resumed_links_resent_batches():
+    """A front-end that resumes its session resends the BATCH frames the store host
+    lacked, encoded before it read the FAILEDs it acknowledged in its handshake (they
+    may name a refused write by its id): so the first ACK after a resume forgets no
+    refusal, the next one does."""
+    from types import SimpleNamespace
+
+    from tierrun.link.frames import FAILED
+
+    async def main():
+        host = SimpleNamespace(config=LinkConfig(), max_frame=1 << 20, gate=SimpleNamespace(closed=False),
+                               sessions={})
+        session = Session(host, b"s" * 16, "test")  # type: ignore[arg-type]
+        host.sessions[session.sid] = session
+        session.refused(7)
+        session.queue_reply(7, FAILED, b"past the budget")
+        session.flush_answers()
+        assert session.ledger.outbox.sent == 1 and 7 in session.refused_writes
+        session.ledger.resume(1)  # (its SESSION: it has read the FAILED)
+        session.resumed = True
+        session.acknowledged()  # (its handshake's ACK: before the resent batches)
+        assert 7 in session.refused_writes
+        session.acknowledged()  # (an ACK after them)
+        assert 7 not in session.refused_writes
+
+    asyncio.run(main())
+
+def test_a_refused_write_stays_known_across_a_resume_whose_resent_batch_names_it():
+    """The store host refuses a write; the front-end's next batch (an ADD of that client,
+    AFTER the write's id) is lost on the way up while the FAILED comes down and is read;
+    the link resumes and the front-end resends that batch as it was. The store host
+    still knows the refused write (the handshake's ACK forgets nothing): the ADD does
+    not run."""
+    assert asyncio.run(asyncio.wait_for(_resume_after_a_refusal(), 30)) == 0
+
+
+async def _resume_after_a_refusal() -> int:
+    stop, lines, ev = asyncio.Event(), [], asyncio.Event()
+    task = asyncio.ensure_future(serve_root(
+        ServiceConfig(host="127.0.0.1", port=0, frontend=FrontEndConfig(limits=Limits(max_store_bytes=10_000))),
+        lambda line: (lines.append(line), ev.set()), stop, token=b"tok", link_config=RESUMING))
+    await asyncio.wait_for(ev.wait(), 10)
+    relay = Relay(lines[0].port)
+    link = await connect_link("127.0.0.1", await relay.start(), b"tok", print, 10, RESUMING)
+    v = link.view("")
+    probe = Client()
+    v.execute((Op.SET, b"/fill", b"F" * 9_900), Client())
+    v.execute((Op.GET, b"/fill"), probe)
+    while not probe.replies:
+        await asyncio.sleep(0.01)
+    a = Client()
+    relay.hold_down = True
+    v.execute((Op.SET, b"/a", b"A" * 500), a)   # refused by the store host (budget)
+    await asyncio.sleep(0.2)                      # reached the host; its FAILED is held
+    relay.drop_up = True
+    v.execute((Op.ADD, b"/a-count", 1), a)        # pipelined: AFTER <raw id of the SET>
+    await asyncio.sleep(0.2)                      # lost on the way up
+    relay.hold_down = False                       # the FAILED reaches the front-end
+    await asyncio.sleep(0.2)
+    assert dropped(a), a.replies
+    relay.drop_up = False
+    relay.cut_all()                               # resume: the lost BATCH is re-sent
+    await asyncio.sleep(1.5)
+    chk = Client()
+    v.execute((Op.ADD, b"/a-count", 0), chk)
+    while not chk.replies:
+        await asyncio.sleep(0.01)
+    n = int.from_bytes(chk.replies[0], "little", signed=True)
+    link.close()
+    relay.server.close()
+    stop.set()
+    await task
+    return n

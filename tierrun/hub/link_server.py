@@ -198,7 +198,7 @@ class LinkServer:
             self.stats.link_resumes += 1
             log.warning("link from %s: session resumed (was %s)", conn.peer, session.peer)
         missed = session.ledger.resume(replies_received)
-        session.acknowledged()
+        session.resumed = True
         session.conn = conn
         session.peer = conn.peer
         self.stats.links += conn.resumable  # (node links, not the host's own front-ends)

@@ -130,6 +130,10 @@ class Session:
         self.refused_writes: OrderedDict[int, None] = OrderedDict()  # its refused requests not yet acknowledged
         self._refusals: list[int] = []  # those whose FAILED is not in a REPLIES frame yet
         self._refusals_sent: deque[tuple[int, list[int]]] = deque()  # (a frame's number, the refusals it carried)
+        #: Resumed on a new connection: the front-end's first ACK there (its handshake's)
+        #: comes before it resends the BATCH frames we lacked, which it encoded before
+        #: reading our FAILEDs (naming refused ids as they are): it forgets nothing.
+        self.resumed = False
         #: A relaying proxy's relayed writes not yet known to have landed upstream, oldest
         #: (lowest request id) first; and those refused since the last REPLIES frame.
         self.relayed: OrderedDict[int, WriteTicket] = OrderedDict()
@@ -151,6 +155,9 @@ class Session:
         """The front-end acknowledged REPLIES frames (it has read them): the refused
         requests whose FAILED they carried are forgotten (an AFTER entry names them
         REFUSED from then on). O(refusals forgotten)."""
+        if self.resumed:
+            self.resumed = False
+            return
         upto, sent, writes = self.ledger.outbox.acked, self._refusals_sent, self.refused_writes
         while sent and sent[0][0] <= upto:
             for rid in sent.popleft()[1]:
