@@ -49,13 +49,13 @@ class Encoded:
 
 
 def encode_plan(plan: Plan, extra: list[bytes], ids: Ids, inflight: dict[int, UpOp], max_frame: int,
-                unsettled: Callable[[Any], int] = nothing_unsettled) -> Encoded:
+                gate: Callable[[Any], int] = nothing_unsettled) -> Encoded:
     """Give ``plan``'s ops their ids (registered in ``inflight`` when an answer is
     expected; a write with no answer has one too, in ``writes``) and entries, after the
     ``extra`` ones (CANCELs), in BATCH frames of at most ``max_frame`` bytes: several,
     in order, when a batch holds more (each is executed in turn; a fold never spans
     two). An op with ``after`` goes behind an AFTER entry naming its client's latest
-    write that may yet be refused (this batch's, else ``unsettled(client)``'s: its id, or
+    write that may yet be refused (this batch's, else ``gate(client)``: its id, or
     REFUSED once its refusal came: ``WritesInFlight.gate``), if any.
     O(bytes of the entries)."""
     out = Encoded()
@@ -63,7 +63,7 @@ def encode_plan(plan: Plan, extra: list[bytes], ids: Ids, inflight: dict[int, Up
         u = plan.ops[0]
         if u.watchers is None and not u.members and not u.fetch:
             new: list[bytes] = []
-            _plain(u, _client_id(u, ids, new, out), ids, inflight, out, new, unsettled)
+            _plain(u, _client_id(u, ids, new, out), ids, inflight, out, new, gate)
             out.frames = [encode_batch(new)]
             return out
     frames: list[list[bytes]] = []
@@ -96,7 +96,7 @@ def encode_plan(plan: Plan, extra: list[bytes], ids: Ids, inflight: dict[int, Up
             out.watches += 1
             out.ops += 1
         else:
-            _plain(u, cid, ids, inflight, out, new, unsettled)
+            _plain(u, cid, ids, inflight, out, new, gate)
         added = sum(map(len, new))
         if entries and size + added > room:
             frames.append(entries)
@@ -121,11 +121,11 @@ def _client_id(u: UpOp, ids: Ids, new: list[bytes], out: Encoded) -> int:
 
 
 def _plain(u: UpOp, cid: int, ids: Ids, inflight: dict[int, UpOp], out: Encoded, new: list[bytes],
-           unsettled: Callable[[Any], int]) -> None:
+           gate: Callable[[Any], int]) -> None:
     """A plain request's entry (not a watching read, not WAITs folded in one entry),
     behind an AFTER entry if it must follow a write that may yet be refused."""
     if u.after is not None:
-        after = out.latest.get(u.after) or unsettled(u.after)
+        after = out.latest.get(u.after) or gate(u.after)
         if after:
             new.append(entry_after(cid, after))
     req = u.request()
