@@ -48,6 +48,7 @@ from ..protocol.limits import Limits
 from .reply_gate import ReplyGate
 from .link_connection import LinkServerConnection
 from .session import LinkStats, Session
+from .wills import Wills
 
 log = logging.getLogger("tierrun.store")
 
@@ -84,6 +85,7 @@ class LinkServer:
         self.largest_value = largest_value or self.limits.max_value_bytes
         self.max_connections = max_connections
         self.stats = LinkStats()
+        self.wills = Wills(upstream_for, self.limits.max_key_bytes, self.config.heartbeat_interval)
         self.sessions: dict[bytes, Session] = {}
         self.connections: set[LinkServerConnection] = set()
         #: Source address -> its connections whose session is not open yet.
@@ -211,6 +213,7 @@ class LinkServer:
     def detach(self, session: Session) -> None:
         """Its connection is gone: keep the session for the grace period."""
         session.conn = None
+        session.lost_at = monotonic()
         self.stats.links -= 1
         if self.sessions.get(session.sid) is session:
             grace = self.config.grace
@@ -229,6 +232,7 @@ class LinkServer:
         if session.expiry is not None:
             session.expiry.cancel()
         session.drop_clients()
+        self.wills.ended(session, reason, quiet)
         self.drop_watches(session)
         session.ledger.acked(session.ledger.outbox.sent)
         if session.conn is not None:
@@ -248,6 +252,7 @@ class LinkServer:
     def close(self, final: str | None = None) -> None:
         """Drop every link; with ``final``, tell each why (its front-end gives up at once)."""
         self.gate.close()
+        self.wills.close()
         if self._watchdog is not None:
             self._watchdog.cancel()
         for conn in list(self.connections):

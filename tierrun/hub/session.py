@@ -57,13 +57,14 @@ from ..link.frames import (
     AFTER, CANCEL, FAILED, FETCHES, OK, OPEN, PEEKS, REFUSED, REQUEST, UNORDERED, WAITS, WATCH, WATCHES,
     LinkError, decode_batch, decode_keys, replies_frames,
 )
-from ..link.session import Ledger
+from ..link.session import Heartbeat, Ledger
 from ..protocol import LimitExceeded, Op, Request
 from ..protocol.limits import Limits
 from ..protocol.parser import decode_request
 from ..protocol.opcodes import NO_REPLY_OPS, WATCHABLE_OPS
 from .reply_gate import ReplyGate
 from .waiters import KEPT, OWN_WAITER_OPS, Behind, RemoteClient, Ticket, WriteTicket, waiter_for
+from .wills import WILL_NAMESPACE, Will, WillClient, Wills
 
 log = logging.getLogger("tierrun.store")
 
@@ -82,6 +83,7 @@ class Host(Protocol):
     stats: LinkStats
     sessions: dict[bytes, Session]
     upstream_for: Callable[[bytes], Upstream]
+    wills: Wills
 
     def expire(self, session: Session, reason: str, quiet: bool = False) -> None: ...
 
@@ -90,6 +92,9 @@ class Host(Protocol):
 
 class Connection(Protocol):
     """What a session needs of its current connection."""
+
+    paused: bool  # (not read on purpose)
+    heartbeat: Heartbeat  # (its last_rx: when a frame was last read)
 
     def write(self, data: bytes) -> None: ...
 
@@ -138,6 +143,17 @@ class Session:
         #: (lowest request id) first; and those refused since the last REPLIES frame.
         self.relayed: OrderedDict[int, WriteTicket] = OrderedDict()
         self.relayed_refused: list[int] = []
+        #: Its node's will (``wills``), and when its last connection was lost (monotonic).
+        self.will: Will | None = None
+        self.lost_at = 0.0
+
+    def last_heard(self, now: float) -> float:
+        """When a frame of it was last read (monotonic; ``now`` while its connection is
+        not read on purpose), or its connection lost."""
+        conn = self.conn
+        if conn is None:
+            return self.lost_at
+        return now if conn.paused else conn.heartbeat.last_rx
 
     def refused(self, rid: int) -> None:
         """Request ``rid`` (a write with no answer, or one not run) was refused: a request
@@ -274,7 +290,9 @@ class Session:
             elif kind == OPEN:
                 if cid in clients:
                     raise LinkError(f"client {cid} opened twice")
-                clients[cid] = RemoteClient(self, self.server.upstream_for(data))
+                server = self.server
+                clients[cid] = RemoteClient(self, WillClient(self, server.wills) if data == WILL_NAMESPACE
+                                            else server.upstream_for(data))
             elif kind == WAITS:
                 client = clients.get(cid)
                 if client is None:

@@ -100,10 +100,11 @@ from collections.abc import Iterator
 from typing import NamedTuple, Protocol
 
 LINK_MAGIC = 0xA7  # first byte a front-end sends: not an opcode of any torch version
-VERSION = 13  # 2: sessions, resumption, heartbeats; 3: a client per namespace, CANCEL; 4: watches;
+VERSION = 14  # 2: sessions, resumption, heartbeats; 3: a client per namespace, CANCEL; 4: watches;
 # 5: WATCHES; 6: FETCHES; 7: PEEKS; 8: sealed frames (a MAC each), the store's limits in RESUMED;
 # 9: LOOKUP; 10: the MAC over the frame's number and the frame (the number was BLAKE2's salt);
-# 11: the answer limit and the longest value in RESUMED; 12: AFTER; 13: UNORDERED, AFTER REFUSED
+# 11: the answer limit and the longest value in RESUMED; 12: AFTER; 13: UNORDERED, AFTER REFUSED;
+# 14: wills (the first hop above a node holds its will: ``hub.wills``)
 
 HELLO, AUTH, WELCOME, ERROR, BATCH, REPLIES, SESSION, RESUMED, ACK, PONG, INVALIDATE, INVALIDATED = range(1, 13)
 LOOKUP, FOUND, PENDING = 13, 14, 15

@@ -1,0 +1,165 @@
+"""Wills (``tierrun/hub/wills.py``): the first hop above a node (the store host, or a
+relay of a tree) executes the node's will when the node's link goes silent, its session
+ends without the will revoked, or its agent is gone; never once revoked. Real processes:
+``tierrun store``, a ``tierrun proxy`` relay and a leaf ``tierrun proxy``; the node's
+"agent" is tierrun's own client on the leaf's will namespace."""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+
+import pytest
+
+from oracle.targets import _env
+from tierrun.client import StoreClient, StoreClientError
+from tierrun.hub.wills import WILL_KEY, WILL_NAMESPACE
+from tierrun.server import StoreProcess
+
+FAILED = b"/job/failed"
+
+
+@pytest.fixture(params=["store", "relay"])
+def hop(request):
+    """(the store's port, where the leaf links: the store host or a relay, its process)."""
+    env = _env()
+    with StoreProcess(host="127.0.0.1", port=0, controlled=True, env=env) as store:
+        if request.param == "store":
+            yield env, store, store.port, store
+            return
+        with StoreProcess(host="127.0.0.1", port=0, command="proxy", controlled=True, env=env,
+                          extra_args=["--upstream", f"127.0.0.1:{store.port}", "--connect-timeout", "10",
+                                      "--link-listen", "127.0.0.1:0"]) as relay:
+            yield env, store, relay.link_port, relay
+
+
+def _leaf(env: dict, upstream: int) -> StoreProcess:
+    leaf = StoreProcess(host="127.0.0.1", port=0, command="proxy", controlled=True, env=env,
+                        extra_args=["--upstream", f"127.0.0.1:{upstream}", "--connect-timeout", "10"])
+    leaf.start()
+    return leaf
+
+
+def _will(leaf: StoreProcess, text: bytes) -> bytes:
+    """Write the will through the leaf, as an agent does; return what the hop holds."""
+    port = leaf.open_namespace(WILL_NAMESPACE.decode())
+    with StoreClient(("127.0.0.1", port), timeout=10) as c:
+        c.set(WILL_KEY, text)
+        return c.get(WILL_KEY)
+
+
+def _wait_for(store: StoreProcess, seconds: float) -> bytes | None:
+    """The failed key's value at the store host once set, within ``seconds``; else None."""
+    end = time.monotonic() + seconds
+    with StoreClient(("127.0.0.1", store.port), timeout=10) as c:
+        while time.monotonic() < end:
+            if c.check([FAILED]):
+                return c.get(FAILED)
+            time.sleep(0.05)
+    return None
+
+
+def test_a_silent_node_is_noticed_by_its_hop(hop) -> None:
+    env, store, upstream, _ = hop
+    leaf = _leaf(env, upstream)
+    try:
+        assert _will(leaf, b"3\n" + FAILED + b"\nnode 1 went silent") == b"3\n" + FAILED + b"\nnode 1 went silent"
+        assert _wait_for(store, 4.0) is None  # (it beats: its link's ACKs, one a second)
+        os.kill(leaf.pid, signal.SIGSTOP)  # (a frozen node: its connection stays open)
+        t0 = time.monotonic()
+        assert _wait_for(store, 6.0) == b"node 1 went silent"
+        assert time.monotonic() - t0 < 5.0
+    finally:
+        os.kill(leaf.pid, signal.SIGCONT)
+        leaf.stop()
+
+
+def test_a_node_whose_agent_is_gone_is_noticed_at_once(hop) -> None:
+    """The agent dies: the proxy's stdin closes, it ends its session; the will was not
+    revoked, so the hop executes it then, not a silence later."""
+    env, store, upstream, _ = hop
+    leaf = _leaf(env, upstream)
+    _will(leaf, b"30\n" + FAILED + b"\nnode 1's agent is gone")
+    t0 = time.monotonic()
+    leaf.proc.stdin.close()
+    assert _wait_for(store, 10.0) == b"node 1's agent is gone"
+    assert time.monotonic() - t0 < 5.0
+    leaf.stop()
+
+
+def test_a_killed_node_is_noticed_after_its_silence(hop) -> None:
+    env, store, upstream, _ = hop
+    leaf = _leaf(env, upstream)
+    _will(leaf, b"1\n" + FAILED + b"\nnode 1 was killed")
+    leaf.proc.kill()
+    leaf.stop()
+    assert _wait_for(store, 6.0) == b"node 1 was killed"
+
+
+def test_a_revoked_will_is_never_executed(hop) -> None:
+    env, store, upstream, _ = hop
+    leaf = _leaf(env, upstream)
+    _will(leaf, b"0.5\n" + FAILED + b"\nnever")
+    assert _will(leaf, b"") == b""
+    leaf.stop()  # (its session ends in order)
+    assert _wait_for(store, 2.0) is None
+
+
+def test_a_will_replaced_and_the_first_reason_kept(hop) -> None:
+    """A new will replaces the last; executed, it does not overwrite a reason already
+    there (COMPARE_SET with an empty expected value)."""
+    env, store, upstream, _ = hop
+    with StoreClient(("127.0.0.1", store.port), timeout=10) as c:
+        c.set(b"/job/other", b"x")
+    leaf = _leaf(env, upstream)
+    _will(leaf, b"0.5\n/job/other\nfirst")
+    _will(leaf, b"0.5\n" + FAILED + b"\nsecond")
+    with StoreClient(("127.0.0.1", store.port), timeout=10) as c:
+        c.set(FAILED, b"an earlier reason")
+    leaf.proc.kill()
+    leaf.stop()
+    time.sleep(2.0)
+    with StoreClient(("127.0.0.1", store.port), timeout=10) as c:
+        assert c.get(FAILED) == b"an earlier reason"
+        assert c.get(b"/job/other") == b"x"
+
+
+def test_the_will_stays_at_the_first_hop(hop) -> None:
+    """The will namespace is the hop's: nothing of it reaches the store's keys."""
+    env, store, upstream, _ = hop
+    leaf = _leaf(env, upstream)
+    try:
+        _will(leaf, b"5\n" + FAILED + b"\nx")
+        with StoreClient(("127.0.0.1", store.port), timeout=10) as c:
+            assert not any(k.startswith(WILL_NAMESPACE) for k in c.list_keys())
+        _will(leaf, b"")
+    finally:
+        leaf.stop()
+
+
+@pytest.mark.parametrize("text, req", [
+    (b"garbage", "set"), (b"0\n/k\nv", "set"), (b"nan\n/k\nv", "set"), (b"1\n\nv", "set"),
+    (b"1\n/k\n" + b"v" * 5000, "set"), (b"", "add"), (b"", "other-key"),
+])
+def test_a_bad_will_closes_its_client_only(hop, text: bytes, req: str) -> None:
+    env, store, upstream, _ = hop
+    leaf = _leaf(env, upstream)
+    try:
+        port = leaf.open_namespace(WILL_NAMESPACE.decode())
+        with StoreClient(("127.0.0.1", port), timeout=10) as c:
+            with pytest.raises((StoreClientError, OSError)):
+                if req == "set":
+                    c.set(WILL_KEY, text)
+                elif req == "add":
+                    c.add(WILL_KEY, 1)
+                else:
+                    c.set(b"/other", b"1")
+                c.get(WILL_KEY)
+        assert _will(leaf, b"") == b""  # (the hop and the leaf serve on)
+        with StoreClient(("127.0.0.1", leaf.port), timeout=10) as c:
+            c.set(b"/k", b"v")
+            assert c.get(b"/k") == b"v"
+    finally:
+        leaf.stop()
+
