@@ -79,6 +79,7 @@ from servers import process_cpu_seconds, start_torch
 from wireup_report import crossover, report, wakeup_floor_us
 from wireup_sim import RUN_ID, Plan, node_address, sim_child
 
+from tierrun.link.frames import WILL_NAMESPACE
 from tierrun.rendezvous.tree import TreePlace
 from tierrun.server import StoreProcess
 
@@ -183,6 +184,8 @@ def measure(setup: str, k: int, p: int, skew: float, seed: str, args: argparse.N
         t_proxies = time.perf_counter()
         proxies = start_proxies(real, k, fanout or k, port, env, token.encode()) if real else {}
         proxies_s = time.perf_counter() - t_proxies
+        # (their agents' wills: a listener each, as the launcher's agent opens it before its round)
+        plan.wills = {n: (node_address(n), proc.open_namespace(WILL_NAMESPACE.decode())) for n, proc in proxies.items()}
         # (counted from here: a proxy's start and its link handshake precede the start of
         # the job, and node 0 idles through them; what it spent meanwhile is kept aside)
         node0_proxies_start = process_cpu_seconds(pid) - cpu0
@@ -192,7 +195,7 @@ def measure(setup: str, k: int, p: int, skew: float, seed: str, args: argparse.N
         plan.relays = {n: (node_address(n), proc.link_port) for n, proc in proxies.items() if proc.link_port}
         t0 = time.time() + 0.2
         for s in sims:
-            s.stdin.write(f"go {t0} {json.dumps({'proxies': plan.proxies, 'relays': plan.relays})}\n")
+            s.stdin.write(f"go {t0} {json.dumps({'proxies': plan.proxies, 'relays': plan.relays, 'wills': plan.wills})}\n")
             s.stdin.flush()
         outs = [s.stdout.readline() for s in sims]
         if not all(outs):

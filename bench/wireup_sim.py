@@ -23,6 +23,7 @@ from dataclasses import dataclass, field
 
 from report import raise_fd_limit
 
+from tierrun.link.frames import WILL_KEY, WILL_NAMESPACE
 from tierrun.protocol import Op
 from tierrun.protocol.opcodes import NO_REPLY_OPS, VALIDATION_MAGIC
 from tierrun.protocol.requests import encode_request
@@ -80,6 +81,8 @@ class Plan:
     proxies: dict[int, tuple[str, int]] = field(default_factory=dict)
     #: relays (real proxies with children): node -> where they take links
     relays: dict[int, tuple[str, int]] = field(default_factory=dict)
+    #: the real proxies' will namespaces (``tierrun.hub.wills``): node -> where its agent writes
+    wills: dict[int, tuple[str, int]] = field(default_factory=dict)
 
     @classmethod
     def from_json(cls, text: str) -> "Plan":
@@ -87,6 +90,7 @@ class Plan:
         d["node0"] = tuple(d["node0"]) if d["node0"] else None
         d["proxies"] = {int(n): tuple(a) for n, a in d["proxies"].items()}
         d["relays"] = {int(n): tuple(a) for n, a in d["relays"].items()}
+        d["wills"] = {int(n): tuple(a) for n, a in d["wills"].items()}
         return cls(**d)
 
 
@@ -208,23 +212,23 @@ class Cluster:
         """Node n's agent and ranks, from node n's start to the exit barrier."""
         plan = self.plan
         await asyncio.sleep(max(0.0, self.t0 + start_offset(plan.seed, n, plan.skew) - time.time()))
-        target = self.root
+        target, will = self.root, None
         if plan.node0 is not None:  # tiered: node 0's own front-end is in the store process
             if n == 0:
                 target = plan.node0
             elif n in plan.proxies:
-                target = plan.proxies[n]
+                target, will = plan.proxies[n], plan.wills[n]
                 if plan.fanout and self.place(n).parent is not None:
                     await self.lookup_parent(n)  # (its proxy runs already: the store host's cost replayed)
             else:
-                target = await self.front_end(n)
+                target, will = await self.front_end(n)
         agent = await connect(*target)
         if n in plan.relays:  # tell the children where to link, as JobStore.start does
             await agent.call(Op.SET, ("/" + self.place(n).key(n)).encode(),
                              "{}:{}".format(*plan.relays[n]).encode())
         await agent.call(Op.ADD, b"init/", 1)
         if plan.tierrun_agents:
-            await self.tierrun_agent(n, agent, target)
+            await self.tierrun_agent(n, agent, target, will)
             return
         await agent.call(Op.SET, f"/torchelastic/role_info/{n}".encode(),
                          json.dumps({"role": "default", "rank": n, "local_world_size": self.p}).encode())
@@ -254,7 +258,8 @@ class Cluster:
         await agent.call(Op.WAIT, (last,))
         agent.transport.close()
 
-    async def tierrun_agent(self, n: int, agent: SimClient, target: tuple[str, int]) -> None:
+    async def tierrun_agent(self, n: int, agent: SimClient, target: tuple[str, int],
+                            will: tuple[str, int] | None) -> None:
         """What a tierrun agent of a static job (--rdzv_backend parallel) sends instead of
         torch's static rendezvous and rank assignment: claim its node rank's record; in one
         write append to the arrivals, count itself among the nodes with its number of
@@ -279,8 +284,20 @@ class Cluster:
         await agent.call(Op.WAIT, (f"{base}/all_arrived".encode(),))
         await agent.pipeline((Op.COMPARE_SET, key, record, json.dumps({**fields, "formed": True}).encode()),
                              (Op.GET, same))  # (confirm, read the count)
-        watcher, beater = await connect(*target), await connect(*target)
+        watcher = await connect(*target)
         watching = asyncio.ensure_future(watcher.call(Op.WAIT, (f"{base}/failed".encode(),)))
+        if self.plan.node0 is not None:  # tiered: the link is the beat
+            text = b"3\n%s/failed\nnode rank %d has not answered for 3 s" % (base.encode(), n)
+            if will is not None:
+                await self.will(will, text)
+            await self.ranks(n, target)
+            await self.exit_barrier(agent)
+            if will is not None:
+                await self.will(will, b"")
+            watching.cancel()
+            watcher.transport.close()
+            return
+        beater = await connect(*target)
         mine = f"{base}/beat/{n}".encode()
         theirs = tuple(f"{base}/beat/{j}".encode() for j in range(self.k) if j != n) if n < 3 else ()
 
@@ -304,6 +321,14 @@ class Cluster:
             task.cancel()
             client.transport.close()
 
+    async def will(self, where: tuple[str, int], text: bytes) -> None:
+        """Leave (or, empty, revoke) a will as ``liveness.LinkWill`` does: a SET and a GET,
+        on a connection of its own to the proxy's will namespace."""
+        hop = await connect(*where)
+        await hop.call(Op.SET, WILL_KEY, text)
+        await hop.call(Op.GET, WILL_KEY)
+        hop.transport.close()
+
     async def lookup_parent(self, n: int) -> tuple[str, int]:
         """Where node n's parent in the tree takes links, as a tierrun agent learns it
         (``JobStore._parent_address``): WAIT + GET of the parent's key over a link of its
@@ -320,10 +345,11 @@ class Cluster:
         host, _, port = value.decode().rpartition(":")
         return host.strip("[]"), int(port)
 
-    async def front_end(self, n: int) -> tuple[str, int]:
+    async def front_end(self, n: int) -> tuple[tuple[str, int], tuple[str, int]]:
         """Node n's front-end, in this simulator process (the proxy's own components:
         FrontEnd + LinkUpstream), linked from node n's address to the store host or, in a
-        tree, to its parent relay (a real proxy process: leaves only here)."""
+        tree, to its parent relay (a real proxy process: leaves only here): where its
+        clients connect, and where its agent writes its will."""
         from tierrun.frontend import FrontEnd
         from tierrun.frontend.listen import tcp_listen_socket
         from tierrun.settings import Settings
@@ -339,10 +365,12 @@ class Cluster:
             raise RuntimeError(f"node {n} relays: it must be a proxy process of its own")
         upstream = self.root if not self.plan.fanout or place.parent is None else await self.lookup_parent(n)
         link = await connect_link(*upstream, settings.job_token(), lost, 120, settings.link, source=node_address(n))
-        frontend = FrontEnd(link.view(""))
-        sock = tcp_listen_socket("127.0.0.1", 0)
-        await frontend.listen(sock)
-        return "127.0.0.1", sock.getsockname()[1]
+        where = []
+        for namespace in ("", WILL_NAMESPACE.decode()):
+            sock = tcp_listen_socket("127.0.0.1", 0)
+            await FrontEnd(link.view(namespace)).listen(sock)
+            where.append(("127.0.0.1", sock.getsockname()[1]))
+        return where[0], where[1]
 
     async def rank(self, g: int, target: tuple[str, int], delay: float) -> None:
         """Global rank g: handshake, init count, NCCL's unique id (or Gloo's exchange),
@@ -389,6 +417,7 @@ def sim_child(config: str) -> None:
     t0, where = float(t0_text), json.loads(where)
     plan.proxies = {int(n): tuple(a) for n, a in where["proxies"].items()}
     plan.relays = {int(n): tuple(a) for n, a in where["relays"].items()}
+    plan.wills = {int(n): tuple(a) for n, a in where["wills"].items()}
 
     async def main() -> None:
         cluster = Cluster(plan, t0)

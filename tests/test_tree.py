@@ -15,7 +15,7 @@ from datetime import timedelta
 import pytest
 import torch.distributed as dist
 
-from launch import SCRIPTS, children, finish, free_port, results, tierrun
+from launch import SCRIPTS, children, finish, free_port, kill_tree, results, tierrun
 from test_launcher import check_world, served_by_store_host
 from tierrun.rendezvous.tree import TreePlace
 from tierrun.server import StoreProcess
@@ -157,24 +157,32 @@ def test_a_node_whose_tree_parent_never_comes_says_so_in_one_line(tmp_path):
     assert "to say where its parent in the store tree, node rank 1, takes links after" in text, text
 
 
-def test_a_dead_proxy_in_the_tree_stops_the_static_job_with_a_message(tmp_path):
-    """Node 1's proxy carries the links of nodes 2 and 3, and through node 2's node 4's
-    (--store-fanout 2). Killed: node 1 reports its lost store, node 0's watchers see
-    nodes stop beating, node 2 names its lost parent once its link's grace period ends,
-    node 4 hears it from node 2's relay at once, and the job stops, no hang. (Workers idle: no collective fails first.)"""
+def _running_static_tree(tmp_path, nodes: int, env: dict[str, str] | None = None) -> tuple[list, list]:
+    """A static tiered job of ``nodes`` nodes on a tree of fanout 2, its idle workers up
+    on every node: (the agents' processes, their logs)."""
     port = free_port()
-    logs = [tmp_path / f"node{k}.log" for k in range(5)]
-    procs = [tierrun("--nnodes", 5, "--rdzv_backend", "parallel", "--master_addr", "127.0.1.1",
+    logs = [tmp_path / f"node{k}.log" for k in range(nodes)]
+    procs = [tierrun("--nnodes", nodes, "--rdzv_backend", "parallel", "--master_addr", "127.0.1.1",
                      "--master_port", port, "--node_rank", k, "--tiered", "--store-fanout", 2,
                      "--nproc_per_node", 1, "--local_addr", f"127.0.1.{k + 1}",
-                     SCRIPTS / "sleep_worker.py", log=logs[k],
-                     env={"TIERRUN_TOKEN": "tree-job-token", "TIERRUN_LINK_GRACE": "4", "TIERRUN_LINK_TIMEOUT": "2"})
-             for k in range(5)]
+                     SCRIPTS / "sleep_worker.py", log=logs[k], env={"TIERRUN_TOKEN": "tree-job-token", **(env or {})})
+             for k in range(nodes)]
+    deadline = time.monotonic() + 90
+    while len(results(*logs, tag="UP")) < nodes and time.monotonic() < deadline:
+        time.sleep(0.2)
+    if len(results(*logs, tag="UP")) < nodes:
+        finish(procs, 1)
+        pytest.fail("not every node's workers came up:\n" + logs[-1].read_text()[-3000:])
+    return procs, logs
+
+
+def test_a_dead_proxy_in_the_tree_stops_the_static_job_with_a_message(tmp_path):
+    """Node 1's proxy carries the links of nodes 2 and 3, and through node 2's node 4's
+    (--store-fanout 2). Killed: node 1 reports its lost store, the store host executes
+    node 1's will (its link went silent), node 2 names its lost parent once its link's grace period ends,
+    node 4 hears it from node 2's relay at once, and the job stops, no hang. (Workers idle: no collective fails first.)"""
+    procs, logs = _running_static_tree(tmp_path, 5, {"TIERRUN_LINK_GRACE": "4", "TIERRUN_LINK_TIMEOUT": "2"})
     try:
-        deadline = time.monotonic() + 90
-        while len(results(*logs, tag="UP")) < 5 and time.monotonic() < deadline:
-            time.sleep(0.2)
-        assert len(results(*logs, tag="UP")) == 5, logs[4].read_text()[-3000:]
         proxy = next(c for c in children(procs[1].pid)
                      if b"tierrun\0proxy" in open(f"/proc/{c}/cmdline", "rb").read())
         os.kill(proxy, signal.SIGKILL)
@@ -189,8 +197,31 @@ def test_a_dead_proxy_in_the_tree_stops_the_static_job_with_a_message(tmp_path):
         logs[2].read_text()[-3000:]
     # node 4 linked through node 2's relay, which told it why it gave up: no second grace period
     assert "the relay, the proxy at tcp 127.0.1.3:" in logs[4].read_text(), logs[4].read_text()[-3000:]
-    # (nodes 1 to 4 beat through node 1's proxy: whichever is missed first is named)
+    # (node 1's link went silent at the store host; nodes 2 to 4's at their relays, whose
+    # links died with node 1's proxy: whichever will ran first is named)
     assert re.search(r"node rank [1234] \(127\.0\.1\.[2345]\) has not answered", logs[0].read_text())
+
+
+def test_a_frozen_leaf_of_the_tree_is_noticed_by_its_relay_and_stops_the_static_job(tmp_path):
+    """A tiered static job beats with its links (``hub.wills``): node 3 links to node
+    1's relay (--store-fanout 2), which holds node 3's will. Frozen (SIGSTOP, every
+    process of node 3), node 3's link goes silent; node 1's relay executes the will, and
+    every other node stops within seconds naming node 3, as the watchers of its
+    heartbeat did (the reason's ending says a will named it)."""
+    procs, logs = _running_static_tree(tmp_path, 4)
+    try:
+        time.sleep(2.0)  # (past a few heartbeats: nobody is silent while all run)
+        kill_tree(procs[3].pid, signal.SIGSTOP)
+        frozen = time.monotonic()
+        codes = finish(procs[:3], 40)
+        stopped = time.monotonic() - frozen
+    finally:
+        kill_tree(procs[3].pid, signal.SIGKILL)
+        finish(procs, 5)
+    assert all(c != 0 for c in codes) and stopped < 20, (codes, stopped)
+    for log in logs[:3]:
+        assert "node rank 3 (127.0.1.4) has not answered for 3 s (its link to the store went silent" in \
+            log.read_text(), log.read_text()[-3000:]
 
 
 @pytest.mark.parametrize("nodes,fanout", [(1, 2), (2, 2), (3, 2), (5, 2), (8, 8), (9, 8), (100, 3), (256, 8),

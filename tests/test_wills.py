@@ -14,7 +14,7 @@ import pytest
 
 from oracle.targets import _env
 from tierrun.client import StoreClient, StoreClientError
-from tierrun.hub.wills import WILL_KEY, WILL_NAMESPACE
+from tierrun.link.frames import WILL_KEY, WILL_NAMESPACE
 from tierrun.server import StoreProcess
 
 FAILED = b"/job/failed"

@@ -54,7 +54,7 @@ from ..frontend import Upstream
 from ..frontend.namespace import NamespacedUpstream
 from ..link.config import LinkConfig
 from ..link.frames import (
-    AFTER, CANCEL, FAILED, FETCHES, OK, OPEN, PEEKS, REFUSED, REQUEST, UNORDERED, WAITS, WATCH, WATCHES,
+    AFTER, CANCEL, FAILED, FETCHES, OK, OPEN, PEEKS, REFUSED, REQUEST, UNORDERED, WAITS, WATCH, WATCHES, WILL_NAMESPACE,
     LinkError, decode_batch, decode_keys, replies_frames,
 )
 from ..link.session import Heartbeat, Ledger
@@ -64,7 +64,7 @@ from ..protocol.parser import decode_request
 from ..protocol.opcodes import NO_REPLY_OPS, WATCHABLE_OPS
 from .reply_gate import ReplyGate
 from .waiters import KEPT, OWN_WAITER_OPS, Behind, RemoteClient, Ticket, WriteTicket, waiter_for
-from .wills import WILL_NAMESPACE, Will, WillClient, Wills
+from .wills import Will, WillClient, Wills
 
 log = logging.getLogger("tierrun.store")
 

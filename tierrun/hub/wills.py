@@ -28,26 +28,19 @@ from __future__ import annotations
 import asyncio
 import logging
 from time import monotonic
-from typing import TYPE_CHECKING, Callable
+from typing import Callable, Protocol
 
 from ..core import StoreError
 from ..core.watch_state import UNWATCHABLE
 from ..frontend import Upstream
+from ..link.frames import WILL_KEY, WILL_NAMESPACE
 from ..link.session import RECHECK_AFTER, DeadlineCheck
 from ..protocol import Op, Request
 from ..protocol.opcodes import CHECK_READY, STOP_WAITING
 from ..protocol.replies import encode_bytes
 
-if TYPE_CHECKING:
-    from .session import Session
-
 log = logging.getLogger("tierrun.store")
 
-#: The namespace whose clients write their session's will (no launcher namespace: those
-#: are ``<run id>/workers/<round>``).
-WILL_NAMESPACE = b"/tierrun/will"
-#: The one key of that namespace.
-WILL_KEY = b"/will"
 #: How often (seconds) the hop looks for silent sessions that hold a will.
 CHECK_EVERY = 0.25
 #: Bounds of a will: its silence (seconds), and its value's bytes (a reason a person reads).
@@ -73,6 +66,15 @@ class Will:
         if not parts[1] or len(parts[1]) > max_key_bytes or len(parts[2]) > MAX_WILL_VALUE:
             raise StoreError(f"a will's key is 1-{max_key_bytes} bytes, its value at most {MAX_WILL_VALUE}")
         self.after, self.key, self.value, self.text = after, parts[1], parts[2], text
+
+
+class Session(Protocol):
+    """What a will needs of a link session (``.session.Session``)."""
+
+    peer: str
+    will: Will | None
+
+    def last_heard(self, now: float) -> float: ...
 
 
 class WillClient:

@@ -106,6 +106,11 @@ VERSION = 14  # 2: sessions, resumption, heartbeats; 3: a client per namespace, 
 # 11: the answer limit and the longest value in RESUMED; 12: AFTER; 13: UNORDERED, AFTER REFUSED;
 # 14: wills (the first hop above a node holds its will: ``hub.wills``)
 
+#: The namespace whose clients write their session's will, held by the first hop above
+#: (``hub.wills``; no launcher namespace: those are ``<run id>/workers/<round>``), and
+#: its one key.
+WILL_NAMESPACE, WILL_KEY = b"/tierrun/will", b"/will"
+
 HELLO, AUTH, WELCOME, ERROR, BATCH, REPLIES, SESSION, RESUMED, ACK, PONG, INVALIDATE, INVALIDATED = range(1, 13)
 LOOKUP, FOUND, PENDING = 13, 14, 15
 OPEN, REQUEST, CANCEL, WAITS, WATCH, WATCHES, FETCHES, PEEKS, AFTER = range(9)

@@ -20,10 +20,12 @@ from torch.distributed.elastic.rendezvous import (
 from torch.distributed.elastic.utils.store import _barrier_nonblocking
 
 from ..client import StoreClient, StoreClientError
+from ..link.frames import WILL_NAMESPACE
 from ..report.progress import MODES, Arrivals, RendezvousProgress, StillWaiting
 from . import liveness, restart_together
 from .conf import conf_float
-from .job_store import JobStore
+from ..server import StoreProcess
+from .job_store import PROXY_HOST, JobStore
 
 log = logging.getLogger("tierrun.rendezvous")
 
@@ -66,6 +68,7 @@ class StoreRendezvousHandler(RendezvousHandler):
         self._lock = threading.Lock()  # state the watch threads set
         self._watcher: StoreClient | None = None
         self._heartbeat: liveness.Heartbeat | None = None
+        self._will: liveness.LinkWill | None = None  # (a tiered job's members' liveness, instead)
         self._stopped_beats: list[liveness.Heartbeat] = []  # (see _settle_stopped_beats)
         self._dead_addrs: dict[str, float] = {}  # members this node declared dead in its round: when
         self._together = restart_together.Barrier()  # (see _restart_together)
@@ -123,11 +126,17 @@ class StoreRendezvousHandler(RendezvousHandler):
         return True
 
     def _watch_round(self, key: Callable[[str], bytes], signal: str, on_signal: Callable[[StoreClient], None],
-                     index: int, watched: list[int], on_dead: Callable[[int], None]) -> None:
+                     index: int, watched: list[int], on_dead: Callable[[int], None],
+                     will: bytes | None = None) -> None:
         """While a round runs: a standing WAIT for the round key ``signal`` on its own
         connection (then ``on_signal(client)``, from that thread), and this member's
         heartbeat, watching the members ``watched`` (see ``liveness``). ``key(name)`` gives a
-        round key as sent on the wire. Replaces the previous round's."""
+        round key as sent on the wire. Replaces the previous round's. ``will``, in a
+        tiered job: no heartbeat; instead the node's link is its liveness, and the first
+        hop above its proxy sets ``signal`` to ``will`` if it goes silent
+        (``liveness.LinkWill``); the store host's own node, which has no link, leaves
+        none (its death is the store's). Blocks a round trip to the proxy for the will;
+        raises ``StoreClientError``/``OSError`` if the proxy is gone."""
         self._stop_watching()
         with self._lock:
             self._dead_addrs = {}
@@ -142,9 +151,20 @@ class StoreRendezvousHandler(RendezvousHandler):
                 return  # stopped, or the store is gone (reported by check_store_host)
 
         threading.Thread(target=watch, daemon=True).start()
+        if will is not None and self.job.tiered:
+            proxy = self.job.proxy
+            if isinstance(proxy, StoreProcess):
+                self._will = liveness.LinkWill((PROXY_HOST, proxy.open_namespace(WILL_NAMESPACE.decode())))
+                self._will.leave(self._beat_timeout, key(signal), will)
+            return
         self._heartbeat = liveness.Heartbeat(
             self.job.agent_address, key, index, watched, self._beat_interval, self._beat_timeout, on_dead,
         ).start()
+
+    def _note_dead_by_will(self, addr: str) -> None:
+        """The round's signal names the member at ``addr`` dead: its link's first hop
+        executed its will (see :meth:`declared_dead`). Called by the round's watch thread."""
+        self._record_dead(addr, time.time() - self._beat_timeout)
 
     def _note_dead(self, addr: str) -> None:
         """This node's watcher declared the member at ``addr`` dead (silent past the
@@ -155,12 +175,16 @@ class StoreRendezvousHandler(RendezvousHandler):
         beat = self._heartbeat
         if beat is None or not beat.in_its_thread():
             return
+        # (silent for the timeout when declared, counted from a sample up to an interval after its last beat)
+        self._record_dead(addr, time.time() - self._beat_timeout - self._beat_interval)
+
+    def _record_dead(self, addr: str, heard: float) -> None:
+        """``addr`` was last heard at ``heard`` (wall clock): note it, and tell the lost
+        hooks once."""
         with self._lock:
             first = addr not in self._dead_addrs
             self._dead_addrs.setdefault(addr, time.monotonic())
         if first and self.lost_hooks:  # (not in the heartbeat's thread: a publish must not delay the re-formation)
-            # (silent for the timeout when declared, counted from a sample up to an interval after its last beat)
-            heard = time.time() - self._beat_timeout - self._beat_interval
             threading.Thread(target=self._tell_lost, args=(addr, heard), daemon=True).start()
 
     def _tell_lost(self, addr: str, heard: float) -> None:
@@ -237,6 +261,9 @@ class StoreRendezvousHandler(RendezvousHandler):
         if self._watcher is not None:
             self._watcher.abort()
             self._watcher = None
+        if self._will is not None:
+            self._will.revoke()
+            self._will = None
         if self._heartbeat is not None:
             if leaving and self.store_lost is None:
                 deadline = time.monotonic() + 5.0  # (a heartbeat stopped by a move beats the same

@@ -34,6 +34,7 @@ import time
 from typing import Callable
 
 from ..client import StoreClient, StoreClientError
+from ..link.frames import WILL_KEY
 
 log = logging.getLogger("tierrun.rendezvous")
 
@@ -178,3 +179,43 @@ class Heartbeat:
                     store.check([mine])  # (answered: every beat sent before it was taken)
         except (OSError, StoreClientError):
             log.debug("heartbeat of member %d stopped", self._index, exc_info=True)
+
+
+class LinkWill:
+    """A member's liveness in a tiered job: its link's (``hub.wills``). The first hop
+    above the node (the store host, or its parent relay) executes the will, a
+    COMPARE_SET of a round key from empty to ``reason``, when the node's link is silent
+    for ``timeout`` seconds (at least three link heartbeats) or its proxy ends its
+    session with the will standing (its agent gone). No request reaches the store host
+    while the node lives: its link's heartbeat is the beat. ``address``: the node
+    proxy's will namespace (``JobStore.will_address``)."""
+
+    def __init__(self, address: tuple[str, int]) -> None:
+        self._address = address
+        self.standing = False
+
+    def leave(self, timeout: float, key: bytes, reason: bytes) -> None:
+        """Write the will (replacing any), and read it back: once this returns, the hop
+        holds it. Blocks one round trip to the hop; raises ``StoreClientError``/``OSError``
+        if the proxy is gone."""
+        text = b"%g\n%s\n%s" % (timeout, key, reason)
+        with StoreClient(self._address, timeout=10.0) as hop:
+            hop.set(WILL_KEY, text)
+            held = hop.get(WILL_KEY)
+        if held != text:
+            raise StoreClientError(f"the node proxy's link holds another will: {held!r}")
+        self.standing = True
+
+    def revoke(self) -> None:
+        """Take the will back (this member leaves in order, or its round ends), and wait
+        until the hop has: a proxy that ends its session next must not have it executed.
+        Store errors are ignored: a node whose proxy is gone has no link to watch."""
+        if not self.standing:
+            return
+        self.standing = False
+        try:
+            with StoreClient(self._address, timeout=10.0) as hop:
+                hop.set(WILL_KEY, b"")
+                hop.get(WILL_KEY)
+        except (OSError, StoreClientError):
+            log.debug("the will could not be revoked", exc_info=True)

@@ -16,6 +16,7 @@ next round's rendezvous for a node that will not come.
 from __future__ import annotations
 
 import logging
+import re
 import socket
 from collections.abc import Callable
 from datetime import timedelta
@@ -54,6 +55,9 @@ DEFAULT_TIMEOUT = 600
 #: count stays below it, and the sum of the nodes' --nnodes times it below 2**63, for
 #: jobs of up to 2**21 nodes.
 ARRIVAL_UNIT = 1 << 21
+#: How a will's reason ends (a tiered job: ``liveness.LinkWill``), and what it names.
+WILL_SAYS = " (its link to the store went silent, or its agent is gone)"
+SILENT_NODE = re.compile(r"node rank \d+ \((.*)\) has not answered for ")
 
 
 class ParallelRendezvousHandler(StoreRendezvousHandler):
@@ -208,17 +212,25 @@ class ParallelRendezvousHandler(StoreRendezvousHandler):
         )
 
     def _watch_nodes(self, base: str) -> None:
-        """While the round runs: wait for ``failed``, and beat (the first ranks also watch
-        every node)."""
+        """While the round runs: wait for ``failed``; and beat (the first ranks also watch
+        every node), or in a tiered job leave this node's will with its link's first hop
+        (``liveness.LinkWill``): the store host then reads no beat at all."""
 
         def failed(client: StoreClient) -> None:
             reason = client.get(f"/{base}/failed".encode()).decode()
             with self._lock:
                 self._failure = reason
+            if reason.endswith(WILL_SAYS) and (found := SILENT_NODE.match(reason)):
+                self._note_dead_by_will(found.group(1))
 
         watched = liveness.watched_by(self._rank, self._rank, range(self._world_size))
-        self._watch_round(lambda name: f"/{base}/{name}".encode(), "failed", failed, self._rank,
-                          watched, lambda dead: self._declare_dead(base, dead))
+        will = f"node rank {self._rank} ({self.node_addr}) has not answered for {self._beat_timeout:.0f} s" \
+            + WILL_SAYS
+        try:
+            self._watch_round(lambda name: f"/{base}/{name}".encode(), "failed", failed, self._rank,
+                              watched, lambda dead: self._declare_dead(base, dead), will=will.encode())
+        except (OSError, StoreClientError) as e:
+            raise self._lost_store(e, "leaving its will with its store proxy") from e
 
     def _declare_dead(self, base: str, rank: int) -> None:
         """Called by the heartbeat thread: node ``rank`` went silent. Not once the round
