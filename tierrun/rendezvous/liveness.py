@@ -17,6 +17,10 @@ workers are stuck in a collective with the dead node. A member that leaves in or
 agent shuts down: its workers ended) sets its counter to ``LEFT`` first, once its last
 beat was taken, and its watchers stop watching it without a word.
 
+In a tiered static job the members do not beat through the store: each node's link
+beats already, and the first hop above its proxy holds its will (:class:`LinkWill`,
+``hub.wills``), so the store host reads nothing a second for the nodes' liveness.
+
 Counters, not timestamps: nodes' clocks do not have to agree; each observer times
 the silence on its own monotonic clock. Beats fall on the wall clock's multiples of the
 interval, and watchers read half an interval later: so on nodes whose clocks agree to a

@@ -6,11 +6,12 @@ arrival count; the last to arrive sets one key) and waits once, on that key, for
 and bytes per node), and the workers of each round get their own key namespace.
 
 A static job cannot go on without any of its nodes, so it should stop at once, and say
-why, when one is lost: the members beat, and the first ranks watch them all (see
-``liveness``), a node that is silent for the heartbeat timeout, or that leaves on a
-signal, sets the round's ``failed`` key, and every agent, holding a WAIT on it, stops
-its workers and exits with the reason instead of waiting in a collective or in the
-next round's rendezvous for a node that will not come.
+why, when one is lost: flat, the members beat and the first ranks watch them all (see
+``liveness``); tiered, each node's link is its beat, and the first hop above its proxy
+holds its will (``liveness.LinkWill``). A node silent for the heartbeat timeout, or
+that leaves on a signal, sets the round's ``failed`` key, and every agent, holding a
+WAIT on it, stops its workers and exits with the reason instead of waiting in a
+collective or in the next round's rendezvous for a node that will not come.
 """
 
 from __future__ import annotations
