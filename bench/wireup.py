@@ -36,10 +36,13 @@ ranks, and at the end joins the exit barrier (ADD, the last one SETs last_member
 tierrun's agents (the parallel backend): COMPARE_SET its node record, then in one write
 APPEND to the arrivals, ADD to the count of nodes with P workers and to the arrival
 count (the last SETs all_arrived), WAIT for all_arrived, then in one write confirm its
-record (COMPARE_SET) and GET the count; while the ranks run, a
-standing WAIT on the round's failed key and the heartbeat (ADD its beat counter at
-once, then SET its next count on every whole second of the wall clock; nodes 0-2 also
-MULTI_GET every other node's half a second later); then the same exit barrier. In a tree, a node with a
+record (COMPARE_SET) and GET the count; while the ranks run, a standing WAIT on the
+round's failed key and its liveness: tiered (every set-up with front-ends), its will,
+left with its link's first hop (a SET and a GET at its proxy's will namespace, revoked
+the same way after the exit barrier; node 0 leaves none), flat the heartbeat (ADD its
+beat counter at once, then SET its next count on every whole second of the wall clock;
+nodes 0-2 also MULTI_GET every other node's half a second later); then the same exit
+barrier. In a tree, a node with a
 parent first reads where its parent takes links with a LOOKUP at the store host (a UDP
 datagram and its answer, as ``tier.lookup`` sends it first), and a relay's agent SETs
 that address.

@@ -220,7 +220,7 @@ def test_a_frozen_leaf_of_the_tree_is_noticed_by_its_relay_and_stops_the_static_
         finish(procs, 5)
     assert all(c != 0 for c in codes) and stopped < 20, (codes, stopped)
     for log in logs[:3]:
-        assert "node rank 3 (127.0.1.4) has not answered for 3 s (its link to the store went silent" in \
+        assert "node rank 3 (127.0.1.4) has not answered for 4 s (its link to the store went silent" in \
             log.read_text(), log.read_text()[-3000:]
 
 

@@ -15,6 +15,7 @@ import pytest
 from oracle.targets import _env
 from tierrun.client import StoreClient, StoreClientError
 from tierrun.link.frames import WILL_KEY, WILL_NAMESPACE
+from tierrun.rendezvous.liveness import LinkWill
 from tierrun.server import StoreProcess
 
 FAILED = b"/job/failed"
@@ -61,18 +62,55 @@ def _wait_for(store: StoreProcess, seconds: float) -> bytes | None:
 
 
 def test_a_silent_node_is_noticed_by_its_hop(hop) -> None:
-    env, store, upstream, _ = hop
+    env, store, upstream, held = hop
     leaf = _leaf(env, upstream)
     try:
         assert _will(leaf, b"3\n" + FAILED + b"\nnode 1 went silent") == b"3\n" + FAILED + b"\nnode 1 went silent"
         assert _wait_for(store, 4.0) is None  # (it beats: its link's ACKs, one a second)
+        assert held.stats()["wills_held"] == 1
         os.kill(leaf.pid, signal.SIGSTOP)  # (a frozen node: its connection stays open)
         t0 = time.monotonic()
         assert _wait_for(store, 6.0) == b"node 1 went silent"
         assert time.monotonic() - t0 < 5.0
+        assert held.stats()["wills_executed"] == 1 and held.stats()["wills_held"] == 0
     finally:
         os.kill(leaf.pid, signal.SIGCONT)
         leaf.stop()
+
+
+def test_a_proxy_that_stalls_right_after_a_batch_is_not_called_dead(hop) -> None:
+    """A front-end that just sent a batch lets its next heartbeat ride with its next batch,
+    so a healthy link may be silent for two heartbeat intervals; a stall of 1.5 s right
+    then (a loaded node) must not run a will of the agents' default silence, the
+    heartbeat timeout (3 s) and one interval."""
+    env, store, upstream, _ = hop
+    leaf = _leaf(env, upstream)
+    try:
+        for _ in range(3):
+            _will(leaf, b"4\n" + FAILED + b"\nnode 1 went silent")  # (a batch, and its answer)
+            os.kill(leaf.pid, signal.SIGSTOP)
+            time.sleep(1.5)
+            os.kill(leaf.pid, signal.SIGCONT)
+            assert _wait_for(store, 3.0) is None
+    finally:
+        os.kill(leaf.pid, signal.SIGCONT)
+        leaf.stop()
+
+
+def test_an_agent_asking_for_too_long_a_silence_gets_the_longest() -> None:
+    """liveness.LinkWill caps the silence at what the hop takes (an agent's
+    heartbeat_timeout of 4000 s must not stop its job)."""
+    env = _env()
+    with StoreProcess(host="127.0.0.1", port=0, controlled=True, env=env) as store:
+        leaf = _leaf(env, store.port)
+        try:
+            will = LinkWill(("127.0.0.1", leaf.open_namespace(WILL_NAMESPACE.decode())))
+            will.leave(4000.0, FAILED, b"x")
+            assert _will(leaf, b"3600\n" + FAILED + b"\nx") == b"3600\n" + FAILED + b"\nx"
+            will.revoke()
+            assert _will(leaf, b"") == b""
+        finally:
+            leaf.stop()
 
 
 def test_a_node_whose_agent_is_gone_is_noticed_at_once(hop) -> None:

@@ -19,8 +19,8 @@ So a static job's store host reads F links' heartbeats a second instead of K bea
 (a tree of fanout F), and a node whose agent dies is noticed at once: its proxy, whose
 stdin closes, ends its session, and the hop executes the will.
 
-Cost: O(1) per will written; a check every ``CHECK_EVERY`` seconds while any session
-holds a will, O(sessions holding one).
+Cost: O(1) per will written; while any session holds one, a check when the earliest
+could be due (at most every ``CHECK_EVERY`` seconds), O(sessions holding one).
 """
 
 from __future__ import annotations
@@ -31,9 +31,9 @@ from time import monotonic
 from typing import Callable, Protocol
 
 from ..core import StoreError
-from ..core.watch_state import UNWATCHABLE
+from ..core.watch_state import PEEK, UNWATCHABLE, WATCH_READ
 from ..frontend import Upstream
-from ..link.frames import WILL_KEY, WILL_NAMESPACE
+from ..link.frames import MAX_WILL_AFTER, WILL_KEY, WILL_NAMESPACE
 from ..link.session import RECHECK_AFTER, DeadlineCheck
 from ..protocol import Op, Request
 from ..protocol.opcodes import CHECK_READY, STOP_WAITING
@@ -41,10 +41,9 @@ from ..protocol.replies import encode_bytes
 
 log = logging.getLogger("tierrun.store")
 
-#: How often (seconds) the hop looks for silent sessions that hold a will.
+#: The hop looks for silent sessions that hold a will at most this often (seconds).
 CHECK_EVERY = 0.25
-#: Bounds of a will: its silence (seconds), and its value's bytes (a reason a person reads).
-MAX_AFTER = 3600.0
+#: The most bytes of a will's value (a reason a person reads).
 MAX_WILL_VALUE = 4096
 
 
@@ -61,8 +60,8 @@ class Will:
             after = float(parts[0])
         except ValueError:
             after = -1.0
-        if len(parts) != 3 or not 0 < after <= MAX_AFTER:
-            raise StoreError(f"a will is 'SECONDS\\nKEY\\nVALUE' with 0 < SECONDS <= {MAX_AFTER:g}")
+        if len(parts) != 3 or not 0 < after <= MAX_WILL_AFTER:
+            raise StoreError(f"a will is 'SECONDS\\nKEY\\nVALUE' with 0 < SECONDS <= {MAX_WILL_AFTER:g}")
         if not parts[1] or len(parts[1]) > max_key_bytes or len(parts[2]) > MAX_WILL_VALUE:
             raise StoreError(f"a will's key is 1-{max_key_bytes} bytes, its value at most {MAX_WILL_VALUE}")
         self.after, self.key, self.value, self.text = after, parts[1], parts[2], text
@@ -98,24 +97,30 @@ class WillClient:
             return STOP_WAITING if op == Op.WAIT else CHECK_READY
         raise StoreError(f"the will namespace takes only SET and GET of {WILL_KEY.decode()}")
 
-    def execute_watching(self, req: Request, waiter: object, watcher: object, how: int = 0) -> bytes | None:
-        reply = self.execute(req, waiter)  # (never watched: it changes with no write upstream)
-        return UNWATCHABLE + (reply or b"")
+    def execute_watching(self, req: Request, waiter: object, watcher: object, how: int = WATCH_READ) -> bytes | None:
+        """As the core answers a watching read, never watched: the will changes with no
+        write upstream (a PEEK, a front-end reading ahead: the state alone)."""
+        reply = self.execute(req, waiter)
+        return UNWATCHABLE if how == PEEK else UNWATCHABLE + (reply or b"")
 
     def forget(self, waiter: object) -> None:
         pass
 
 
 class _Executed:
-    """The waiter of a will executed through a relay's link: its answer is not needed."""
+    """The waiter of a will executed through a relay's link: its answer is not needed,
+    its loss is logged."""
 
-    __slots__ = ()
+    __slots__ = ("peer",)
+
+    def __init__(self, peer: str) -> None:
+        self.peer = peer
 
     def wake(self, reply: bytes) -> None:
         pass
 
     def drop(self, reason: str) -> None:
-        pass
+        log.error("link from %s: its node's will was not executed upstream: %s", self.peer, reason)
 
 
 class Wills:
@@ -135,16 +140,21 @@ class Wills:
         self._late = DeadlineCheck()
         self.executed = 0
 
+    @property
+    def held(self) -> int:
+        return len(self._held)
+
     def write(self, session: Session, text: bytes) -> None:
         """A will written (empty: revoked). Raises StoreError on a malformed one."""
         if not text:
             session.will = None
             self._held.pop(session, None)
             return
-        session.will = Will(text, self._max_key_bytes)
+        will = Will(text, self._max_key_bytes)
+        session.will = will
         self._held[session] = None
-        if self._timer is None:
-            self._arm(CHECK_EVERY)
+        if self._timer is None or self._late.due > monotonic() + self._silence(will):
+            self._arm(self._silence(will))
 
     def ended(self, session: Session, reason: str, quiet: bool) -> None:
         """``session`` ended (``quiet``: its front-end closed it): a will it still holds
@@ -152,33 +162,53 @@ class Wills:
         if session.will is not None:
             self._execute(session, "its link session ended" + ("" if quiet else f" ({reason})"))
 
+    def _silence(self, will: Will) -> float:
+        return max(will.after, self._least)
+
     def _arm(self, delay: float, again: bool = False) -> None:
+        if self._timer is not None:
+            self._timer.cancel()
         self._timer = asyncio.get_running_loop().call_later(self._late.armed(monotonic(), delay, again), self._check)
 
     def _check(self) -> None:
-        """Execute the wills of sessions silent for their ``after``; a check that ran late
-        (this process was not running) looks again once what they sent is read."""
+        """Execute the wills of sessions silent for their ``after``, and come back when
+        the next would be (not every interval: an idle store host wakes for its links'
+        heartbeats). A check that ran late (this process was not running) looks again
+        once what they sent is read. O(sessions holding a will)."""
         self._timer = None
         now = monotonic()
-        least = self._least
-        silent = [s for s in self._held if s.will is not None and now - s.last_heard(now) >= max(s.will.after, least)]
-        if silent and self._late.look_again(now):
-            self._arm(RECHECK_AFTER, again=True)
-            return
-        for session in silent:
-            self._execute(session, f"nothing heard on its link for {now - session.last_heard(now):.1f} s")
-        if self._held:
-            self._arm(CHECK_EVERY)
+        soonest = now + self._least
+        try:
+            silent = []
+            for s in self._held:
+                will = s.will
+                if will is None:
+                    continue
+                deadline = s.last_heard(now) + self._silence(will)
+                if deadline <= now:
+                    silent.append(s)
+                elif deadline < soonest:
+                    soonest = deadline
+            if silent and self._late.look_again(now):
+                self._arm(RECHECK_AFTER, again=True)
+                return
+            for session in silent:  # (each once: one revoked or executed meanwhile is skipped)
+                self._execute(session, f"nothing heard on its link for {now - session.last_heard(now):.1f} s")
+        finally:
+            if self._timer is None and self._held:  # (deadlines only move later as frames come)
+                self._arm(max(CHECK_EVERY, soonest - monotonic()))
 
     def _execute(self, session: Session, why: str) -> None:
         will = session.will
-        assert will is not None
+        if will is None:
+            return
         session.will = None
         self._held.pop(session, None)
         self.executed += 1
-        log.warning("link from %s: %s; executing its node's will (%s)", session.peer, why, will.key.decode(errors="replace"))
+        log.warning("link from %s: %s; executing its node's will (%s)", session.peer, why,
+                    will.key.decode(errors="replace"))
         try:
-            self._upstream_for(b"").execute((Op.COMPARE_SET, will.key, b"", will.value), _Executed())
+            self._upstream_for(b"").execute((Op.COMPARE_SET, will.key, b"", will.value), _Executed(session.peer))
         except StoreError as e:
             log.error("link from %s: its node's will could not be executed: %s", session.peer, e)
 

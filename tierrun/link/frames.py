@@ -110,6 +110,8 @@ VERSION = 14  # 2: sessions, resumption, heartbeats; 3: a client per namespace, 
 #: (``hub.wills``; no launcher namespace: those are ``<run id>/workers/<round>``), and
 #: its one key.
 WILL_NAMESPACE, WILL_KEY = b"/tierrun/will", b"/will"
+#: The longest silence (seconds) a will may wait for.
+MAX_WILL_AFTER = 3600.0
 
 HELLO, AUTH, WELCOME, ERROR, BATCH, REPLIES, SESSION, RESUMED, ACK, PONG, INVALIDATE, INVALIDATED = range(1, 13)
 LOOKUP, FOUND, PENDING = 13, 14, 15

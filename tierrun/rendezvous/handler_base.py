@@ -127,14 +127,14 @@ class StoreRendezvousHandler(RendezvousHandler):
 
     def _watch_round(self, key: Callable[[str], bytes], signal: str, on_signal: Callable[[StoreClient], None],
                      index: int, watched: list[int], on_dead: Callable[[int], None],
-                     will: bytes | None = None) -> None:
+                     will: tuple[float, bytes] | None = None) -> None:
         """While a round runs: a standing WAIT for the round key ``signal`` on its own
         connection (then ``on_signal(client)``, from that thread), and this member's
         heartbeat, watching the members ``watched`` (see ``liveness``). ``key(name)`` gives a
-        round key as sent on the wire. Replaces the previous round's. ``will``, in a
-        tiered job: no heartbeat; instead the node's link is its liveness, and the first
-        hop above its proxy sets ``signal`` to ``will`` if it goes silent
-        (``liveness.LinkWill``); the store host's own node, which has no link, leaves
+        round key as sent on the wire. Replaces the previous round's. ``will`` (seconds,
+        reason), in a tiered job: no heartbeat; instead the node's link is its liveness,
+        and the first hop above its proxy sets ``signal`` to the reason once the link is
+        silent that long (``liveness.LinkWill``); the store host's own node, which has no link, leaves
         none (its death is the store's). Blocks a round trip to the proxy for the will;
         raises ``StoreClientError``/``OSError`` if the proxy is gone."""
         self._stop_watching()
@@ -155,16 +155,17 @@ class StoreRendezvousHandler(RendezvousHandler):
             proxy = self.job.proxy
             if isinstance(proxy, StoreProcess):
                 self._will = liveness.LinkWill((PROXY_HOST, proxy.open_namespace(WILL_NAMESPACE.decode())))
-                self._will.leave(self._beat_timeout, key(signal), will)
+                self._will.leave(will[0], key(signal), will[1])
             return
         self._heartbeat = liveness.Heartbeat(
             self.job.agent_address, key, index, watched, self._beat_interval, self._beat_timeout, on_dead,
         ).start()
 
-    def _note_dead_by_will(self, addr: str) -> None:
+    def _note_dead_by_will(self, addr: str, silence: float) -> None:
         """The round's signal names the member at ``addr`` dead: its link's first hop
-        executed its will (see :meth:`declared_dead`). Called by the round's watch thread."""
-        self._record_dead(addr, time.time() - self._beat_timeout)
+        executed its will, after ``silence`` seconds or at once if its agent died (see
+        :meth:`declared_dead`). Called by the round's watch thread."""
+        self._record_dead(addr, time.time() - silence)
 
     def _note_dead(self, addr: str) -> None:
         """This node's watcher declared the member at ``addr`` dead (silent past the

@@ -38,7 +38,7 @@ import time
 from typing import Callable
 
 from ..client import StoreClient, StoreClientError
-from ..link.frames import WILL_KEY
+from ..link.frames import MAX_WILL_AFTER, WILL_KEY
 
 log = logging.getLogger("tierrun.rendezvous")
 
@@ -199,16 +199,17 @@ class LinkWill:
         self.standing = False
 
     def leave(self, timeout: float, key: bytes, reason: bytes) -> None:
-        """Write the will (replacing any), and read it back: once this returns, the hop
-        holds it. Blocks one round trip to the hop; raises ``StoreClientError``/``OSError``
-        if the proxy is gone."""
-        text = b"%g\n%s\n%s" % (timeout, key, reason)
+        """Write the will (replacing any; ``timeout`` at most ``MAX_WILL_AFTER``), and read
+        it back: once this returns, the hop holds it. Blocks one round trip to the hop;
+        raises ``StoreClientError``/``OSError`` if the proxy is gone (the will may stand:
+        ``revoke`` takes it back)."""
+        text = b"%g\n%s\n%s" % (min(timeout, MAX_WILL_AFTER), key, reason)
+        self.standing = True  # (from the SET on, whether or not its read-back comes)
         with StoreClient(self._address, timeout=10.0) as hop:
             hop.set(WILL_KEY, text)
             held = hop.get(WILL_KEY)
         if held != text:
             raise StoreClientError(f"the node proxy's link holds another will: {held!r}")
-        self.standing = True
 
     def revoke(self) -> None:
         """Take the will back (this member leaves in order, or its round ends), and wait

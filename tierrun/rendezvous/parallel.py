@@ -221,15 +221,18 @@ class ParallelRendezvousHandler(StoreRendezvousHandler):
             reason = client.get(f"/{base}/failed".encode()).decode()
             with self._lock:
                 self._failure = reason
-            if reason.endswith(WILL_SAYS) and (found := SILENT_NODE.match(reason)):
-                self._note_dead_by_will(found.group(1))
+            # (recorded by the first ranks, as the watchers of beats did: not by every node at once)
+            if self._rank < liveness.WATCHERS and reason.endswith(WILL_SAYS) and (found := SILENT_NODE.match(reason)):
+                self._note_dead_by_will(found.group(1), silence)
 
         watched = liveness.watched_by(self._rank, self._rank, range(self._world_size))
-        will = f"node rank {self._rank} ({self.node_addr}) has not answered for {self._beat_timeout:.0f} s" \
-            + WILL_SAYS
+        # (a healthy link may be silent for two of its heartbeats, one riding with a batch:
+        # the will waits one more than the timeout, so a proxy may stall ~2 s, as a beat could)
+        silence = self._beat_timeout + self.job.link_config.heartbeat_interval
+        will = f"node rank {self._rank} ({self.node_addr}) has not answered for {silence:.0f} s{WILL_SAYS}"
         try:
             self._watch_round(lambda name: f"/{base}/{name}".encode(), "failed", failed, self._rank,
-                              watched, lambda dead: self._declare_dead(base, dead), will=will.encode())
+                              watched, lambda dead: self._declare_dead(base, dead), will=(silence, will.encode()))
         except (OSError, StoreClientError) as e:
             raise self._lost_store(e, "leaving its will with its store proxy") from e
 

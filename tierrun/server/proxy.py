@@ -87,7 +87,8 @@ async def serve_proxy(
         if links is not None:
             st = links.stats
             counters.update(links=st.links, links_accepted=st.links_accepted, lookups=st.lookups, link_resumes=st.link_resumes,
-                            link_batches=st.batches, link_operations=st.operations)
+                            link_batches=st.batches, link_operations=st.operations,
+                            wills_held=links.wills.held, wills_executed=links.wills.executed)
         return counters
 
     service = Service(config, link.view, stats, announce)

@@ -60,7 +60,8 @@ async def serve_root(
                 "links": st.links,
                 "links_accepted": st.links_accepted, "lookups": st.lookups, "link_resumes": st.link_resumes,
                 "sessions_expired": st.sessions_expired, "link_batches": st.batches,
-                "link_operations": st.operations, "watches": core.num_watches,
+                "link_operations": st.operations, "wills_held": links.wills.held,
+                "wills_executed": links.wills.executed, "watches": core.num_watches,
                 "watches_evicted": core.watches_evicted,
                 "invalidation_rounds": links.gate.rounds, "invalidations_lapsed": links.gate.lapsed}
 
