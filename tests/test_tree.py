@@ -202,23 +202,29 @@ def test_a_dead_proxy_in_the_tree_stops_the_static_job_with_a_message(tmp_path):
     assert re.search(r"node rank [1234] \(127\.0\.1\.[2345]\) has not answered", logs[0].read_text())
 
 
-def test_a_frozen_leaf_of_the_tree_is_noticed_by_its_relay_and_stops_the_static_job(tmp_path):
+@pytest.mark.parametrize("what", ["node", "agent"])
+def test_a_frozen_node_or_agent_is_noticed_by_its_relay_and_stops_the_static_job(tmp_path, what):
     """A tiered static job beats with its links (``hub.wills``): node 3 links to node
-    1's relay (--store-fanout 2), which holds node 3's will. Frozen (SIGSTOP, every
-    process of node 3), node 3's link goes silent; node 1's relay executes the will, and
-    every other node stops within seconds naming node 3, as the watchers of its
-    heartbeat did (the reason's ending says a will named it)."""
+    1's relay (--store-fanout 2), which holds node 3's will. ``node``: every process of
+    node 3 frozen (SIGSTOP), its link goes silent. ``agent``: only its agent frozen, its
+    proxy would keep its link beating, but stops once its agent has written nothing on
+    its control pipe for 5 s (``AGENT_SILENCE``). Either way node 1's relay runs the
+    will, and every other node stops within seconds naming node 3, as the watchers of
+    its heartbeat did (the reason's ending says a will named it)."""
     procs, logs = _running_static_tree(tmp_path, 4)
     try:
         time.sleep(2.0)  # (past a few heartbeats: nobody is silent while all run)
-        kill_tree(procs[3].pid, signal.SIGSTOP)
+        if what == "node":
+            kill_tree(procs[3].pid, signal.SIGSTOP)
+        else:
+            os.kill(procs[3].pid, signal.SIGSTOP)
         frozen = time.monotonic()
         codes = finish(procs[:3], 40)
         stopped = time.monotonic() - frozen
     finally:
         kill_tree(procs[3].pid, signal.SIGKILL)
         finish(procs, 5)
-    assert all(c != 0 for c in codes) and stopped < 20, (codes, stopped)
+    assert all(c != 0 for c in codes) and stopped < 25, (codes, stopped)
     for log in logs[:3]:
         assert "node rank 3 (127.0.1.4) has not answered for 4 s (its link to the store went silent" in \
             log.read_text(), log.read_text()[-3000:]

@@ -201,3 +201,29 @@ def test_a_bad_will_closes_its_client_only(hop, text: bytes, req: str) -> None:
     finally:
         leaf.stop()
 
+
+
+def test_a_proxy_whose_agent_froze_stops_and_its_will_runs() -> None:
+    """A proxy started with --agent-silence stops once its agent has written nothing on
+    its control pipe for that long (a frozen or hung agent, whose proxy would otherwise
+    keep its link beating); its session ends with the will standing."""
+    env = _env()
+    with StoreProcess(host="127.0.0.1", port=0, controlled=True, env=env) as store:
+        leaf = StoreProcess(host="127.0.0.1", port=0, command="proxy", controlled=True, env=env,
+                            extra_args=["--upstream", f"127.0.0.1:{store.port}", "--agent-silence", "2"])
+        leaf.start()  # (no keepalive from here: this test is the frozen agent)
+        _will(leaf, b"30\n" + FAILED + b"\nits agent froze")
+        assert _wait_for(store, 8.0) == b"its agent froze"
+        assert leaf.proc.wait(5) is not None and "frozen or hung" in leaf.output
+        leaf.stop()
+
+
+def test_an_agent_that_runs_keeps_its_proxy() -> None:
+    env = _env()
+    with StoreProcess(host="127.0.0.1", port=0, controlled=True, env=env) as store:
+        with StoreProcess(host="127.0.0.1", port=0, command="proxy", controlled=True, env=env, agent_silence=1.5,
+                          extra_args=["--upstream", f"127.0.0.1:{store.port}"]) as leaf:
+            _will(leaf, b"30\n" + FAILED + b"\nnever")
+            time.sleep(4.0)
+            assert leaf.exited() is None and _wait_for(store, 0.1) is None
+            _will(leaf, b"")

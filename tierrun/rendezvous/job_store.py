@@ -30,7 +30,7 @@ from ..link.auth import WRONG_TOKEN
 from ..link.config import LinkConfig
 from ..link.frames import LinkError
 from ..link.session import NO_LINKS
-from ..server import LINK_LOST, HostedFrontEnd, StoreProcess, StoreStartError
+from ..server import AGENT_SILENCE, LINK_LOST, HostedFrontEnd, StoreProcess, StoreStartError
 from ..settings import store_process_env
 from ..tier.lookup import read_over_link
 from .messages import SILENT_HINT, other_layout, token_refused
@@ -168,7 +168,7 @@ class JobStore:
             extra += ["--link-source", source]
         proxy = StoreProcess(
             host=PROXY_HOST, port=0, unix=f"@tierrun-proxy-{os.getpid()}-{secrets.token_hex(4)}",
-            controlled=True, command="proxy", env=store_process_env(), token=self.token,
+            controlled=True, command="proxy", env=store_process_env(), token=self.token, agent_silence=AGENT_SILENCE,
             extra_args=["--upstream", upstream, "--connect-timeout", str(connect_timeout), *extra],
             start_timeout=connect_timeout + 10,  # (a parent's loss is said by the tree's own lines)
             on_line=store_host_lines(self.node, self._silent_listener) if upstream == f"{self.host}:{self.port}"

@@ -63,6 +63,8 @@ def store_parser(prog: str, description: str, default_host: str | None, default_
     p.add_argument("--max-connections", type=int, default=FrontEndConfig().max_connections)
     p.add_argument("--control-stdin", action="store_true",
                    help="take commands on stdin (used by the launcher) and stop when stdin closes")
+    p.add_argument("--agent-silence", type=float, default=0.0, metavar="SECONDS",
+                   help="with --control-stdin: stop when nothing comes on stdin for this long (0: never)")
     p.add_argument("--log-level", default="WARNING", help="DEBUG, INFO, WARNING or ERROR")
     return p
 

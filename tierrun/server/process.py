@@ -10,6 +10,7 @@ import os
 import subprocess
 import sys
 import threading
+import time
 from collections.abc import Callable, Sequence
 
 from .control import (
@@ -21,6 +22,11 @@ from .control import format_command, parse_event
 class StoreStartError(RuntimeError):
     pass
 
+
+#: A node proxy the launcher starts stops when its agent wrote nothing on its control
+#: pipe for this long (seconds: its agent is frozen or hung), so the first hop above it
+#: runs the node's will (``hub.wills``): a tiered static job's liveness is its links'.
+AGENT_SILENCE = 5.0
 
 class StoreProcess:
     """A ``tierrun store`` (or, with ``command="proxy"``, ``tierrun proxy``) child process.
@@ -43,13 +49,17 @@ class StoreProcess:
         node_frontend_unix: str | None = None,
         token: bytes | None = None,
         on_line: Callable[[str], None] | None = None,
+        agent_silence: float = 0.0,
     ) -> None:
         """``node_frontend_unix``: a store that is also its host's node front-end
         (``--node-frontend``), listening on this Unix socket too; see :class:`HostedFrontEnd`.
         ``token``: the job token, handed to the process through a pipe (``--token-fd``),
         never through its environment or command line; without it the process reads
         ``$TIERRUN_TOKEN`` / ``$TIERRUN_TOKEN_FILE`` from ``env``. ``on_line``: called
-        with each line of its output (its log), from the thread that reads it."""
+        with each line of its output (its log), from the thread that reads it.
+        ``agent_silence`` (needs ``controlled``): this agent writes a blank control line
+        every third of it, and the process stops if none comes for that long (the agent
+        is frozen or hung; ``--agent-silence``)."""
         self.command_name = command
         self.token = token
         self.on_line = on_line
@@ -60,6 +70,7 @@ class StoreProcess:
         self.start_timeout = start_timeout
         self.env = env
         self.controlled = controlled
+        self.agent_silence = agent_silence
         self._namespaces: dict[str, int] = {}
         self.node_frontend_unix = node_frontend_unix
         #: Where the node front-end (``node_frontend_unix`` given) takes its host's clients.
@@ -87,6 +98,8 @@ class StoreProcess:
             cmd += ["--unix", self.unix]
         if self.controlled:
             cmd.append("--control-stdin")
+            if self.agent_silence:
+                cmd += ["--agent-silence", f"{self.agent_silence:g}"]
         if self.node_frontend_unix:
             cmd += ["--node-frontend", "--node-frontend-unix", self.node_frontend_unix]
         return cmd + self.extra_args
@@ -119,6 +132,8 @@ class StoreProcess:
         ready = threading.Event()
         self._pump_thread = threading.Thread(target=self._pump, args=(ready,), daemon=True)
         self._pump_thread.start()
+        if self.controlled and self.agent_silence:
+            threading.Thread(target=self._keep_alive, args=(self.proc,), daemon=True).start()
         if (not ready.wait(self.start_timeout) or self.port is None
                 or (self.node_frontend_unix is not None and self.node_port is None)):
             self.stop()
@@ -126,6 +141,18 @@ class StoreProcess:
                 f"tierrun {self.command_name} did not start:\n" + "".join(self._output[-20:])
             )
         return self.port
+
+    def _keep_alive(self, proc: subprocess.Popen) -> None:
+        """A blank control line every third of ``agent_silence`` while ``proc`` runs."""
+        while proc.poll() is None:
+            time.sleep(self.agent_silence / 3)
+            try:
+                with self._changed:
+                    assert proc.stdin is not None
+                    proc.stdin.write("\n")
+                    proc.stdin.flush()
+            except (OSError, ValueError):  # (it exited; or stopped: its pipe closed)
+                return
 
     def _hand_over_token(self, write_end: int) -> None:
         """Write the token into the pipe the child reads it from, and close it. Blocks

@@ -49,6 +49,9 @@ class ServiceConfig:
     frontend: FrontEndConfig = field(default_factory=FrontEndConfig)
     #: Read control commands from stdin; stop when it closes.
     control_stdin: bool = False
+    #: With ``control_stdin``: stop when nothing (a command, or a blank line: the agent's
+    #: keepalive) came on stdin for this many seconds, its agent frozen or hung; 0: never.
+    agent_silence: float = 0.0
     #: Front-end processes on the public port (root store only); 1: this process serves
     #: clients itself; N > 1: N child processes do, sharing the port (SO_REUSEPORT).
     workers: int = 1
@@ -210,7 +213,15 @@ class Service:
         loop = asyncio.get_running_loop()
         reader = asyncio.StreamReader()
         await loop.connect_read_pipe(lambda: asyncio.StreamReaderProtocol(reader), sys.stdin)
-        while line := await reader.readline():
+        silence = self.config.agent_silence or None
+        while True:
+            try:
+                line = await asyncio.wait_for(reader.readline(), silence)
+            except asyncio.TimeoutError:
+                log.error("its agent wrote nothing on its control pipe for %g s (frozen or hung): stopping", silence)
+                break
+            if not line:
+                break
             try:
                 command = parse_command(line.decode())
             except ValueError as e:

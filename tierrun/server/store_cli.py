@@ -29,7 +29,7 @@ from .service import ServiceConfig
 def _config(args: argparse.Namespace, frontend: FrontEndConfig | None = None) -> ServiceConfig:
     return ServiceConfig(
         host=args.host, port=args.port, unix=args.unix, frontend=frontend or frontend_config(args),
-        control_stdin=args.control_stdin, workers=getattr(args, "workers", 1),
+        control_stdin=args.control_stdin, agent_silence=args.agent_silence, workers=getattr(args, "workers", 1),
         workers_for_namespaces_only=getattr(args, "workers_for", "all") == "namespaces",
         links_only=getattr(args, "links_only", False),
     )
