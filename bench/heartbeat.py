@@ -11,10 +11,12 @@ of --repeat runs; writes docs/bench/heartbeat.json and its section of docs/bench
 (unless --no-write).
 
 --agents tierrun: tierrun's set-ups also run what tierrun's agents of a static job send
-while the job runs (wireup.py --agents tierrun): each node's liveness beat, a SET of its
-count once a second on the wall clock's whole seconds (every 16th an ADD), and the first 3
-nodes' MULTI_GET of every node's counter; torch's set-up is torchrun's static job, which has no liveness (its
-server sees only the ranks' CHECKs). Writes heartbeat_tierrun_agents.
+while the job runs (wireup.py --agents tierrun), and tierrun's flat store is measured
+too: flat, each node's liveness beat, a SET of its count once a second on the wall
+clock's whole seconds (every 16th an ADD), and the first 3 nodes' MULTI_GET of every
+node's counter; tiered and tree, nothing (each node's will waits at its link's first
+hop: ``tierrun/hub/wills.py``); torch's set-up is torchrun's static job, which has no
+liveness (its server sees only the ranks' CHECKs). Writes heartbeat_tierrun_agents.
 
 --idle: what idle connections cost node 0 a second, nothing else running: torch's server
 with every agent's and rank's connection open (K x (P + 1): torch's protocol has no
@@ -66,9 +68,11 @@ def main() -> None:
         idle(k, pp, args)
         return
     seconds = args.high - args.low
-    per_second: dict[str, list[dict]] = {s: [] for s in SETUPS}
+    # (with tierrun's agents, its flat store too: the one set-up whose agents still beat)
+    setups = SETUPS if args.agents == "torch" else ("torch", "tierrun-flat", *SETUPS[1:])
+    per_second: dict[str, list[dict]] = {s: [] for s in setups}
     for i in range(args.repeat):
-        for setup in SETUPS:
+        for setup in setups:
             got = {}
             for beats in (args.low, args.high):
                 sim = types.SimpleNamespace(procs=2, traffic="nccl", heartbeats=beats, fanout=8, agents=args.agents)
@@ -79,10 +83,11 @@ def main() -> None:
             print(f"run {i + 1} {setup}: {r}", flush=True)
     med = {s: {m: statistics.median(r[m] for r in rs) for m in rs[0]} for s, rs in per_second.items()}
     torch = med["torch"]
-    agents = ("; the tree: tierrun's agents (a tree needs tierrun's parallel backend), so its line also counts their "
-              "liveness beats" if args.agents == "torch" else
-              "; tierrun's set-ups: tierrun's agents too (each node's liveness "
-              "beat once a second, the first 3 nodes' MULTI_GET of every counter), torch's: torchrun's static job")
+    agents = ("; the tree: tierrun's agents (a tree needs tierrun's parallel backend), whose liveness is their "
+              "links' (wills at the first hop: nothing at node 0)" if args.agents == "torch" else
+              "; tierrun's set-ups: tierrun's agents too (flat: each node's liveness beat once a second, the first 3 "
+              "nodes' MULTI_GET of every counter; tiered and tree: their wills, at the first hop), torch's: "
+              "torchrun's static job")
     lines = [f"{args.size}, each rank CHECKing the dump key once a second{agents}; per second of beating "
              f"(runs with {args.high} and {args.low} beats per rank, the difference over {seconds} s), "
              f"medians of {args.repeat} runs. Busiest: node 0 or a relay (tree), whichever spent more.", "",
@@ -91,7 +96,10 @@ def main() -> None:
              "|---|---:|---:|---:|---:|---:|"]
 
     def ratio(m: dict) -> str:
-        return f"{torch['node0_cpu_s'] / m['busiest_cpu_s']:.0f}x" if m["busiest_cpu_s"] > 0 else "no cost measured"
+        if m["busiest_cpu_s"] <= 0:
+            return "no cost measured"
+        r = torch["node0_cpu_s"] / m["busiest_cpu_s"]
+        return f"{r:.1f}x" if r < 10 else f"{r:.0f}x"
 
     for setup, m in med.items():
         lines.append(f"| {setup} | {m['requests']:,.0f} | {m['frames']:,.0f} | {1000 * m['node0_cpu_s']:.1f} "

@@ -18,8 +18,10 @@ Counts at the store host (node 0), from the traffic ``wireup_sim.py`` replays:
                     requests r(n) = max(r1 n^beta, u n)
                     f1, r1: a tiered node's link (n = 1); alpha, beta: the tree's top
                     links (their subtrees' sizes as TreePlace lays them out), per regime
-                    (skewed, lockstep); u = 7 requests no front-end can merge (a node's
-                    two COMPARE_SETs and APPEND of its record, ~4 beats to its counter).
+                    (skewed, lockstep); u = 4 requests no front-end can merge (a node's
+                    two COMPARE_SETs and APPEND of its record, its ADD to the count of
+                    nodes with its number of workers; its liveness is its link's: a will
+                    at the first hop, nothing at node 0).
                     Under skew a subtree's requests trickle in; a link sends one batch
                     in flight at a time, so frames grow sub-linearly with n (alpha < 1).
   own               node 0's own front-end: o = 11 P + a requests, each a frame
@@ -134,7 +136,7 @@ class Counts:
     alpha: float = 0.4
     r1: float = 28.0  # requests of one node's link
     beta: float = 0.7
-    unmergeable: float = 7.0  # u
+    unmergeable: float = 4.0  # u
     lookup_frames: int = 1  # (a LOOKUP: one frame read, no session)
     lookup_requests: int = 2
 

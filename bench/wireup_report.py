@@ -40,7 +40,8 @@ def report(runs: dict[str, dict[str, list[dict]]], args: argparse.Namespace, flo
     """The markdown table (and the lines above it) and the medians it was made from."""
     med = medians(runs)
     agents = {"torch": "torch's (static rendezvous, rank assignment)",
-              "tierrun": "tierrun's parallel backend (rendezvous, local ranks, heartbeats)"}
+              "tierrun": "tierrun's parallel backend (rendezvous, local ranks; liveness: flat, heartbeats; "
+                         "with front-ends, wills at the first hop)"}
     lines = [
         f"Traffic: {args.traffic}, {args.heartbeats} heartbeat CHECKs per rank; nodes start spread uniformly "
         f"over {args.skew:g} s, each node's ranks 0.1-0.3 s after its rendezvous (seed {args.seed!r}); "
