@@ -27,7 +27,7 @@ CAVEATS = [
     "**Traffic growth of a link (`f1 n^alpha`, `max(r1 n^beta, u n)`)** is an empirical power law "
     "through the top links' sizes of the measured points (up to 1,024 nodes, F = 8); at n = 1,786 "
     "(12,500 nodes, F = 8) it is outside its data. The floor `u n` (requests no front-end merges) is what keeps it honest there, and it is "
-    "an estimate (u = 6).",
+    "an estimate (u = 4: a node's two COMPARE_SETs and APPEND of its record, its ADD to a count).",
     "**Parent lookups.** Every node with a parent reads its parent's address with a LOOKUP at node 0 (a "
     "datagram each, or a short connection where UDP does not pass): K - F of them at node 0, each at a fitted "
     "cost of its own (c_lookup; measured apart by `bench/short_connections.py`), so in the model the tree's "

@@ -17,12 +17,15 @@ from dataclasses import dataclass
 #: Backends whose agents run the tier and the tree (``tierrun-etcd`` tiers only when told).
 AUTO_BACKENDS = ("parallel", "tierrun")
 #: From this many nodes a job is tiered: node 0's CPU in the wire-up is then below the
-#: flat store's in every measured round, by a quarter or more (below it, within the
-#: noise of rounds).
+#: flat store's in every measured round, by a quarter or more, with agents that beat
+#: through the store (the elastic backend's; below it, within the noise of rounds). A
+#: static job's agents leave wills instead, and tiering wins it every round from 4
+#: nodes (``docs/benchmarks.md``): a lower threshold for ``parallel`` alone is open.
 TIERED_FROM_NODES = 32
 #: From this many nodes its proxies form a tree of ``AUTO_FANOUT`` links per proxy:
 #: node 0's CPU is then below flat tiering's in every round, and no relay costs more
-#: than node 0 (at 32 nodes, the tree's gain is within the noise, and it adds a hop).
+#: than node 0 (at 32 nodes with beats, the tree's gain was within the noise, and it
+#: adds a hop; with wills it wins from 32).
 TREE_FROM_NODES = 64
 AUTO_FANOUT = 8
 
