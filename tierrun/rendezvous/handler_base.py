@@ -22,9 +22,9 @@ from torch.distributed.elastic.utils.store import _barrier_nonblocking
 from ..client import StoreClient, StoreClientError
 from ..link.frames import WILL_NAMESPACE
 from ..report.progress import MODES, Arrivals, RendezvousProgress, StillWaiting
+from ..server import StoreProcess
 from . import liveness, restart_together
 from .conf import conf_float
-from ..server import StoreProcess
 from .job_store import PROXY_HOST, JobStore
 
 log = logging.getLogger("tierrun.rendezvous")
@@ -134,8 +134,8 @@ class StoreRendezvousHandler(RendezvousHandler):
         round key as sent on the wire. Replaces the previous round's. ``will`` (seconds,
         reason), in a tiered job: no heartbeat; instead the node's link is its liveness,
         and the first hop above its proxy sets ``signal`` to the reason once the link is
-        silent that long (``liveness.LinkWill``); the store host's own node, which has no link, leaves
-        none (its death is the store's). Blocks a round trip to the proxy for the will;
+        silent that long (``liveness.LinkWill``); the store host's own node, which has no
+        link, leaves none (its death is the store's). Blocks a round trip to the proxy for the will;
         raises ``StoreClientError``/``OSError`` if the proxy is gone."""
         self._stop_watching()
         with self._lock:
