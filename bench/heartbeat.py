@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import json
 import os
 import random
 import secrets
@@ -39,7 +40,7 @@ import time
 import types
 
 import wireup
-from report import raise_fd_limit, write_json, write_section
+from report import DOCS, raise_fd_limit, write_json, write_section
 from servers import process_cpu_seconds, start_torch
 
 from tierrun.server import StoreProcess
@@ -57,11 +58,19 @@ def main() -> None:
                    help="agent traffic of tierrun's set-ups (see wireup.py --agents)")
     p.add_argument("--idle", action="store_true", help="measure idle connections instead (see above)")
     p.add_argument("--idle-child", nargs=3, help=argparse.SUPPRESS)
+    p.add_argument("--report-only", action="store_true",
+                   help="no run: the table of --agents again from its JSON under docs/bench/")
     p.add_argument("--no-write", action="store_true", help="print only: write nothing under docs/")
     args = p.parse_args()
     raise_fd_limit()
     if args.idle_child:
         idle_child(args.idle_child[0], int(args.idle_child[1]), int(args.idle_child[2]))
+        return
+    if args.report_only:
+        name = "heartbeat" if args.agents == "torch" else "heartbeat_tierrun_agents"
+        stored = json.loads((DOCS / "bench" / f"{name}.json").read_text())
+        a = stored["args"]
+        write_section(name, report(stored["per_second"], a["size"], a["agents"], a["low"], a["high"], a["repeat"]))
         return
     k, pp = map(int, args.size.split("x"))
     if args.idle:
@@ -81,16 +90,26 @@ def main() -> None:
                  for m in ("requests", "frames", "node0_cpu_s", "busiest_cpu_s")}
             per_second[setup].append(r)
             print(f"run {i + 1} {setup}: {r}", flush=True)
+    name = "heartbeat" if args.agents == "torch" else "heartbeat_tierrun_agents"
+    table = report(per_second, args.size, args.agents, args.low, args.high, args.repeat)
+    print(table)
+    if not args.no_write:
+        write_json(name, {"args": vars(args), "per_second": per_second})
+        write_section(name, table)
+
+
+def report(per_second: dict[str, list[dict]], size: str, agents_of: str, low: int, high: int, repeat: int) -> str:
+    """The table of the medians of ``per_second`` (set-up -> each run's differences)."""
     med = {s: {m: statistics.median(r[m] for r in rs) for m in rs[0]} for s, rs in per_second.items()}
     torch = med["torch"]
     agents = ("; the tree: tierrun's agents (a tree needs tierrun's parallel backend), whose liveness is their "
-              "links' (wills at the first hop: nothing at node 0)" if args.agents == "torch" else
+              "links' (wills at the first hop: nothing at node 0)" if agents_of == "torch" else
               "; tierrun's set-ups: tierrun's agents too (flat: each node's liveness beat once a second, the first 3 "
               "nodes' MULTI_GET of every counter; tiered and tree: their wills, at the first hop), torch's: "
               "torchrun's static job")
-    lines = [f"{args.size}, each rank CHECKing the dump key once a second{agents}; per second of beating "
-             f"(runs with {args.high} and {args.low} beats per rank, the difference over {seconds} s), "
-             f"medians of {args.repeat} runs. Busiest: node 0 or a relay (tree), whichever spent more.", "",
+    lines = [f"{size}, each rank CHECKing the dump key once a second{agents}; per second of beating "
+             f"(runs with {high} and {low} beats per rank, the difference over {high - low} s), "
+             f"medians of {repeat} runs. Busiest: node 0 or a relay (tree), whichever spent more.", "",
              "| set-up | node-0 requests / s | node-0 frames / s | node-0 CPU ms / s | busiest CPU ms / s "
              "| CPU: torch / busiest |",
              "|---|---:|---:|---:|---:|---:|"]
@@ -104,12 +123,7 @@ def main() -> None:
     for setup, m in med.items():
         lines.append(f"| {setup} | {m['requests']:,.0f} | {m['frames']:,.0f} | {1000 * m['node0_cpu_s']:.1f} "
                      f"| {1000 * m['busiest_cpu_s']:.1f} | {'—' if setup == 'torch' else ratio(m)} |")
-    table = "\n".join(lines)
-    print(table)
-    name = "heartbeat" if args.agents == "torch" else "heartbeat_tierrun_agents"
-    if not args.no_write:
-        write_json(name, {"args": vars(args), "per_second": per_second})
-        write_section(name, table)
+    return "\n".join(lines)
 
 
 IDLE_SECONDS = 6.0
